@@ -1,0 +1,274 @@
+"""Block-wise online-softmax attention read over mixed FP / INT8 KV segments.
+
+This is the PyTorch reference of the read (flash-decoding style): the
+concatenation of the segments is walked block by block with a running max
+and a running sum (the online softmax of FlashAttention, Dao et al. 2022,
+and of Flash-Decoding, Dao et al. 2023).  INT8 blocks are dequantized as they
+are read, never as a whole segment:
+
+* the frozen key channel scale (see :mod:`confkv.quant`) is folded into the
+  query once per segment: ``q . (k_int8 * ts * cs) = ((q * cs) . k_int8) * ts``;
+* the per-token key scale multiplies the block's scores;
+* the per-token value scale multiplies the probabilities before ``p @ v``.
+
+So the only full-precision data the read creates for an INT8 segment is one
+block at a time (``block_size`` tokens), converted from int8.
+
+GQA: the query [B, Hq, Q, D] with Hq = Hkv * G is viewed as
+[B, Hkv, G * Q, D] (query head ``h`` reads KV head ``h // G``, the Hugging
+Face ``repeat_kv`` convention), so KV is never repeated.
+
+All arithmetic is float32; the output is cast to ``query.dtype``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+# Running-max start value.  Masked scores are -inf; starting the running max
+# at a finite value keeps exp(-inf - m) = 0 and exp(m_old - m_new) finite even
+# while every slot seen so far is masked, without extra `where` ops.
+_MAX_START = -1e30
+# Default block: on CPU the per-block Python/dispatch overhead (~15 small ops)
+# dominates small blocks, while an int8 block converted to float32 should stay
+# cache-resident; 1024 tokens (Hkv * 1024 * D * 4 bytes, 768 KiB at SmolLM2's
+# shape) is the measured sweet spot (benchmarks/attention_read.py).
+DEFAULT_BLOCK_SIZE = 1024
+
+
+@dataclass
+class KVSegment:
+    """One contiguous run of cached tokens, in FP or INT8 storage.
+
+    Attributes:
+        keys: [B, Hkv, L, D] float (model dtype) or int8.
+        values: [B, Hkv, L, D] float or int8.
+        visible: bool, broadcastable to [B, Hkv, Q, L]; True = the query may
+            attend this slot.  None = all visible.
+        key_token_scale: [B, Hkv, L] float32, iff keys are int8.
+        key_channel_scale: [B, Hkv, D] float32, iff keys are int8.
+        value_token_scale: [B, Hkv, L] float32, iff values are int8.
+    """
+
+    keys: Tensor
+    values: Tensor
+    visible: Tensor | None
+    key_token_scale: Tensor | None = None
+    key_channel_scale: Tensor | None = None
+    value_token_scale: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def keys_int8(self) -> bool:
+        return self.keys.dtype == torch.int8
+
+    @property
+    def values_int8(self) -> bool:
+        return self.values.dtype == torch.int8
+
+    def validate(self) -> None:
+        """Raise ValueError if the scales do not match the storage dtypes."""
+        if self.keys.shape != self.values.shape:
+            raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ")
+        if self.keys_int8 != (self.key_token_scale is not None and self.key_channel_scale is not None):
+            raise ValueError("int8 keys need key_token_scale and key_channel_scale (and fp keys must have none)")
+        if self.values_int8 != (self.value_token_scale is not None):
+            raise ValueError("int8 values need value_token_scale (and fp values must have none)")
+
+
+def _visible_4d(visible: Tensor | None) -> Tensor | None:
+    """Left-pad a broadcastable mask to 4 dims [B?, Hkv?, Q?, L]."""
+    if visible is None:
+        return None
+    while visible.dim() < 4:
+        visible = visible.unsqueeze(0)
+    return visible
+
+
+def _segment_query(query_grouped: Tensor, segment: KVSegment, scale: float) -> Tensor:
+    """The float32 query a segment's raw key bytes are multiplied with.
+
+    Args:
+        query_grouped: [B, Hkv, G*Q, D] float32.
+        segment: the segment; its channel scale (int8 keys) is folded in.
+        scale: scalar folded in (attention scaling, divided by softcap).
+
+    Returns:
+        [B, Hkv, G*Q, D] float32.
+    """
+    if segment.keys_int8:
+        return query_grouped * (segment.key_channel_scale.to(torch.float32) * scale).unsqueeze(-2)
+    return query_grouped * scale
+
+
+def _block_scores(
+    query_seg: Tensor,
+    segment: KVSegment,
+    start: int,
+    stop: int,
+    hidden: Tensor | None,
+    group: int,
+    softcap: float | None,
+) -> Tensor:
+    """Scaled, soft-capped, masked scores of one block.
+
+    Returns:
+        [B, Hkv, G*Q, Lb] float32; -inf where the slot is not visible.
+    """
+    keys = segment.keys[:, :, start:stop]
+    scores = torch.matmul(query_seg, keys.to(torch.float32).transpose(-1, -2))
+    if segment.keys_int8:
+        scores.mul_(segment.key_token_scale[:, :, start:stop].to(torch.float32).unsqueeze(-2))
+    if softcap is not None:
+        scores.tanh_().mul_(softcap)
+    if hidden is not None:
+        batch, heads, rows, length = scores.shape
+        view = scores.view(batch, heads, group, rows // group, length)
+        block_hidden = hidden if hidden.shape[-1] == 1 else hidden[..., start:stop]
+        view.masked_fill_(block_hidden.unsqueeze(2), float("-inf"))
+    return scores
+
+
+def blockwise_attention(
+    query: Tensor,
+    segments: Sequence[KVSegment],
+    scaling: float,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softcap: float | None = None,
+    need_mass: bool = True,
+) -> tuple[Tensor, list[Tensor] | None]:
+    """Attention of ``query`` over the concatenation of ``segments``.
+
+    Args:
+        query: [B, Hq, Q, D], Hq = Hkv * G (GQA).
+        segments: KV segments (FP or INT8), read in order; lengths may be 0.
+        scaling: score multiplier (usually D ** -0.5).
+        block_size: tokens per block (>= 1).  INT8 blocks are dequantized one
+            block at a time; FP blocks are views.
+        softcap: Gemma-2 soft cap: ``scores = tanh(scores / softcap) * softcap``.
+        need_mass: also return per-slot attention mass.
+
+    Returns:
+        out: [B, Hq, Q, D] in ``query.dtype``.  Rows that can see no slot at
+            all are zero.
+        mass: if ``need_mass``, one [B, Hkv, L_s] float32 tensor per segment:
+            the softmax probability of each slot, averaged over the query
+            heads of its KV group and summed over the Q queries (0 for rows
+            that see nothing); else None.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    batch, q_heads, num_queries, head_dim = query.shape
+    if not segments:
+        raise ValueError("need at least one segment (an empty one is fine)")
+    kv_heads = segments[0].keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
+    group = q_heads // kv_heads
+    rows = group * num_queries
+
+    query_grouped = query.to(torch.float32).reshape(batch, kv_heads, rows, head_dim)
+    score_scale = scaling / softcap if softcap is not None else scaling
+
+    running_max = query_grouped.new_full((batch, kv_heads, rows, 1), _MAX_START)
+    running_sum = query_grouped.new_zeros((batch, kv_heads, rows, 1))
+    acc = query_grouped.new_zeros((batch, kv_heads, rows, head_dim))
+    # per segment: list of (probabilities relative to the running max after
+    # that block, that running max) for the final mass normalisation.
+    kept: list[list[tuple[Tensor, Tensor]]] = []
+
+    for segment in segments:
+        segment.validate()
+        kept.append([])
+        length = segment.length
+        if length == 0:
+            continue
+        query_seg = _segment_query(query_grouped, segment, score_scale)
+        visible = _visible_4d(segment.visible)
+        hidden = None if visible is None else ~visible.to(torch.bool)
+        for start in range(0, length, block_size):
+            stop = min(start + block_size, length)
+            scores = _block_scores(query_seg, segment, start, stop, hidden, group, softcap)
+            new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
+            probs = scores.sub_(new_max).exp_()  # in place: scores are not needed again
+            correction = (running_max - new_max).exp_()
+            running_sum.mul_(correction).add_(probs.sum(dim=-1, keepdim=True))
+            values = segment.values[:, :, start:stop]
+            if segment.values_int8:
+                weighted = probs * segment.value_token_scale[:, :, start:stop].to(torch.float32).unsqueeze(-2)
+            else:
+                weighted = probs
+            acc.mul_(correction)
+            acc.add_(torch.matmul(weighted, values.to(torch.float32)))
+            running_max = new_max
+            if need_mass:
+                kept[-1].append((probs, new_max))
+
+    # Rows that saw nothing have running_sum == 0 and acc == 0: 0 / tiny = 0.
+    inv_sum = 1.0 / running_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    out = (acc * inv_sum).reshape(batch, q_heads, num_queries, head_dim).to(query.dtype)
+    if not need_mass:
+        return out, None
+
+    masses = []
+    for segment, blocks in zip(segments, kept):
+        if not blocks:
+            masses.append(query_grouped.new_zeros((batch, kv_heads, segment.length)))
+            continue
+        parts = []
+        for probs, block_max in blocks:
+            # weight of each row: exp(m_block - m_final) / l_final, / G for the group mean
+            row_weight = ((block_max - running_max).exp_() * inv_sum).div_(group).transpose(-1, -2)  # [B, Hkv, 1, G*Q]
+            parts.append(torch.matmul(row_weight, probs).squeeze(-2))
+        masses.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+    return out, masses
+
+
+def dense_attention_reference(
+    query: Tensor,
+    segments: Sequence[KVSegment],
+    scaling: float,
+    softcap: float | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """Plain softmax attention over the dequantized concatenation (tests only).
+
+    Same arguments and return convention as :func:`blockwise_attention`
+    (mass always returned).  Materializes everything in float64.
+    """
+    from confkv.quant import dequantize_keys, dequantize_values
+
+    batch, q_heads, num_queries, head_dim = query.shape
+    kv_heads = segments[0].keys.shape[1]
+    group = q_heads // kv_heads
+    keys, values, masks, lengths = [], [], [], []
+    for segment in segments:
+        k, v = segment.keys, segment.values
+        if segment.keys_int8:
+            k = dequantize_keys(k, segment.key_token_scale, segment.key_channel_scale)
+        if segment.values_int8:
+            v = dequantize_values(v, segment.value_token_scale)
+        keys.append(k.to(torch.float64))
+        values.append(v.to(torch.float64))
+        shape = (batch, kv_heads, num_queries, segment.length)
+        vis = torch.ones(shape, dtype=torch.bool) if segment.visible is None else _visible_4d(segment.visible).to(torch.bool).expand(shape)
+        masks.append(vis.to(query.device))
+        lengths.append(segment.length)
+    k = torch.cat(keys, dim=2).repeat_interleave(group, dim=1)  # [B, Hq, L, D]
+    v = torch.cat(values, dim=2).repeat_interleave(group, dim=1)
+    vis = torch.cat(masks, dim=-1).repeat_interleave(group, dim=1)  # [B, Hq, Q, L]
+    scores = torch.matmul(query.to(torch.float64), k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~vis, float("-inf"))
+    any_visible = vis.any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~any_visible, 0.0), dim=-1) * any_visible
+    out = torch.matmul(probs, v).to(query.dtype)
+    mass = probs.view(batch, kv_heads, group, num_queries, -1).sum(dim=3).mean(dim=2).to(torch.float32)
+    return out, list(torch.split(mass, lengths, dim=-1))

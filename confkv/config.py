@@ -1,0 +1,97 @@
+"""Validated configuration dataclasses, one per concern.
+
+Bad values raise :class:`confkv.errors.ConfigError` (a ``ValueError``) at
+construction, naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from confkv.errors import ConfigError
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ConfidenceConfig:
+    """Weights of the confidence score (METHOD.md step 1).
+
+    ``c = w_entropy * (1 - H_norm) + w_margin * M(log p1 - log p2) + w_top * p1``,
+    normalised by the sum of the weights so that ``c`` stays in [0, 1].
+
+    ``margin_form`` chooses ``M``:
+
+    - ``"centered"`` (default): ``M(m) = 2 * sigmoid(m) - 1``. The margin ``m`` is never
+      negative, so the paper's literal ``sigmoid(m)`` lives in [0.5, 1) and adds a floor
+      of ``0.5 * w_margin`` (0.15 with default weights) even to a uniform distribution.
+      The centered form spans [0, 1) like the other two terms: a uniform distribution
+      gives ``c ~ 0`` and a one-hot one ``c ~ 1``.
+    - ``"sigmoid"``: the paper's literal ``sigmoid(m)``.
+    """
+
+    w_entropy: float = 0.4
+    w_margin: float = 0.3
+    w_top: float = 0.3
+    margin_form: str = "centered"
+
+    def __post_init__(self) -> None:
+        for name in ("w_entropy", "w_margin", "w_top"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and math.isfinite(value), name, f"must be a finite number, got {value!r}")
+            _require(value >= 0, name, f"must be >= 0, got {value}")
+        _require(self.margin_form in ("centered", "sigmoid"), "margin_form",
+                 f"must be 'centered' or 'sigmoid', got {self.margin_form!r}")
+        _require(self.w_entropy + self.w_margin + self.w_top > 0, "w_entropy/w_margin/w_top",
+                 "the confidence weights are all zero; give at least one a positive weight (default 0.4/0.3/0.3)")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """How a layer stores its kept tokens and runs its prefill.
+
+    - ``kv_int8``: keep tokens older than ``fp_window`` in INT8 (METHOD.md step 4).
+    - ``fp_window`` (W): the most recent tokens kept in the model's precision.
+    - ``prefill_chunk``: prompt tokens fed per forward pass by :func:`confkv.hf.prefill`;
+      the cache is brought under budget after every chunk, so peak KV is budget + chunk.
+    - ``block_size``: key block of the block-wise attention read.
+    - ``move_block``: tokens move from the FP window to the older region in groups of
+      this many, so the older region is rewritten once per ``move_block`` steps, not every step.
+    """
+
+    kv_int8: bool = False
+    fp_window: int = 128
+    prefill_chunk: int = 512
+    block_size: int = 1024
+    move_block: int = 32
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.kv_int8, bool), "kv_int8", f"must be True or False, got {self.kv_int8!r}")
+        for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1)):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+            _require(value >= low, name, f"must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """The confidence gate (METHOD.md step 2): ``c >= tau`` -> ``n_high`` (tight), else ``n_low`` (loose)."""
+
+    tau: float = 0.5
+    n_high: int = 256
+    n_low: int = 512
+    confidence: ConfidenceConfig = field(default_factory=ConfidenceConfig)
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.tau, (int, float)) and 0.0 <= self.tau <= 1.0, "tau",
+                 f"must be in [0, 1] (confidence is in [0, 1]), got {self.tau!r}")
+        for name in ("n_high", "n_low"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                     f"must be a positive integer number of tokens, got {value!r}")
+        _require(self.n_high <= self.n_low, "n_high",
+                 f"the tight (confident) budget n_high={self.n_high} must be <= the loose budget n_low={self.n_low}")

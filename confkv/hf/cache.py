@@ -1,0 +1,214 @@
+"""``ConfKVCache``: a transformers ``Cache`` whose layers evict, driven by the model's confidence.
+
+Usage::
+
+    cache = ConfKVCache.for_model(model, "confkv", n_high=256, n_low=512)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
+    cache.trace  # per-step confidence, budgets, kept tokens and exact KV bytes
+
+Contract with transformers (METHOD.md, "Integration traps"):
+
+- ``get_seq_length`` / ``get_query_offset`` report the *logical* number of tokens fed
+  (positions keep growing); ``get_mask_sizes`` reports the *physical* slots held. The
+  attention read itself masks from the positions the store tracks.
+- The end of every forward pass (the LM head's output) triggers ``end_step``:
+  confidence from the raw logits of the last position, budgets from the policy,
+  ageing and eviction in every layer, one trace record.
+- ``crop`` (assisted decoding, prompt-lookup) assumes the cache is a prefix: refused.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from confkv.confidence import confidence as confidence_of
+from confkv.config import ConfidenceConfig, StoreConfig
+from confkv.errors import ConfigError, UnsupportedModelError
+from confkv.hf import attention as attention_glue
+from confkv.hf.support import LayerLayout, layer_layout
+from confkv.policies import Policy, make_policy
+from confkv.store import LayerStore
+from confkv.trace import MemoryTrace, StepRecord
+
+_NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
+            "prompt lookup and other speculative methods are not supported. Generate without "
+            "`assistant_model`/`prompt_lookup_num_tokens`, or use transformers' DynamicCache for them.")
+
+
+class ConfKVLayer(CacheLayerMixin):
+    """One decoder layer's cache: a thin shell around a :class:`LayerStore`."""
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, store: LayerStore, owner: "ConfKVCache") -> None:
+        super().__init__()
+        self.store = store
+        self.is_sliding = store.sliding_window is not None
+        self._owner = weakref.ref(owner)
+
+    @property
+    def is_initialized(self) -> bool:  # type: ignore[override]
+        return self.store.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:  # set by CacheLayerMixin.__init__; derived here
+        pass
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.store.append(key_states, value_states)
+        attention_glue.handoff(self.store)
+        owner = self._owner()
+        if owner is not None:
+            owner._mark_active()
+        return self.store.recent.keys, self.store.recent.values
+
+    def get_seq_length(self) -> int:
+        return self.store.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        physical = self.store.physical_length
+        return physical + query_length, self.store.seen_tokens - physical
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(_NO_CROP)
+
+    def reset(self) -> None:
+        self.store.__init__(self.store.policy, self.store.config, sliding_window=self.store.sliding_window)
+
+    def offload(self) -> None:
+        raise NotImplementedError("confkv caches do not support offloading; keep the cache on the model's device")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.store.select_batch(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.store.select_batch(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store.is_initialized:
+            batch = self.store.seen_real.shape[0]
+            self.store.select_batch(torch.arange(batch, device=self.store.seen_real.device).repeat_interleave(repeats))
+
+
+class ConfKVCache(Cache):
+    """A transformers ``Cache`` running a confkv eviction policy in every global-attention layer.
+
+    Args:
+        layout: which layers are global (managed by the policy) and which slide.
+        policy: a :class:`~confkv.policies.Policy` (see :func:`~confkv.policies.make_policy`).
+        store: storage settings (INT8, FP window, prefill chunk, block size).
+        final_logit_softcapping: the model's final logit soft-cap, applied before the
+            confidence (Gemma), or None.
+    """
+
+    def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
+                 final_logit_softcapping: float | None = None) -> None:
+        self.policy = policy
+        self.store_config = store or StoreConfig()
+        self.layout = layout
+        self.final_logit_softcapping = final_logit_softcapping
+        self._validate()
+        stores = [LayerStore(policy, self.store_config, sliding_window=w) for w in layout.sliding_windows]
+        super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
+        self.managed = layout.managed
+        self.trace = MemoryTrace()
+        self.evict = True  # set False to defer eviction (e.g. query-aware prefill)
+        gate = getattr(policy, "gate", None)
+        self.confidence_config: ConfidenceConfig = gate.confidence if gate is not None else ConfidenceConfig()
+        self._active = False
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, policy: str | Policy = "confkv", *, store: StoreConfig | None = None,
+                  **policy_params: Any) -> "ConfKVCache":
+        """Build a cache for ``model`` and switch the model to confkv attention (see :func:`confkv.hf.enable`)."""
+        from confkv.hf.enable import enable  # noqa: PLC0415
+
+        layout = layer_layout(model.config)
+        enable(model)
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return cls(layout, make_policy(policy, **policy_params), store,
+                   final_logit_softcapping=getattr(config, "final_logit_softcapping", None))
+
+    def _validate(self) -> None:
+        policy, store = self.policy, self.store_config
+        recent_len = max(policy.protect, store.fp_window) if store.kv_int8 else policy.protect
+        fp_peak = recent_len + store.move_block - 1
+        if policy.min_budget() <= fp_peak + policy.sinks and policy.min_budget() < 2**62:
+            field = "fp_window" if store.kv_int8 else "move_block"
+            raise ConfigError(
+                f"{field}: the FP window can hold up to {fp_peak} never-evicted tokens "
+                f"(max(protect, fp_window) + move_block - 1 with kv_int8, protect + move_block - 1 without) "
+                f"plus {policy.sinks} sinks, which does not fit the smallest budget {policy.min_budget()}; "
+                "lower fp_window/move_block/protect or raise the budget")
+
+    # -- the step --------------------------------------------------------------------------------
+    def _mark_active(self) -> None:
+        self._active = True
+        _ACTIVE_CACHE.cache = self
+
+    def end_step(self, logits: torch.Tensor) -> None:
+        """Close one forward pass: confidence, budgets, ageing/eviction, trace.
+
+        Args:
+            logits: [B, V] raw logits of each sequence's last position.
+        """
+        self._active = False
+        if self.final_logit_softcapping is not None:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        stores = [layer.store for layer in self.layers]
+        if any(s.pending for s in stores):
+            raise UnsupportedModelError(
+                "confkv: keys were cached but never read by confkv attention; the model is not running with "
+                "attn_implementation='confkv'. Build the cache with ConfKVCache.for_model(model, ...) "
+                "or call confkv.hf.enable(model) first.")
+        conf = confidence_of(logits.detach(), self.confidence_config)
+        budgets = self.policy.layer_budgets(conf, len(self.managed))
+        budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
+        for layer_idx, store in enumerate(stores):
+            store.end_step(budget_of.get(layer_idx) if self.evict else None)
+        self.trace.record(StepRecord(
+            confidence=conf.cpu(), budget=budgets.float().mean(-1).round().long().cpu(),
+            kept=torch.stack([s.kept_counts().cpu() for s in stores]),
+            kv_bytes=torch.tensor([s.kv_bytes() for s in stores], dtype=torch.int64),
+            seen=stores[0].seen_tokens))
+
+    # -- reporting -------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Exact KV bytes held now, all layers."""
+        return sum(layer.store.kv_bytes() for layer in self.layers)
+
+    def kept_counts(self) -> torch.Tensor:
+        """[num_layers, B] tokens kept per layer and sequence."""
+        return torch.stack([layer.store.kept_counts() for layer in self.layers])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(_NO_CROP)
+
+
+class _ActiveCache(__import__("threading").local):
+    cache: ConfKVCache | None = None
+
+
+_ACTIVE_CACHE = _ActiveCache()
+
+
+def take_active_cache() -> ConfKVCache | None:
+    """The confkv cache used by the forward pass that is ending, if any (then cleared)."""
+    cache = _ACTIVE_CACHE.cache
+    _ACTIVE_CACHE.cache = None
+    return cache

@@ -1,0 +1,75 @@
+"""``confkv``: confidence-gated budget with EMA-attention + recency ranking (CONF-KV)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from confkv.config import GateConfig, _require
+from confkv.policies.base import Policy
+
+
+@dataclass(frozen=True)
+class ConfKVPolicy(Policy):
+    """CONF-KV (the method of this project; METHOD.md steps 1-3).
+
+    Budget: ``gate.n_high`` tokens when the step's confidence ``c >= gate.tau``, else
+    ``gate.n_low`` (per sequence).
+
+    Ranking: per layer and KV head, every kept slot carries an exponential moving
+    average of the attention mass it receives::
+
+        ema <- ema_decay * ema + (1 - ema_decay) * mass / num_queries
+
+    (``mass`` is averaged over the query heads of the KV group; a prefill chunk of
+    ``num_queries`` queries counts as one update with the chunk's mean mass). The keep
+    score adds a recency bonus that halves every ``recency_halflife`` tokens::
+
+        score = ema + recency_weight * 2 ** (-age / recency_halflife)
+
+    with ``age = current_position - position``. The ``protect`` most recent tokens and
+    the first ``sinks`` tokens are never evicted.
+    """
+
+    name = "confkv"
+    stat_names = ("ema",)
+    needs_attention = True
+
+    gate: GateConfig = field(default_factory=GateConfig)
+    ema_decay: float = 0.9
+    recency_weight: float = 0.005
+    recency_halflife: float = 64.0
+    protect: int = 32
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.gate, GateConfig), "gate", f"must be a GateConfig, got {type(self.gate).__name__}")
+        _require(isinstance(self.ema_decay, (int, float)) and 0.0 <= self.ema_decay < 1.0, "ema_decay",
+                 f"must be in [0, 1), got {self.ema_decay!r}")
+        _require(isinstance(self.recency_weight, (int, float)) and math.isfinite(self.recency_weight)
+                 and self.recency_weight >= 0, "recency_weight", f"must be a finite number >= 0, got {self.recency_weight!r}")
+        _require(isinstance(self.recency_halflife, (int, float)) and math.isfinite(self.recency_halflife)
+                 and self.recency_halflife > 0, "recency_halflife", f"must be > 0, got {self.recency_halflife!r}")
+        super().__post_init__()
+
+    def min_budget(self) -> int:
+        return self.gate.n_high
+
+    def max_budget(self) -> int:
+        return self.gate.n_low
+
+    def layer_budgets(self, confidence: torch.Tensor, num_layers: int) -> torch.Tensor:
+        per_sequence = torch.where(confidence >= self.gate.tau, self.gate.n_high, self.gate.n_low).to(torch.int64)
+        return per_sequence[:, None].expand(-1, num_layers).contiguous()
+
+    def observe(self, stats: dict[str, torch.Tensor], mass: torch.Tensor, num_queries: int) -> None:
+        ema = stats["ema"]
+        ema.mul_(self.ema_decay).add_(mass, alpha=(1.0 - self.ema_decay) / max(num_queries, 1))
+
+    def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
+               current_position: torch.Tensor) -> torch.Tensor:
+        age = (current_position[:, None, None] - positions).clamp_min(0).float()
+        recency = torch.exp2(-age / self.recency_halflife)
+        return stats["ema"] + self.recency_weight * recency

@@ -1,0 +1,60 @@
+"""One registry of policies by name: it feeds the API, the CLI and the test matrix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from confkv.config import GateConfig, ConfidenceConfig
+from confkv.errors import ConfigError
+from confkv.policies.base import Policy
+from confkv.policies.confkv import ConfKVPolicy
+from confkv.policies.full import FullPolicy
+from confkv.policies.streaming import StreamingPolicy
+from confkv.policies.window import WindowPolicy
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(policy_class: type[Policy]) -> type[Policy]:
+    """Register ``policy_class`` under its ``name`` (usable as a decorator)."""
+    POLICIES[policy_class.name] = policy_class
+    return policy_class
+
+
+for _cls in (FullPolicy, WindowPolicy, StreamingPolicy, ConfKVPolicy):
+    register(_cls)
+
+_GATE_FIELDS = ("tau", "n_high", "n_low")
+_CONFIDENCE_FIELDS = ("w_entropy", "w_margin", "w_top", "margin_form")
+
+
+def make_policy(name: str | Policy, **params: Any) -> Policy:
+    """Build a policy from its name and flat parameters.
+
+    Gate parameters (``tau``, ``n_high``, ``n_low``) and confidence weights
+    (``w_entropy``, ``w_margin``, ``w_top``, ``margin_form``) may be given flat; they are
+    folded into the policy's ``gate`` field. Unknown names or parameters raise
+    :class:`ConfigError` listing what is known.
+    """
+    if isinstance(name, Policy):
+        if params:
+            raise ConfigError("policy: pass either a Policy object or a name with parameters, not both")
+        return name
+    if name not in POLICIES:
+        raise ConfigError(f"policy: unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}")
+    policy_class = POLICIES[name]
+    fields = set(policy_class.__dataclass_fields__)
+    if "gate" in fields:
+        gate_params = {k: params.pop(k) for k in _GATE_FIELDS if k in params}
+        conf_params = {k: params.pop(k) for k in _CONFIDENCE_FIELDS if k in params}
+        if gate_params or conf_params:
+            base_gate = params.pop("gate", GateConfig())
+            base_conf = base_gate.confidence
+            confidence = ConfidenceConfig(**{**base_conf.__dict__, **conf_params})
+            params["gate"] = GateConfig(**{**{k: getattr(base_gate, k) for k in _GATE_FIELDS}, **gate_params},
+                                        confidence=confidence)
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a parameter of policy {name!r}; "
+                          f"its parameters are: {', '.join(sorted(fields))}")
+    return policy_class(**params)

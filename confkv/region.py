@@ -1,0 +1,107 @@
+"""A dense run of KV slots of one layer, in full precision or INT8.
+
+All tensors share the slot axis and are gathered together, so a kept token keeps
+its bytes, its scales, its position and its policy statistics bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Region:
+    """Slots ``[B, Hkv, L]`` of one layer.
+
+    Attributes:
+        keys, values: [B, Hkv, L, D], the model's dtype or int8.
+        key_scale, value_scale: [B, Hkv, L] float32 per-token scales, iff int8.
+        positions: [B, Hkv, L] int64 logical position of each slot's token.
+        valid: [B, L] bool, False for padding and for slots beyond a sequence's count.
+        stats: policy statistics, name -> [B, Hkv, L] float32.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def is_int8(self) -> bool:
+        return self.keys.dtype == torch.int8
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+              stat_names: tuple[str, ...], int8: bool = False) -> "Region":
+        storage = torch.int8 if int8 else dtype
+        def slots(*tail: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty((batch, kv_heads, 0, *tail), dtype=dt, device=device)
+        return cls(
+            keys=slots(head_dim, dt=storage), values=slots(head_dim, dt=storage),
+            positions=slots(dt=torch.int64), valid=torch.empty((batch, 0), dtype=torch.bool, device=device),
+            stats={name: slots() for name in stat_names},
+            key_scale=slots() if int8 else None, value_scale=slots() if int8 else None,
+        )
+
+    def _per_slot(self) -> dict[str, torch.Tensor]:
+        tensors = {"keys": self.keys, "values": self.values, "positions": self.positions}
+        if self.key_scale is not None:
+            tensors["key_scale"] = self.key_scale
+            tensors["value_scale"] = self.value_scale
+        return tensors
+
+    def gather(self, index: torch.Tensor, valid: torch.Tensor) -> "Region":
+        """Keep the slots ``index`` [B, Hkv, K] (per head), with new validity ``valid`` [B, K]."""
+        def take(t: torch.Tensor) -> torch.Tensor:
+            if t.ndim == 4:
+                return t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
+            return t.gather(2, index)
+        parts = {name: take(t) for name, t in self._per_slot().items()}
+        return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, **parts)
+
+    def slice(self, start: int, end: int) -> "Region":
+        """Slots ``start:end`` (same for every head)."""
+        parts = {name: t[:, :, start:end] for name, t in self._per_slot().items()}
+        return Region(stats={n: t[:, :, start:end] for n, t in self.stats.items()},
+                      valid=self.valid[:, start:end], **parts)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored keys and values, including per-token scales."""
+        total = self.keys.nbytes + self.values.nbytes
+        if self.key_scale is not None:
+            total += self.key_scale.nbytes + self.value_scale.nbytes
+        return total
+
+    def bookkeeping_nbytes(self) -> int:
+        """Bytes of positions, validity and policy statistics (not KV, reported apart)."""
+        return self.positions.nbytes + self.valid.nbytes + sum(t.nbytes for t in self.stats.values())
+
+
+def concat(first: Region, second: Region) -> Region:
+    """``first`` followed by ``second`` along the slot axis (same precision)."""
+    def cat(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        return None if a is None else torch.cat([a, b], dim=2 if a.ndim >= 3 else 1)
+    return Region(
+        keys=cat(first.keys, second.keys), values=cat(first.values, second.values),
+        positions=cat(first.positions, second.positions), valid=torch.cat([first.valid, second.valid], dim=1),
+        stats={n: cat(first.stats[n], second.stats[n]) for n in first.stats},
+        key_scale=cat(first.key_scale, second.key_scale), value_scale=cat(first.value_scale, second.value_scale),
+    )
+
+
+def select_batch(region: Region, index: torch.Tensor) -> Region:
+    """Rows ``index`` [B'] of the batch (beam reordering, finished-sequence removal)."""
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.index_select(0, index.to(t.device))
+    return Region(keys=pick(region.keys), values=pick(region.values), positions=pick(region.positions),
+                  valid=pick(region.valid), stats={n: pick(t) for n, t in region.stats.items()},
+                  key_scale=pick(region.key_scale), value_scale=pick(region.value_scale))

@@ -1,0 +1,240 @@
+"""Per-layer KV store: an older region (INT8 or full precision) and a recent FP window.
+
+Layout of one layer (every tensor dense, no index tables)::
+
+    old    : [B, Hkv, L_old, D]   INT8 + per-token scales (kv_int8) or model dtype
+    recent : [B, Hkv, L_rec, D]   model dtype; the newest tokens, never evicted
+
+New tokens are appended to ``recent``. At the end of a step (``end_step``):
+
+1. *ageing*: once ``recent`` holds ``recent_len + move_block`` slots, its oldest
+   slots move to ``old`` (quantised on the way when ``kv_int8``), so ``old`` is
+   rewritten once per ``move_block`` steps and never re-quantised;
+2. *eviction*: if a sequence holds more than its budget, ``old`` is compacted by one
+   gather to the policy's best slots (``recent`` and the policy's protected and sink
+   tokens are kept).
+
+The store counts tokens seen (logical, for positions) apart from slots held
+(physical, for the attention read), and reports its exact bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from confkv.config import StoreConfig
+from confkv.eviction import protection_mask, select_kept
+from confkv.interim_read import KVSegment, blockwise_attention
+from confkv.policies.base import UNLIMITED, Policy
+from confkv.region import Region, concat, select_batch
+
+
+class LayerStore:
+    """The KV store of one attention layer.
+
+    Args:
+        policy: the eviction policy (shared by the managed layers of a cache).
+        config: storage settings.
+        sliding_window: for a sliding-window layer (Gemma-3 local layers), its window
+            ``W``: queries see keys with ``query_pos - key_pos < W``, the store keeps the
+            last ``W - 1`` tokens, uses full precision and ignores the policy.
+    """
+
+    def __init__(self, policy: Policy, config: StoreConfig, *, sliding_window: int | None = None) -> None:
+        self.policy = policy
+        self.config = config
+        self.sliding_window = sliding_window
+        self.int8 = config.kv_int8 and sliding_window is None
+        if sliding_window is not None:
+            self.recent_len = 0
+        elif self.int8:
+            self.recent_len = max(policy.protect, config.fp_window)
+        else:
+            self.recent_len = policy.protect
+        self.stat_names = () if sliding_window is not None else policy.stat_names
+        self.old: Region | None = None
+        self.recent: Region | None = None
+        self.channel_scale: torch.Tensor | None = None  # [B, Hkv, D] fp32, frozen once set (INT8 keys)
+        self.seen_tokens = 0  # columns fed, padding included (the logical length HF sees)
+        self.seen_real: torch.Tensor | None = None  # [B] int64, real (non-padding) tokens per sequence
+        self.pending = 0  # tokens appended by `append` whose attention has not been read yet
+
+    # -- shape -----------------------------------------------------------------------------------
+    @property
+    def is_initialized(self) -> bool:
+        return self.recent is not None
+
+    @property
+    def physical_length(self) -> int:
+        """Slots held (old + recent), the length the attention read walks."""
+        if not self.is_initialized:
+            return 0
+        return self.old.length + self.recent.length
+
+    def kept_counts(self) -> torch.Tensor:
+        """[B] int64 tokens each sequence currently keeps (padding excluded)."""
+        if not self.is_initialized:
+            return torch.zeros(0, dtype=torch.int64)
+        return self.old.valid.sum(-1) + self.recent.valid.sum(-1)
+
+    def kv_bytes(self) -> int:
+        """Exact bytes of the stored keys and values, INT8 scales included."""
+        if not self.is_initialized:
+            return 0
+        extra = self.channel_scale.nbytes if self.channel_scale is not None else 0
+        return self.old.nbytes() + self.recent.nbytes() + extra
+
+    def bookkeeping_bytes(self) -> int:
+        """Bytes of positions, validity flags and policy statistics."""
+        if not self.is_initialized:
+            return 0
+        return self.old.bookkeeping_nbytes() + self.recent.bookkeeping_nbytes()
+
+    def select_batch(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` [B'] (beam search reorder, sequence removal)."""
+        if not self.is_initialized:
+            return
+        self.old, self.recent = select_batch(self.old, index), select_batch(self.recent, index)
+        self.seen_real = self.seen_real.index_select(0, index.to(self.seen_real.device))
+        if self.channel_scale is not None:
+            self.channel_scale = self.channel_scale.index_select(0, index.to(self.channel_scale.device))
+
+    # -- the step --------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add this pass's new keys/values [B, Hkv, q, D] at the end of the FP window.
+
+        Their positions and validity are filled in by :meth:`attend`, which knows the padding.
+        """
+        batch, kv_heads, new, head_dim = keys.shape
+        if not self.is_initialized:
+            self.old = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names, self.int8)
+            self.recent = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names)
+            self.seen_real = torch.zeros(batch, dtype=torch.int64, device=keys.device)
+        if self.pending:
+            raise RuntimeError("confkv: a layer received new keys twice without an attention read in between; "
+                               "the model must run with attn_implementation='confkv' (use confkv.hf.enable(model))")
+        fresh = Region(
+            keys=keys, values=values,
+            positions=torch.zeros((batch, kv_heads, new), dtype=torch.int64, device=keys.device),
+            valid=torch.ones((batch, new), dtype=torch.bool, device=keys.device),
+            stats={name: keys.new_zeros((batch, kv_heads, new), dtype=torch.float32) for name in self.stat_names},
+        )
+        self.recent = concat(self.recent, fresh)
+        self.seen_tokens += new
+        self.pending = new
+
+    def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
+        """Set positions/validity of the pending tokens; return query positions [B, q]."""
+        new = self.pending
+        batch = self.recent.valid.shape[0]
+        device = self.recent.keys.device
+        if padding is None:
+            real = torch.ones((batch, new), dtype=torch.bool, device=device)
+        else:
+            real = padding[:, -new:].to(device=device, dtype=torch.bool)
+        query_positions = self.seen_real[:, None] + real.long().cumsum(-1) - 1  # [B, q]
+        self.recent.positions[:, :, -new:] = query_positions[:, None, :]
+        self.recent.valid[:, -new:] = real
+        self.seen_real = self.seen_real + real.sum(-1)
+        self.pending = 0
+        return query_positions
+
+    def _visible(self, region: Region, query_positions: torch.Tensor, causal: bool) -> torch.Tensor:
+        """[B, 1 or Hkv, q or 1, L] bool: which slots each query may attend."""
+        visible = region.valid[:, None, None, :]
+        if causal:
+            visible = visible & (region.positions[:, :, None, :] <= query_positions[:, None, :, None])
+        if self.sliding_window is not None:
+            visible = visible & (query_positions[:, None, :, None] - region.positions[:, :, None, :] < self.sliding_window)
+        return visible
+
+    def attend(self, query: torch.Tensor, *, scaling: float, padding: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of this pass's queries over everything kept, new tokens included.
+
+        Args:
+            query: [B, Hq, q, D] (after RoPE), ``q`` equal to the tokens just appended.
+            scaling: score scale (usually ``D ** -0.5``).
+            padding: [B, >= q] bool, True for real tokens (HF's 2D attention mask; only the
+                last ``q`` columns are used), or None when nothing is padded.
+            softcap: Gemma-2-style score soft-capping, or None.
+        Returns:
+            [B, Hq, q, D] attention output in ``query.dtype``.
+        """
+        new = self.pending
+        if new != query.shape[2]:
+            raise RuntimeError(f"confkv: {query.shape[2]} queries but {new} new keys in this layer; "
+                               "the cache and the attention read are out of step")
+        query_positions = self._place_new_tokens(padding)
+        segments = [
+            self._segment(self.old, self._visible(self.old, query_positions, causal=False)),
+            self._segment(self.recent, self._visible(self.recent, query_positions, causal=new > 1)),
+        ]
+        need_mass = bool(self.stat_names) and self.policy.needs_attention
+        out, masses = blockwise_attention(query, segments, scaling, block_size=self.config.block_size,
+                                          softcap=softcap, need_mass=need_mass)
+        if need_mass:
+            self.policy.observe(self.old.stats, masses[0], new)
+            self.policy.observe(self.recent.stats, masses[1], new)
+        return out
+
+    def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
+        if region.is_int8:
+            return KVSegment(region.keys, region.values, visible, key_token_scale=region.key_scale,
+                             key_channel_scale=self.channel_scale, value_token_scale=region.value_scale)
+        return KVSegment(region.keys, region.values, visible)
+
+    def end_step(self, budget: torch.Tensor | None) -> None:
+        """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction)."""
+        if not self.is_initialized or self.pending:
+            return
+        self._age()
+        if self.sliding_window is not None:
+            budget = torch.full_like(self.seen_real, self.sliding_window - 1)
+        self._evict(budget)
+
+    def _age(self) -> None:
+        """Move the oldest FP-window slots to the older region, in groups of ``move_block``."""
+        surplus = self.recent.length - self.recent_len
+        if surplus < self.config.move_block and not (self.sliding_window is not None and surplus > 0):
+            return
+        moving = self.recent.slice(0, surplus)
+        self.recent = self.recent.slice(surplus, self.recent.length)
+        if self.int8:
+            moving = self._quantize(moving)
+        self.old = concat(self.old, moving)
+
+    def _quantize(self, region: Region) -> Region:
+        from confkv import quant  # noqa: PLC0415 - the INT8 path only
+
+        if self.channel_scale is None:
+            calibration = region.keys * region.valid[:, None, :, None].to(region.keys.dtype)
+            self.channel_scale = quant.key_channel_scale(calibration)
+        keys, key_scale = quant.quantize_keys(region.keys, self.channel_scale)
+        values, value_scale = quant.quantize_values(region.values)
+        return Region(keys=keys, values=values, positions=region.positions, valid=region.valid,
+                      stats=region.stats, key_scale=key_scale, value_scale=value_scale)
+
+    def _evict(self, budget: torch.Tensor | None) -> None:
+        old = self.old
+        old_count = old.valid.sum(-1)
+        if budget is None:
+            keep = old_count
+        else:
+            budget = budget.to(old_count.device).clamp(max=UNLIMITED)
+            keep = (budget - self.recent.valid.sum(-1)).clamp_min(0)
+        current = self.seen_real - 1
+        protect = self.policy.protect if self.sliding_window is None else 0
+        sinks = self.policy.sinks if self.sliding_window is None else 0
+        over_budget = bool((old_count > keep).any())
+        has_holes = old.length > int(old_count.max()) if old.length else False
+        if not (over_budget or has_holes):
+            return
+        protected = protection_mask(old.positions, old.valid, current, protect, sinks)
+        keep = torch.maximum(keep, protected.sum(-1).amax(-1))
+        if self.sliding_window is not None:
+            scores = old.positions.float()
+        else:
+            scores = self.policy.scores(old.stats, old.positions, current)
+        index, valid = select_kept(scores, old.valid, protected, keep)
+        self.old = old.gather(index, valid)

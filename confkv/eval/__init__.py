@@ -1,0 +1,1 @@
+"""Evaluation: streaming perplexity, needle retrieval, the confidence probe, sweeps, reports."""

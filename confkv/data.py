@@ -274,30 +274,34 @@ def _passkey(trial: int, seed: int) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10**digits))
 
 
-_SENTENCE_END = re.compile(r"[.!?:][\"')\]]*\s*$")
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*\s*$")
 
 
 def _boundary_kind(pieces: list[str], i: int) -> int:
-    """How good a place it is to insert before token ``i``: 2 sentence/paragraph end,
-    1 line break, 0 neither. ``pieces`` are the decoded tokens."""
-    if i == 0 or i == len(pieces):
+    """How good a place it is to insert before token ``i`` (0 <= i < len(pieces)):
+    2 = start of text, paragraph break, or end of a sentence; 1 = line break; 0 = neither.
+    ``pieces`` are the decoded tokens."""
+    if i == 0:
         return 2
     prev, nxt = pieces[i - 1], pieces[i]
     if prev.endswith("\n"):
         before = "".join(pieces[max(0, i - 3) : i]).rstrip("\n")
-        return 2 if prev.endswith("\n\n") or before.endswith("\n") or _SENTENCE_END.search(before) else 1
-    if _SENTENCE_END.search(prev) and nxt[:1].isspace():
+        paragraph = prev.endswith("\n\n") or before.endswith("\n")
+        return 2 if paragraph or _SENTENCE_END.search(before) else 1
+    if _SENTENCE_END.search(prev) and nxt[:1] in (" ", "\t"):
         return 2
     return 0
 
 
 def _insertion_index(pieces: list[str], target: int, window: int) -> int:
-    """Nearest index to ``target`` (ties: earlier) with the best boundary kind within +-window."""
+    """Index in [0, len(pieces)) nearest to ``target`` (ties: earlier) with the best
+    boundary kind found within +-window; ``target`` itself if there is none."""
     n = len(pieces)
+    target = min(max(target, 0), n - 1)
     for wanted in (2, 1):
         for delta in range(window + 1):
             for i in (target - delta, target + delta):
-                if 0 <= i <= n and _boundary_kind(pieces, i) >= wanted:
+                if 0 <= i < n and _boundary_kind(pieces, i) >= wanted:
                     return i
     return target
 
@@ -315,17 +319,18 @@ def make_niah_sample(
     seed: int = 0,
     haystack_offset: int = 0,
 ) -> NiahSample:
-    """Build a passkey-style needle-in-a-haystack prompt of ``context_tokens`` tokens in total.
+    """Build a passkey-style needle-in-a-haystack prompt of exactly ``context_tokens`` tokens.
 
     The haystack is the corpus ``haystack`` from token ``haystack_offset`` on; the needle
-    (``needle_template.format(answer=...)``) is inserted at a sentence or line boundary
-    near ``depth`` (0 = start, 1 = end of the haystack); the question
-    (``question_template``) follows after a blank line. The answer is a 5-7 digit number
-    drawn from ``(trial, seed)`` unless ``answer`` is given. Plain text, no chat
-    template, no BOS token (prepend one yourself if your model needs it).
+    (``needle_template.format(answer=...)``) is inserted at the sentence, paragraph or
+    line boundary nearest to ``depth`` (0 = start, 1 = end of the haystack; searched
+    within +-5% of the length, at least 16 tokens); the question
+    (``question_template.format(answer=...)``) follows after a blank line. The answer is
+    a 5-7 digit number drawn from ``(trial, seed)`` unless ``answer`` is given. Plain
+    text, no chat template, no BOS token (prepend one yourself if your model needs it).
 
     Returns:
-        NiahSample with input_ids [1, context_tokens].
+        NiahSample with input_ids [1, context_tokens] = cat(context_ids, question_ids).
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -333,37 +338,30 @@ def make_niah_sample(
         answer = _passkey(trial, seed)
     needle_text = needle_template.format(answer=answer)
     question = _encode(tokenizer, "\n\n" + question_template.format(answer=answer))
-    needle_len_estimate = len(_encode(tokenizer, " " + needle_text + "\n"))
-    n_hay = context_tokens - len(question) - needle_len_estimate
-    if n_hay < 1:
+    # A needle after a line break (or at the start) is a line of its own; after a
+    # sentence it follows a space, like the next sentence would.
+    own_line = _encode(tokenizer, needle_text + "\n")
+    in_text = _encode(tokenizer, " " + needle_text)
+    n_search = context_tokens - len(question) - max(len(own_line), len(in_text))
+    if n_search < 1:
         raise ValueError(f"context_tokens={context_tokens} is too short for the needle and question")
-    hay = corpus_tokens(tokenizer, haystack, n_hay, offset=haystack_offset)[0].tolist()
+    hay = corpus_tokens(tokenizer, haystack, n_search, offset=haystack_offset)[0].tolist()
     pieces = [tokenizer.decode([t]) for t in hay]
     if answer in "".join(pieces):
         raise ValueError(f"the answer {answer!r} already occurs in the haystack; use another trial/seed")
-    at = _insertion_index(pieces, round(depth * n_hay), window=max(16, n_hay // 20))
-    # Join the needle to its neighbours the way the text would: after a line break it
-    # starts a line of its own; after a sentence it follows a space.
-    if at == 0:
-        needle = _encode(tokenizer, needle_text + "\n")
-    elif pieces[at - 1].endswith("\n"):
-        needle = _encode(tokenizer, needle_text + "\n")
-    else:
-        needle = _encode(tokenizer, " " + needle_text)
-    # Keep the total exact: trim (or extend) the haystack tail to absorb the needle's length.
-    hay_len = context_tokens - len(question) - len(needle)
-    if hay_len > len(hay):
-        hay = corpus_tokens(tokenizer, haystack, hay_len, offset=haystack_offset)[0].tolist()
-    context = hay[:at] + needle + hay[at:hay_len] if at <= hay_len else hay[:hay_len] + needle
-    needle_position = min(at, hay_len)
-    context_ids = torch.tensor([context], dtype=torch.long)
+    at = _insertion_index(pieces, round(depth * n_search), window=max(16, n_search // 20))
+    needle = own_line if at == 0 or pieces[at - 1].endswith("\n") else in_text
+    # The haystack fills the rest exactly; it only grows past n_search, after the needle.
+    n_hay = context_tokens - len(question) - len(needle)
+    hay = corpus_tokens(tokenizer, haystack, n_hay, offset=haystack_offset)[0].tolist()
+    context_ids = torch.tensor([hay[:at] + needle + hay[at:]], dtype=torch.long)
     question_ids = torch.tensor([question], dtype=torch.long)
     return NiahSample(
         input_ids=torch.cat([context_ids, question_ids], dim=1),
         context_ids=context_ids,
         question_ids=question_ids,
         answer=answer,
-        needle_position=needle_position,
+        needle_position=at,
         needle_length=len(needle),
         depth=depth,
         trial=trial,

@@ -276,6 +276,9 @@ def _convert_into_cache(spec: BundledModel, target: Path, source_version: str | 
     _remove_stale_leftovers(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the cache is an ordinary dir
         with spec.materialize() as gguf_path:
             model, tokenizer = _load_gguf(gguf_path)
             gguf_name, gguf_size = gguf_path.name, gguf_path.stat().st_size

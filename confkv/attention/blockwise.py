@@ -38,6 +38,8 @@ _MAX_START = -1e30
 # cache-resident; 1024 tokens (Hkv * 1024 * D * 4 bytes, 768 KiB at SmolLM2's
 # shape) is the measured sweet spot (benchmarks/attention_read.py).
 DEFAULT_BLOCK_SIZE = 1024
+# Automatic tile cap, in score entries (B * Hkv * G*Q * tile floats): 16 MiB.
+_TILE_SCORE_BUDGET = 1 << 22
 
 
 @dataclass
@@ -92,48 +94,89 @@ def _visible_4d(visible: Tensor | None) -> Tensor | None:
     return visible
 
 
-def _segment_query(query_grouped: Tensor, segment: KVSegment, scale: float) -> Tensor:
+def _segment_query(query_grouped: Tensor, segment: KVSegment, scale: float, batch: int, kv_heads: int) -> Tensor:
     """The float32 query a segment's raw key bytes are multiplied with.
 
     Args:
-        query_grouped: [B, Hkv, G*Q, D] float32.
-        segment: the segment; its channel scale (int8 keys) is folded in.
+        query_grouped: [B*Hkv, G*Q, D] float32.
+        segment: the segment; its key channel scale (int8 keys) is folded in:
+            ``q . (k_int8 * ts * cs) = ((q * cs) . k_int8) * ts``.
         scale: scalar folded in (attention scaling, divided by softcap).
 
     Returns:
-        [B, Hkv, G*Q, D] float32.
+        [B*Hkv, G*Q, D] float32.
     """
     if segment.keys_int8:
-        return query_grouped * (segment.key_channel_scale.to(torch.float32) * scale).unsqueeze(-2)
+        channel = segment.key_channel_scale.to(torch.float32).reshape(batch * kv_heads, 1, -1)
+        return query_grouped * (channel * scale)
     return query_grouped * scale
 
 
-def _block_scores(
+def _tile_scores(
     query_seg: Tensor,
     segment: KVSegment,
     start: int,
     stop: int,
+    block_size: int,
     hidden: Tensor | None,
     group: int,
     softcap: float | None,
 ) -> Tensor:
-    """Scaled, soft-capped, masked scores of one block.
+    """Scaled, soft-capped, masked scores of the slots [start, stop) of a segment.
+
+    Keys are converted to float32 one block of ``block_size`` slots at a time
+    (float32 keys need no conversion and are read as one view).
+
+    Args:
+        query_seg: [B*Hkv, G*Q, D] float32 from :func:`_segment_query`.
+        hidden: None or bool [B?, Hkv?, Q?, L or 1], True = masked.
 
     Returns:
-        [B, Hkv, G*Q, Lb] float32; -inf where the slot is not visible.
+        [B*Hkv, G*Q, stop - start] float32; -inf where the slot is not visible.
     """
-    keys = segment.keys[:, :, start:stop]
-    scores = torch.matmul(query_seg, keys.to(torch.float32).transpose(-1, -2))
+    keys = segment.keys
+    batch, kv_heads, _, head_dim = keys.shape
+    step = stop - start if keys.dtype == torch.float32 else block_size
+    blocks = []
+    for block_start in range(start, stop, step):
+        block_stop = min(block_start + step, stop)
+        block = keys[:, :, block_start:block_stop].to(torch.float32)
+        block = block.reshape(batch * kv_heads, block_stop - block_start, head_dim)
+        blocks.append(torch.bmm(query_seg, block.transpose(1, 2)))
+    scores = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
     if segment.keys_int8:
-        scores.mul_(segment.key_token_scale[:, :, start:stop].to(torch.float32).unsqueeze(-2))
+        token_scale = segment.key_token_scale[:, :, start:stop].to(torch.float32)
+        scores.mul_(token_scale.reshape(batch * kv_heads, 1, stop - start))
     if softcap is not None:
         scores.tanh_().mul_(softcap)
     if hidden is not None:
-        batch, heads, rows, length = scores.shape
-        view = scores.view(batch, heads, group, rows // group, length)
-        block_hidden = hidden if hidden.shape[-1] == 1 else hidden[..., start:stop]
-        view.masked_fill_(block_hidden.unsqueeze(2), float("-inf"))
+        rows = scores.shape[1]
+        view = scores.view(batch, kv_heads, group, rows // group, stop - start)
+        tile_hidden = hidden if hidden.shape[-1] == 1 else hidden[..., start:stop]
+        view.masked_fill_(tile_hidden.unsqueeze(2), float("-inf"))
     return scores
+
+
+def _accumulate_values(
+    acc: Tensor, probs: Tensor, segment: KVSegment, start: int, stop: int, block_size: int
+) -> None:
+    """acc += probs @ values[start:stop], dequantizing int8 values per block.
+
+    Args:
+        acc: [B*Hkv, G*Q, D] float32, updated in place.
+        probs: [B*Hkv, G*Q, stop - start] float32 (unnormalised probabilities).
+    """
+    values = segment.values
+    batch, kv_heads, _, head_dim = values.shape
+    if segment.values_int8:
+        token_scale = segment.value_token_scale[:, :, start:stop].to(torch.float32)
+        probs = probs * token_scale.reshape(batch * kv_heads, 1, stop - start)
+    step = stop - start if values.dtype == torch.float32 else block_size
+    for block_start in range(start, stop, step):
+        block_stop = min(block_start + step, stop)
+        block = values[:, :, block_start:block_stop].to(torch.float32)
+        block = block.reshape(batch * kv_heads, block_stop - block_start, head_dim)
+        acc.baddbmm_(probs[:, :, block_start - start : block_stop - start], block)
 
 
 def blockwise_attention(
@@ -143,17 +186,32 @@ def blockwise_attention(
     block_size: int = DEFAULT_BLOCK_SIZE,
     softcap: float | None = None,
     need_mass: bool = True,
+    *,
+    tile_size: int | None = None,
 ) -> tuple[Tensor, list[Tensor] | None]:
     """Attention of ``query`` over the concatenation of ``segments``.
+
+    The slots are walked tile by tile (a tile is a run of whole blocks of one
+    segment); each tile's scores are computed block by block (int8 keys
+    dequantized per block), then merged into a running max / running sum /
+    running output with the online-softmax rescaling
+    ``acc = acc * exp(m_old - m_new) + exp(s - m_new) @ v``.  For decoding
+    (few query rows) a tile is a whole segment, so the softmax bookkeeping
+    costs a handful of ops per segment instead of per block, which is what
+    makes this fast on CPU; the tile is capped so that its scores stay below
+    ``_TILE_SCORE_BUDGET`` floats for long query blocks.
 
     Args:
         query: [B, Hq, Q, D], Hq = Hkv * G (GQA).
         segments: KV segments (FP or INT8), read in order; lengths may be 0.
         scaling: score multiplier (usually D ** -0.5).
-        block_size: tokens per block (>= 1).  INT8 blocks are dequantized one
-            block at a time; FP blocks are views.
+        block_size: dequantization granularity in slots (>= 1): int8 and
+            non-float32 segments are converted to float32 this many slots at
+            a time; float32 segments are read as views.
         softcap: Gemma-2 soft cap: ``scores = tanh(scores / softcap) * softcap``.
         need_mass: also return per-slot attention mass.
+        tile_size: online-softmax granularity in slots (rounded up to a
+            multiple of ``block_size``); None = automatic (see above).
 
     Returns:
         out: [B, Hq, Q, D] in ``query.dtype``.  Rows that can see no slot at
@@ -165,23 +223,29 @@ def blockwise_attention(
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    batch, q_heads, num_queries, head_dim = query.shape
     if not segments:
         raise ValueError("need at least one segment (an empty one is fine)")
+    batch, q_heads, num_queries, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
     group = q_heads // kv_heads
     rows = group * num_queries
+    flat = batch * kv_heads
+    if tile_size is None:
+        tile_size = max(block_size, _TILE_SCORE_BUDGET // max(1, flat * rows))
+    tile_size = -(-max(1, tile_size) // block_size) * block_size
 
-    query_grouped = query.to(torch.float32).reshape(batch, kv_heads, rows, head_dim)
+    # [B, Hq, Q, D] -> [B*Hkv, G*Q, D]: row g*Q + q of KV head j is query head j*G + g.
+    query_grouped = query.to(torch.float32).reshape(flat, rows, head_dim)
     score_scale = scaling / softcap if softcap is not None else scaling
 
-    running_max = query_grouped.new_full((batch, kv_heads, rows, 1), _MAX_START)
-    running_sum = query_grouped.new_zeros((batch, kv_heads, rows, 1))
-    acc = query_grouped.new_zeros((batch, kv_heads, rows, head_dim))
-    # per segment: list of (probabilities relative to the running max after
-    # that block, that running max) for the final mass normalisation.
+    # Online-softmax state (None until the first non-empty tile).
+    running_max: Tensor | None = None  # [B*Hkv, G*Q, 1]
+    running_sum: Tensor | None = None  # [B*Hkv, G*Q, 1]
+    acc: Tensor | None = None  # [B*Hkv, G*Q, D]
+    # per segment: (probabilities relative to the running max after that
+    # tile, that running max) of each tile, for the final mass normalisation.
     kept: list[list[tuple[Tensor, Tensor]]] = []
 
     for segment in segments:
@@ -190,43 +254,55 @@ def blockwise_attention(
         length = segment.length
         if length == 0:
             continue
-        query_seg = _segment_query(query_grouped, segment, score_scale)
+        query_seg = _segment_query(query_grouped, segment, score_scale, batch, kv_heads)
         visible = _visible_4d(segment.visible)
         hidden = None if visible is None else ~visible.to(torch.bool)
-        for start in range(0, length, block_size):
-            stop = min(start + block_size, length)
-            scores = _block_scores(query_seg, segment, start, stop, hidden, group, softcap)
-            new_max = torch.maximum(running_max, scores.amax(dim=-1, keepdim=True))
-            probs = scores.sub_(new_max).exp_()  # in place: scores are not needed again
-            correction = (running_max - new_max).exp_()
-            running_sum.mul_(correction).add_(probs.sum(dim=-1, keepdim=True))
-            values = segment.values[:, :, start:stop]
-            if segment.values_int8:
-                weighted = probs * segment.value_token_scale[:, :, start:stop].to(torch.float32).unsqueeze(-2)
+        for start in range(0, length, tile_size):
+            stop = min(start + tile_size, length)
+            scores = _tile_scores(query_seg, segment, start, stop, block_size, hidden, group, softcap)
+            tile_max = scores.amax(dim=-1, keepdim=True)
+            if running_max is None:
+                # first tile: nothing to rescale (the clamp keeps fully masked rows finite)
+                new_max = tile_max.clamp_min_(_MAX_START)
+                probs = scores.sub_(new_max).exp_()  # in place: raw scores are not needed again
+                running_sum = probs.sum(dim=-1, keepdim=True)
+                acc = query_grouped.new_zeros((flat, rows, head_dim))
             else:
-                weighted = probs
-            acc.mul_(correction)
-            acc.add_(torch.matmul(weighted, values.to(torch.float32)))
+                new_max = torch.maximum(running_max, tile_max)
+                probs = scores.sub_(new_max).exp_()
+                correction = (running_max - new_max).exp_()
+                running_sum.mul_(correction).add_(probs.sum(dim=-1, keepdim=True))
+                acc.mul_(correction)
+            _accumulate_values(acc, probs, segment, start, stop, block_size)
             running_max = new_max
             if need_mass:
                 kept[-1].append((probs, new_max))
 
-    # Rows that saw nothing have running_sum == 0 and acc == 0: 0 / tiny = 0.
-    inv_sum = 1.0 / running_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    out = (acc * inv_sum).reshape(batch, q_heads, num_queries, head_dim).to(query.dtype)
+    if acc is None:  # no slot at all
+        out = query.new_zeros(query.shape)
+        masses = [query_grouped.new_zeros((batch, kv_heads, s.length)) for s in segments]
+        return out, (masses if need_mass else None)
+
+    # Rows that saw nothing have running_sum == 0 and acc == 0: 0 * (1 / tiny) = 0.
+    inv_sum = running_sum.clamp_min_(torch.finfo(torch.float32).tiny).reciprocal_()
+    out = acc.mul_(inv_sum).reshape(batch, q_heads, num_queries, head_dim).to(query.dtype)
     if not need_mass:
         return out, None
 
     masses = []
-    for segment, blocks in zip(segments, kept):
-        if not blocks:
+    inv_sum_group = inv_sum.div_(group)
+    for segment, tiles in zip(segments, kept):
+        if not tiles:
             masses.append(query_grouped.new_zeros((batch, kv_heads, segment.length)))
             continue
         parts = []
-        for probs, block_max in blocks:
-            # weight of each row: exp(m_block - m_final) / l_final, / G for the group mean
-            row_weight = ((block_max - running_max).exp_() * inv_sum).div_(group).transpose(-1, -2)  # [B, Hkv, 1, G*Q]
-            parts.append(torch.matmul(row_weight, probs).squeeze(-2))
+        for probs, tile_max in tiles:
+            # row weight exp(m_tile - m_final) / l_final / G: normalises and averages the group.
+            if tile_max is running_max:
+                row_weight = inv_sum_group
+            else:
+                row_weight = (tile_max - running_max).exp_().mul_(inv_sum_group)
+            parts.append(torch.bmm(row_weight.transpose(1, 2), probs).view(batch, kv_heads, -1))
         masses.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     return out, masses
 

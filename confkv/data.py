@@ -22,6 +22,7 @@ import importlib
 import inspect
 import random
 import re
+import warnings
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from confkv.errors import ConfKVError
 
 __all__ = [
     "BUILTIN_CORPORA",
@@ -43,7 +46,7 @@ __all__ = [
 ]
 
 
-class CorpusError(ValueError):
+class CorpusError(ConfKVError, ValueError):
     """A corpus could not be loaded or is too short; the message names it and the problem."""
 
 
@@ -68,6 +71,12 @@ def _pydoc_topics() -> str:
 
 
 def _stdlib_docs() -> str:
+    with warnings.catch_warnings():  # e.g. typing.io / typing.re warn when touched
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _collect_docstrings()
+
+
+def _collect_docstrings() -> str:
     parts: list[str] = []
     for module_name in _STDLIB_DOC_MODULES:
         module = importlib.import_module(module_name)
@@ -105,7 +114,7 @@ _SPLIT_NAMES = ("train", "test", "validation", "valid", "dev")
 def _parse_hf_spec(spec: str) -> tuple[str, str | None, str]:
     """``"hf:<dataset>[:<config>][:<split>]"`` -> (dataset, config, split). With two fields
     the second is a split when it looks like one (train/test/validation[...]), else a config."""
-    fields = spec[len("hf:"):].split(":")
+    fields = re.split(r":(?![^\[]*\])", spec[len("hf:"):])  # colons inside [...] slices stay
     if not fields[0] or len(fields) > 3 or any(not f for f in fields):
         raise CorpusError(f"bad hub corpus spec {spec!r}: expected 'hf:<dataset>[:<config>][:<split>]'")
     if len(fields) == 1:
@@ -295,14 +304,18 @@ def _boundary_kind(pieces: list[str], i: int) -> int:
 
 def _insertion_index(pieces: list[str], target: int, window: int) -> int:
     """Index in [0, len(pieces)) nearest to ``target`` (ties: earlier) with the best
-    boundary kind found within +-window; ``target`` itself if there is none."""
+    boundary found within +-window: sentence/paragraph end, else line break, else a
+    word boundary (next token starts with a space), else ``target`` itself."""
     n = len(pieces)
     target = min(max(target, 0), n - 1)
+    candidates = [i for delta in range(window + 1) for i in (target - delta, target + delta) if 0 <= i < n]
     for wanted in (2, 1):
-        for delta in range(window + 1):
-            for i in (target - delta, target + delta):
-                if 0 <= i < n and _boundary_kind(pieces, i) >= wanted:
-                    return i
+        for i in candidates:
+            if _boundary_kind(pieces, i) >= wanted:
+                return i
+    for i in candidates:
+        if pieces[i][:1] == " ":
+            return i
     return target
 
 
@@ -324,7 +337,8 @@ def make_niah_sample(
     The haystack is the corpus ``haystack`` from token ``haystack_offset`` on; the needle
     (``needle_template.format(answer=...)``) is inserted at the sentence, paragraph or
     line boundary nearest to ``depth`` (0 = start, 1 = end of the haystack; searched
-    within +-5% of the length, at least 16 tokens); the question
+    within +-5% of the length, at least 16 tokens; failing that, at a word boundary);
+    the question
     (``question_template.format(answer=...)``) follows after a blank line. The answer is
     a 5-7 digit number drawn from ``(trial, seed)`` unless ``answer`` is given. Plain
     text, no chat template, no BOS token (prepend one yourself if your model needs it).

@@ -37,6 +37,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from confkv.errors import ConfKVError
+
 __all__ = [
     "BUNDLED_MODELS",
     "CACHE_ENV_VAR",
@@ -56,7 +58,7 @@ _CACHE_FORMAT = 1
 _MARKER_FILE = "confkv_cache.json"
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ConfKVError, RuntimeError):
     """A model could not be loaded; the message names the problem and the fix."""
 
 

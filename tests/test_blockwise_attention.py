@@ -1,0 +1,207 @@
+"""Block-wise online-softmax read == dense softmax attention over the dequantized cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from confkv.attention import KVSegment, attention_read, blockwise_attention
+from confkv.attention.blockwise import dense_attention_reference
+from confkv.quant import key_channel_scale, quantize_keys, quantize_values
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+def make_segment(
+    gen: torch.Generator,
+    batch: int,
+    kv_heads: int,
+    length: int,
+    dim: int,
+    num_queries: int,
+    int8: bool,
+    mask_kind: str,
+    dtype: torch.dtype = torch.float32,
+) -> KVSegment:
+    """A random segment; ``mask_kind`` in {"none", "random", "per_query", "hidden"}."""
+    keys = torch.randn(batch, kv_heads, length, dim, generator=gen) * 2
+    if dim > 1:
+        keys[..., 1] *= 8  # an outlier key channel
+    values = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    if mask_kind == "none":
+        visible = None
+    elif mask_kind == "random":
+        visible = torch.rand(batch, kv_heads, num_queries, length, generator=gen) < 0.6
+    elif mask_kind == "per_query":  # broadcast over batch and heads, like a causal mask
+        visible = torch.rand(num_queries, length, generator=gen) < 0.5
+    else:  # nothing visible in this segment
+        visible = torch.zeros(1, 1, 1, length, dtype=torch.bool)
+    if not int8:
+        return KVSegment(keys.to(dtype), values.to(dtype), visible)
+    channel = key_channel_scale(keys)
+    key_q, key_ts = quantize_keys(keys, channel)
+    value_q, value_ts = quantize_values(values)
+    return KVSegment(key_q, value_q, visible, key_ts, channel, value_ts)
+
+
+@st.composite
+def attention_cases(draw, max_length: int = 12):
+    batch = draw(st.integers(1, 3))
+    kv_heads = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 4))
+    num_queries = draw(st.integers(1, 5))
+    dim = draw(st.sampled_from([1, 8, 16]))
+    specs = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, max_length),
+                st.booleans(),
+                st.sampled_from(["none", "random", "per_query", "hidden"]),
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, kv_heads * group, num_queries, dim, generator=gen)
+    segments = [make_segment(gen, batch, kv_heads, length, dim, num_queries, int8, mask) for length, int8, mask in specs]
+    return query, segments
+
+
+def assert_matches_reference(query, segments, out, mass, softcap=None, atol=2e-5):
+    scaling = query.shape[-1] ** -0.5
+    ref_out, ref_mass = dense_attention_reference(query, segments, scaling, softcap)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=1e-4)
+    if mass is not None:
+        assert len(mass) == len(segments)
+        for got, want, segment in zip(mass, ref_mass, segments):
+            assert got.shape == (query.shape[0], segment.keys.shape[1], segment.length)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, atol=atol, rtol=1e-4)
+
+
+@FAST
+@given(case=attention_cases(), block_size=st.sampled_from([1, 2, 3, 5, 8, 1024]), softcap=st.sampled_from([None, 5.0]))
+def test_blockwise_matches_dense(case, block_size, softcap):
+    query, segments = case
+    scaling = query.shape[-1] ** -0.5
+    out, mass = blockwise_attention(query, segments, scaling, block_size, softcap=softcap)
+    assert_matches_reference(query, segments, out, mass, softcap)
+    out_no_mass, none = blockwise_attention(query, segments, scaling, block_size, softcap=softcap, need_mass=False)
+    assert none is None
+    torch.testing.assert_close(out_no_mass, out, atol=1e-6, rtol=1e-6)
+
+
+@FAST
+@given(case=attention_cases(), block_size=st.integers(1, 4), tile_size=st.integers(1, 9))
+def test_small_tiles_exercise_online_rescaling(case, block_size, tile_size):
+    """Many tiles per segment: the running max / sum / output rescaling path."""
+    query, segments = case
+    out, mass = blockwise_attention(query, segments, query.shape[-1] ** -0.5, block_size, tile_size=tile_size)
+    assert_matches_reference(query, segments, out, mass)
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 4, 3, 8, generator=gen)
+    seg_a = make_segment(gen, 2, 2, 6, 8, 3, int8=True, mask_kind="none")
+    seg_b = make_segment(gen, 2, 2, 4, 8, 3, int8=False, mask_kind="none")
+    hide = torch.ones(2, 2, 3, 6, dtype=torch.bool)
+    hide[1, 0, 2] = False  # batch 1, kv head 0, query 2 sees nothing in a ...
+    seg_a.visible = hide
+    seg_b.visible = torch.ones(2, 2, 3, 4, dtype=torch.bool)
+    seg_b.visible[1, 0, 2] = False  # ... nor in b
+    for block_size in (1, 4, 1024):
+        out, mass = blockwise_attention(query, [seg_a, seg_b], 8**-0.5, block_size)
+        assert torch.isfinite(out).all()
+        assert torch.equal(out[1, 0:2, 2], torch.zeros(2, 8))  # query heads 0,1 read kv head 0
+        assert (out[1, 0:2, 1].abs() > 0).any()
+        assert_matches_reference(query, [seg_a, seg_b], out, mass)
+        # each (batch, kv head) receives Q units of mass, minus one for the blind query
+        totals = mass[0].sum(-1) + mass[1].sum(-1)
+        expected = torch.full((2, 2), 3.0)
+        expected[1, 0] = 2.0
+        torch.testing.assert_close(totals, expected)
+
+
+def test_everything_empty_or_hidden():
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(1, 2, 1, 4, generator=gen)
+    empty = make_segment(gen, 1, 1, 0, 4, 1, int8=True, mask_kind="none")
+    hidden = make_segment(gen, 1, 1, 5, 4, 1, int8=False, mask_kind="hidden")
+    for segments in ([empty], [empty, hidden]):
+        out, mass = blockwise_attention(query, segments, 0.5)
+        assert torch.equal(out, torch.zeros_like(out))
+        assert [m.shape[-1] for m in mass] == [s.length for s in segments]
+        assert all(torch.equal(m, torch.zeros_like(m)) for m in mass)
+
+
+def test_int8_read_close_to_fp_read():
+    """Quantization error end to end stays small (the scheme, not the read)."""
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 9, 1, 64, generator=gen)
+    fp = make_segment(gen, 1, 3, 300, 64, 1, int8=False, mask_kind="none")
+    channel = key_channel_scale(fp.keys)
+    key_q, key_ts = quantize_keys(fp.keys, channel)
+    value_q, value_ts = quantize_values(fp.values)
+    q8 = KVSegment(key_q, value_q, None, key_ts, channel, value_ts)
+    out_fp, mass_fp = blockwise_attention(query, [fp], 0.125)
+    out_q8, mass_q8 = blockwise_attention(query, [q8], 0.125)
+    assert (out_fp - out_q8).abs().max() < 0.02
+    assert (mass_fp[0] - mass_q8[0]).abs().max() < 0.01
+
+
+def test_half_precision_query_and_segments():
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(2, 6, 2, 16, generator=gen).to(torch.bfloat16)
+    seg_fp = make_segment(gen, 2, 3, 7, 16, 2, int8=False, mask_kind="random", dtype=torch.bfloat16)
+    seg_q8 = make_segment(gen, 2, 3, 9, 16, 2, int8=True, mask_kind="per_query")
+    out, mass = blockwise_attention(query, [seg_q8, seg_fp], 0.25, block_size=4)
+    assert out.dtype == torch.bfloat16
+    ref_out, ref_mass = dense_attention_reference(query, [seg_q8, seg_fp], 0.25)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    for got, want in zip(mass, ref_mass):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+def test_noncontiguous_cache_views():
+    """Segments that are views into a larger preallocated buffer (capacity > length)."""
+    gen = torch.Generator().manual_seed(5)
+    buffer_k = torch.randn(2, 3, 20, 8, generator=gen)
+    buffer_v = torch.randn(2, 3, 20, 8, generator=gen)
+    segment = KVSegment(buffer_k[:, :, 3:14], buffer_v[:, :, 3:14], None)
+    query = torch.randn(2, 6, 1, 8, generator=gen)
+    for block_size in (1, 4, 64):
+        out, mass = blockwise_attention(query, [segment], 8**-0.5, block_size)
+        assert_matches_reference(query, [segment], out, mass)
+
+
+def test_matches_sdpa():
+    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(2, 9, 1, 64, generator=gen)
+    segment = make_segment(gen, 2, 3, 100, 64, 1, int8=False, mask_kind="none")
+    out, _ = blockwise_attention(query, [segment], 0.125, block_size=32)
+    want = torch.nn.functional.scaled_dot_product_attention(query, segment.keys, segment.values, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_read_dispatch_and_validation():
+    gen = torch.Generator().manual_seed(7)
+    query = torch.randn(1, 4, 1, 8, generator=gen)
+    segment = make_segment(gen, 1, 2, 5, 8, 1, int8=True, mask_kind="random")
+    out_auto, mass_auto = attention_read(query, [segment], 0.3)  # CPU -> torch
+    out_torch, mass_torch = attention_read(query, [segment], 0.3, backend="torch")
+    assert torch.equal(out_auto, out_torch)
+    assert torch.equal(mass_auto[0], mass_torch[0])
+    with pytest.raises(ValueError):
+        attention_read(query, [segment], 0.3, backend="nope")
+    with pytest.raises(ValueError):
+        blockwise_attention(query, [segment], 0.3, block_size=0)
+    bad = KVSegment(segment.keys, segment.values, None)  # int8 without scales
+    with pytest.raises(ValueError):
+        blockwise_attention(query, [bad], 0.3)

@@ -388,21 +388,55 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face endpoint accepts a TCP connection (a quick probe, so an
+    unreachable hub fails in seconds instead of after huggingface_hub's retries)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+    except Exception:
+        endpoint = urlparse("https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_error(name: str, why: str, err: BaseException | None = None) -> ModelLoadError:
+    detail = f" ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})" if err else ""
+    return ModelLoadError(
+        f"could not load model '{name}': {why}{detail}. "
+        f"Pass a local model directory, a .gguf file, or a bundled model ({', '.join(BUNDLED_MODELS)})."
+    )
+
+
 def _from_hub(name: str, dtype: torch.dtype, device: str | torch.device) -> tuple[Any, Any]:
+    """Load a hub id: from the local Hugging Face cache if it is there, else from the hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    offline = _offline()
+    def attempt(local_only: bool) -> tuple[Any, Any]:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=local_only)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+        return model, tokenizer
+
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=offline)
-        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=offline)
-    except Exception as err:
-        why = "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache" if offline else (
-            "the Hugging Face hub is unreachable, or no such model id exists"
-        )
-        raise ModelLoadError(
-            f"could not load model '{name}': {why} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). "
-            f"Pass a local model directory, a .gguf file, or a bundled model ({', '.join(BUNDLED_MODELS)})."
-        ) from err
+        model, tokenizer = attempt(local_only=True)
+    except Exception as local_err:
+        if _offline():
+            raise _hub_error(name, "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache", local_err) from local_err
+        if not _hub_reachable():
+            raise _hub_error(name, "no Hugging Face hub is reachable and it is not in the local Hugging Face cache") from local_err
+        try:
+            model, tokenizer = attempt(local_only=False)
+        except Exception as err:
+            raise _hub_error(name, "the hub has no such model id, or it could not be downloaded", err) from err
     return _finish(model, dtype, device), tokenizer
 
 

@@ -121,6 +121,14 @@ def test_unknown_hub_id_offline_is_a_clear_error() -> None:
     assert "local" in str(info.value) and "smollm2" in str(info.value)
 
 
+def test_unreachable_hub_fails_fast_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models, "_offline", lambda: False)
+    monkeypatch.setattr(models, "_hub_reachable", lambda timeout_s=3.0: False)
+    with pytest.raises(ModelLoadError, match="no Hugging Face hub is reachable") as info:
+        load_model("no-such-org-confkv/no-such-model")
+    assert "smollm2" in str(info.value)
+
+
 def test_directory_without_config(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(str(tmp_path))

@@ -189,3 +189,24 @@ def test_score_niah_numbers(generated: str, ok: bool) -> None:
 def test_score_niah_text_answer() -> None:
     assert score_niah(" To Eat a croissant in the morning", "to eat a croissant")
     assert not score_niah(" sleep", "to eat a croissant")
+
+
+# --------------------------------------------------------------------------- with the real SmolLM2
+
+
+@pytest.mark.integration
+def test_builtin_corpora_sizes_in_smollm2_tokens(smollm2) -> None:
+    _, tok = smollm2
+    assert 100_000 < data._corpus_ids(tok, "pydoc-topics").numel() < 130_000  # ~113K
+    assert data._corpus_ids(tok, "stdlib-docs").numel() > 20_000  # ~100K
+
+
+@pytest.mark.integration
+def test_smollm2_retrieves_the_passkey_with_full_attention(smollm2) -> None:
+    """METHOD.md: passkey retrieval with full KV works at middle depths (here 1K tokens)."""
+    model, tok = smollm2
+    sample = make_niah_sample(tok, context_tokens=1024, depth=0.5, trial=0)
+    with torch.no_grad():
+        out = model.generate(sample.input_ids, max_new_tokens=10, do_sample=False, pad_token_id=tok.eos_token_id)
+    generated = tok.decode(out[0, sample.input_ids.shape[1]:])
+    assert score_niah(generated, sample.answer), generated

@@ -314,14 +314,16 @@ def test_gemma3_missing_package_names_the_pip_command(tmp_path: Path, monkeypatc
 
 
 @pytest.mark.integration
-def test_real_smollm2_loads_and_answers() -> None:
-    """Loads SmolLM2-135M from the converted cache (~20-30 s the first time, seconds after)."""
-    model, tok = load_model("smollm2")
+def test_real_smollm2_loads_and_answers(smollm2) -> None:
+    """SmolLM2-135M from the converted cache (~20-30 s the first time, seconds after);
+    ``smollm2`` is the session fixture in conftest.py (``load_model("smollm2")``)."""
+    model, tok = smollm2
     config = model.config
     assert (config.model_type, config.num_hidden_layers) == ("llama", 30)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
     assert model_max_positions(model) == 8192
     assert not model.training and next(model.parameters()).dtype == torch.float32
+    assert not hasattr(config, "quantization_config"), "the cached copy is plain fp32, not a GGUF-quantized model"
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.eos_token_id)

@@ -1,18 +1,27 @@
 """Block-wise online-softmax attention read over mixed FP / INT8 KV segments.
 
 This is the PyTorch reference of the read (flash-decoding style): the
-concatenation of the segments is walked block by block with a running max
-and a running sum (the online softmax of FlashAttention, Dao et al. 2022,
-and of Flash-Decoding, Dao et al. 2023).  INT8 blocks are dequantized as they
-are read, never as a whole segment:
+concatenation of the segments is walked tile by tile with a running max, a
+running sum and a running output, rescaled as each tile is merged (the online
+softmax of FlashAttention, Dao et al. 2022, and its split-KV use in
+Flash-Decoding, Dao et al. 2023).  Within a tile, INT8 keys and values are
+dequantized one block of ``block_size`` slots at a time, never as a whole
+segment:
 
 * the frozen key channel scale (see :mod:`confkv.quant`) is folded into the
   query once per segment: ``q . (k_int8 * ts * cs) = ((q * cs) . k_int8) * ts``;
-* the per-token key scale multiplies the block's scores;
+* the per-token key scale multiplies the tile's scores;
 * the per-token value scale multiplies the probabilities before ``p @ v``.
 
 So the only full-precision data the read creates for an INT8 segment is one
-block at a time (``block_size`` tokens), converted from int8.
+block at a time, converted from int8, plus the tile's scores ([B*Hkv, G*Q,
+tile] floats, which the attention mass needs anyway).  On CPU every torch op
+costs several microseconds of dispatch, so for decoding (few query rows) a
+tile is a whole segment: the softmax bookkeeping is then a handful of ops per
+segment and each block costs 4 ops (convert K, ``bmm``, convert V,
+``baddbmm``).  ``tile_size`` can force small tiles (the tests do, to exercise
+the rescaling); the automatic tile is capped so that its scores stay below
+``_TILE_SCORE_BUDGET`` floats for long query blocks (prefill).
 
 GQA: the query [B, Hq, Q, D] with Hq = Hkv * G is viewed as
 [B, Hkv, G * Q, D] (query head ``h`` reads KV head ``h // G``, the Hugging
@@ -33,10 +42,9 @@ from torch import Tensor
 # at a finite value keeps exp(-inf - m) = 0 and exp(m_old - m_new) finite even
 # while every slot seen so far is masked, without extra `where` ops.
 _MAX_START = -1e30
-# Default block: on CPU the per-block Python/dispatch overhead (~15 small ops)
-# dominates small blocks, while an int8 block converted to float32 should stay
-# cache-resident; 1024 tokens (Hkv * 1024 * D * 4 bytes, 768 KiB at SmolLM2's
-# shape) is the measured sweet spot (benchmarks/attention_read.py).
+# Default block: an int8 block converted to float32 (Hkv * 1024 * D * 4 bytes,
+# 768 KiB at SmolLM2's shape) stays in a 2 MiB L2 while the bmm reads it;
+# larger blocks only save a few ops per block (benchmarks/attention_read.py).
 DEFAULT_BLOCK_SIZE = 1024
 # Automatic tile cap, in score entries (B * Hkv * G*Q * tile floats): 16 MiB.
 _TILE_SCORE_BUDGET = 1 << 22

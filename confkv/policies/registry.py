@@ -8,8 +8,14 @@ from confkv.config import GateConfig, ConfidenceConfig
 from confkv.errors import ConfigError
 from confkv.policies.base import Policy
 from confkv.policies.confkv import ConfKVPolicy
+from confkv.policies.confkv_fixed import ConfKVFixedPolicy
+from confkv.policies.confkv_l import ConfKVLPolicy
 from confkv.policies.full import FullPolicy
+from confkv.policies.h2o import H2OPolicy
+from confkv.policies.random_evict import RandomPolicy
+from confkv.policies.scissorhands import ScissorhandsPolicy
 from confkv.policies.streaming import StreamingPolicy
+from confkv.policies.tova import TOVAPolicy
 from confkv.policies.window import WindowPolicy
 
 POLICIES: dict[str, type[Policy]] = {}
@@ -21,7 +27,8 @@ def register(policy_class: type[Policy]) -> type[Policy]:
     return policy_class
 
 
-for _cls in (FullPolicy, WindowPolicy, StreamingPolicy, ConfKVPolicy):
+for _cls in (FullPolicy, WindowPolicy, StreamingPolicy, ConfKVPolicy,
+             H2OPolicy, ScissorhandsPolicy, TOVAPolicy, RandomPolicy, ConfKVFixedPolicy, ConfKVLPolicy):
     register(_cls)
 
 _GATE_FIELDS = ("tau", "n_high", "n_low")

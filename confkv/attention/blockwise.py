@@ -166,19 +166,21 @@ def _tile_scores(
 
 
 def _accumulate_values(
-    acc: Tensor, probs: Tensor, segment: KVSegment, start: int, stop: int, block_size: int
+    acc: Tensor, probs: Tensor, segment: KVSegment, start: int, stop: int, block_size: int, reuse_probs: bool
 ) -> None:
     """acc += probs @ values[start:stop], dequantizing int8 values per block.
 
     Args:
         acc: [B*Hkv, G*Q, D] float32, updated in place.
         probs: [B*Hkv, G*Q, stop - start] float32 (unnormalised probabilities).
+        reuse_probs: probs may be overwritten (the mass does not need them).
     """
     values = segment.values
     batch, kv_heads, _, head_dim = values.shape
     if segment.values_int8:
         token_scale = segment.value_token_scale[:, :, start:stop].to(torch.float32)
-        probs = probs * token_scale.reshape(batch * kv_heads, 1, stop - start)
+        token_scale = token_scale.reshape(batch * kv_heads, 1, stop - start)
+        probs = probs.mul_(token_scale) if reuse_probs else probs * token_scale
     step = stop - start if values.dtype == torch.float32 else block_size
     for block_start in range(start, stop, step):
         block_stop = min(block_start + step, stop)
@@ -281,7 +283,7 @@ def blockwise_attention(
                 correction = (running_max - new_max).exp_()
                 running_sum.mul_(correction).add_(probs.sum(dim=-1, keepdim=True))
                 acc.mul_(correction)
-            _accumulate_values(acc, probs, segment, start, stop, block_size)
+            _accumulate_values(acc, probs, segment, start, stop, block_size, reuse_probs=not need_mass)
             running_max = new_max
             if need_mass:
                 kept[-1].append((probs, new_max))

@@ -276,6 +276,17 @@ class NiahSample:
         return self.needle_position / max(1, self.context_ids.shape[1])
 
 
+def _special_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts in front of a text by default (e.g. Gemma's <bos>;
+    empty for SmolLM2 and GPT-2)."""
+    with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
+    plain = _encode(tokenizer, "a")
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start : start + len(plain)] == plain:
+            return with_special[:start]
+    return []
+
+
 def _passkey(trial: int, seed: int) -> str:
     """A 5-7 digit number, deterministic in (trial, seed)."""
     rng = random.Random(1_000_003 * seed + trial)
@@ -331,6 +342,7 @@ def make_niah_sample(
     answer: str | None = None,
     seed: int = 0,
     haystack_offset: int = 0,
+    add_special_tokens: bool = True,
 ) -> NiahSample:
     """Build a passkey-style needle-in-a-haystack prompt of exactly ``context_tokens`` tokens.
 
@@ -341,7 +353,8 @@ def make_niah_sample(
     the question
     (``question_template.format(answer=...)``) follows after a blank line. The answer is
     a 5-7 digit number drawn from ``(trial, seed)`` unless ``answer`` is given. Plain
-    text, no chat template, no BOS token (prepend one yourself if your model needs it).
+    text, no chat template. With ``add_special_tokens`` the context starts with whatever
+    the tokenizer prepends by default (Gemma's <bos>; nothing for SmolLM2/GPT-2).
 
     Returns:
         NiahSample with input_ids [1, context_tokens] = cat(context_ids, question_ids).
@@ -356,7 +369,8 @@ def make_niah_sample(
     # sentence it follows a space, like the next sentence would.
     own_line = _encode(tokenizer, needle_text + "\n")
     in_text = _encode(tokenizer, " " + needle_text)
-    n_search = context_tokens - len(question) - max(len(own_line), len(in_text))
+    prefix = _special_prefix(tokenizer) if add_special_tokens else []
+    n_search = context_tokens - len(prefix) - len(question) - max(len(own_line), len(in_text))
     if n_search < 1:
         raise ValueError(f"context_tokens={context_tokens} is too short for the needle and question")
     hay = corpus_tokens(tokenizer, haystack, n_search, offset=haystack_offset)[0].tolist()
@@ -366,16 +380,16 @@ def make_niah_sample(
     at = _insertion_index(pieces, round(depth * n_search), window=max(16, n_search // 20))
     needle = own_line if at == 0 or pieces[at - 1].endswith("\n") else in_text
     # The haystack fills the rest exactly; it only grows past n_search, after the needle.
-    n_hay = context_tokens - len(question) - len(needle)
+    n_hay = context_tokens - len(prefix) - len(question) - len(needle)
     hay = corpus_tokens(tokenizer, haystack, n_hay, offset=haystack_offset)[0].tolist()
-    context_ids = torch.tensor([hay[:at] + needle + hay[at:]], dtype=torch.long)
+    context_ids = torch.tensor([prefix + hay[:at] + needle + hay[at:]], dtype=torch.long)
     question_ids = torch.tensor([question], dtype=torch.long)
     return NiahSample(
         input_ids=torch.cat([context_ids, question_ids], dim=1),
         context_ids=context_ids,
         question_ids=question_ids,
         answer=answer,
-        needle_position=at,
+        needle_position=len(prefix) + at,
         needle_length=len(needle),
         depth=depth,
         trial=trial,

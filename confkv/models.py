@@ -301,7 +301,13 @@ def _convert_into_cache(spec: BundledModel, target: Path, source_version: str | 
         if _cache_is_valid(target, source_version):
             return  # another process finished first; keep its copy
         _discard(target)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Lost a race: another process renamed its copy into place between our
+            # discard and our rename. Its copy is as good as ours.
+            if not _cache_is_valid(target, source_version):
+                raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -168,6 +168,29 @@ def test_niah_custom_needle_question_and_haystack(tok, tmp_path: Path) -> None:
     assert sample.answer == "to eat a croissant"
 
 
+def test_niah_keeps_the_tokenizers_bos(tok) -> None:
+    """Tokenizers that prepend <bos> by default (Gemma) get it at the start of the context."""
+    from tokenizers.processors import TemplateProcessing
+
+    from confkv.models import tiny_tokenizer
+
+    bos_tok = tiny_tokenizer()
+    bos_tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos_tok.bos_token_id)]
+    )
+    assert bos_tok("a").input_ids == [bos_tok.bos_token_id, ord("a")]
+    for depth in (0.0, 0.5):
+        sample = make_niah_sample(bos_tok, context_tokens=800, depth=depth, trial=2)
+        assert sample.input_ids.shape == (1, 800)
+        assert sample.context_ids[0, 0].item() == bos_tok.bos_token_id
+        pos = sample.needle_position
+        assert bos_tok.decode(sample.context_ids[0, pos : pos + sample.needle_length]).startswith(
+            ("The special", " The special")
+        )
+    plain = make_niah_sample(bos_tok, context_tokens=800, depth=0.0, trial=2, add_special_tokens=False)
+    assert plain.needle_position == 0 and plain.context_ids[0, 0].item() != bos_tok.bos_token_id
+
+
 def test_niah_rejects_bad_arguments(tok) -> None:
     with pytest.raises(ValueError, match="depth"):
         make_niah_sample(tok, context_tokens=500, depth=1.5, trial=0)

@@ -7,9 +7,10 @@ Layout of one layer (every tensor dense, no index tables)::
 
 New tokens are appended to ``recent``. At the end of a step (``end_step``):
 
-1. *ageing*: once ``recent`` holds ``recent_len + move_block`` slots, its oldest
-   slots move to ``old`` (quantised on the way when ``kv_int8``), so ``old`` is
-   rewritten once per ``move_block`` steps and never re-quantised;
+1. *ageing*: once ``recent`` holds ``recent_len + move_block`` slots (or at once
+   when the layer is over budget), its oldest slots move to ``old`` (quantised on
+   the way when ``kv_int8``), so ``old`` is rewritten once per ``move_block`` steps
+   and tokens are quantised exactly once;
 2. *eviction*: if a sequence holds more than its budget, ``old`` is compacted by one
    gather to the policy's best slots (``recent`` and the policy's protected and sink
    tokens are kept).
@@ -24,7 +25,7 @@ import torch
 
 from confkv.config import StoreConfig
 from confkv.eviction import protection_mask, select_kept
-from confkv.interim_read import KVSegment, blockwise_attention
+from confkv.attention import KVSegment, attention_read
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.region import Region, concat, select_batch
 
@@ -171,7 +172,7 @@ class LayerStore:
             self._segment(self.recent, self._visible(self.recent, query_positions, causal=new > 1)),
         ]
         need_mass = bool(self.stat_names) and self.policy.needs_attention
-        out, masses = blockwise_attention(query, segments, scaling, block_size=self.config.block_size,
+        out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
                                           softcap=softcap, need_mass=need_mass)
         if need_mass:
             self.policy.observe(self.old.stats, masses[0], new)
@@ -188,15 +189,20 @@ class LayerStore:
         """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction)."""
         if not self.is_initialized or self.pending:
             return
-        self._age()
         if self.sliding_window is not None:
             budget = torch.full_like(self.seen_real, self.sliding_window - 1)
+        over_budget = budget is not None and bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
+        self._age(force=over_budget)
         self._evict(budget)
 
-    def _age(self) -> None:
-        """Move the oldest FP-window slots to the older region, in groups of ``move_block``."""
+    def _age(self, force: bool) -> None:
+        """Move the oldest FP-window slots to the older region.
+
+        Normally in groups of ``move_block`` (the older region is rewritten once per group);
+        when the layer is over budget, at once, so that eviction can reach them.
+        """
         surplus = self.recent.length - self.recent_len
-        if surplus < self.config.move_block and not (self.sliding_window is not None and surplus > 0):
+        if surplus <= 0 or (surplus < self.config.move_block and not force):
             return
         moving = self.recent.slice(0, surplus)
         self.recent = self.recent.slice(surplus, self.recent.length)

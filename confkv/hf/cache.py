@@ -145,15 +145,10 @@ class ConfKVCache(Cache):
 
     def _validate(self) -> None:
         policy, store = self.policy, self.store_config
-        recent_len = max(policy.protect, store.fp_window) if store.kv_int8 else policy.protect
-        fp_peak = recent_len + store.move_block - 1
-        if policy.min_budget() <= fp_peak + policy.sinks and policy.min_budget() < 2**62:
-            field = "fp_window" if store.kv_int8 else "move_block"
+        if store.kv_int8 and policy.min_budget() < 2**62 and store.fp_window + policy.sinks >= policy.min_budget():
             raise ConfigError(
-                f"{field}: the FP window can hold up to {fp_peak} never-evicted tokens "
-                f"(max(protect, fp_window) + move_block - 1 with kv_int8, protect + move_block - 1 without) "
-                f"plus {policy.sinks} sinks, which does not fit the smallest budget {policy.min_budget()}; "
-                "lower fp_window/move_block/protect or raise the budget")
+                f"fp_window: the FP window of {store.fp_window} tokens (never evicted) plus {policy.sinks} sinks "
+                f"does not fit the smallest budget {policy.min_budget()}; lower fp_window or raise the budget")
 
     # -- the step --------------------------------------------------------------------------------
     def _mark_active(self) -> None:

@@ -1,0 +1,99 @@
+"""The ``confkv`` command.
+
+Subcommands:
+    demo   CONF-KV next to the full cache on the bundled SmolLM2: text, traces, speed.
+    ppl    token-by-token streaming perplexity of one policy, with the memory trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from confkv.errors import ConfKVError
+
+
+def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
+    """Policy parameters given as ``--param key=value`` (values parsed as JSON when possible)."""
+    params: dict[str, Any] = {}
+    for item in args.param or []:
+        if "=" not in item:
+            raise SystemExit(f"--param expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            params[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key.replace("-", "_")] = raw
+    return params
+
+
+def _store_config(args: argparse.Namespace):
+    from confkv.config import StoreConfig
+
+    return StoreConfig(kv_int8=args.int8, fp_window=args.fp_window, prefill_chunk=args.chunk)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="'smollm2' (bundled), 'gemma3-270m', a local path or a hub id")
+    parser.add_argument("--policy", default="confkv", help="policy name (see `confkv policies`)")
+    parser.add_argument("--param", action="append", metavar="KEY=VALUE",
+                        help="policy parameter, repeatable (e.g. --param n_high=128 --param tau=0.6)")
+    parser.add_argument("--int8", action="store_true", help="store tokens older than the FP window in INT8")
+    parser.add_argument("--fp-window", type=int, default=128, help="recent tokens kept in full precision (W)")
+    parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="confkv", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="CONF-KV next to the full cache on the bundled model")
+    _add_common(demo)
+    demo.add_argument("--prompt", default=None)
+    demo.add_argument("--max-new-tokens", type=int, default=160)
+    demo.set_defaults(param=None)
+
+    ppl = sub.add_parser("ppl", help="streaming perplexity of one policy")
+    _add_common(ppl)
+    ppl.add_argument("--corpus", default="pydoc-topics", help="built-in corpus name, a text file, or hf:<dataset>")
+    ppl.add_argument("--tokens", type=int, default=2048)
+    ppl.add_argument("--offset", type=int, default=0)
+    ppl.add_argument("--out", type=Path, default=None, help="write the summary and trace as JSON here")
+    ppl.add_argument("--plot", type=Path, default=None, help="write the kept-tokens / KV-bytes / confidence plot here")
+
+    sub.add_parser("policies", help="list the registered policies and their parameters")
+
+    args = parser.parse_args(argv)
+    try:
+        if getattr(args, "threads", None):
+            import torch
+
+            torch.set_num_threads(args.threads)
+        if args.command == "policies":
+            from confkv.policies import POLICIES
+
+            for name, cls in sorted(POLICIES.items()):
+                fields = ", ".join(f for f in cls.__dataclass_fields__)
+                print(f"{name:14s} {fields}")
+            return 0
+        if args.command == "demo":
+            from confkv.demo import run_demo
+
+            return run_demo(args.model, args.prompt, args.max_new_tokens, store=_store_config(args))
+        if args.command == "ppl":
+            from confkv.commands_ppl import run_ppl
+
+            return run_ppl(args, _policy_params(args), _store_config(args))
+    except ConfKVError as error:
+        print(f"confkv: error: {error}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

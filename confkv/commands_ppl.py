@@ -1,0 +1,46 @@
+"""``confkv ppl``: streaming perplexity of one policy, printed and optionally saved."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from confkv.config import StoreConfig
+from confkv.textplot import sparkline
+
+
+def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig) -> int:
+    from confkv.data import corpus_tokens
+    from confkv.eval.ppl import streaming_ppl
+    from confkv.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
+    result = streaming_ppl(model, ids, args.policy, store=store, **params)
+    summary = result.summary()
+    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8})
+    trace = result.trace
+    kept = trace.kept_tokens(0)
+    conf = trace.confidences(0)
+    budgets = [float(s.budget[0]) for s in trace.steps]
+    print(f"policy {args.policy} {params}  int8={store.kv_int8}")
+    print(f"tokens {summary['tokens']}  ppl {summary['ppl']:.3f}  peak KV {summary['peak_kv_bytes'] / 1e6:.2f} MB  "
+          f"mean KV {summary['mean_kv_bytes'] / 1e6:.2f} MB  {summary['tokens_per_second']:.1f} tok/s")
+    print(f"confidence  {sparkline(conf, low=0.0, high=1.0)}")
+    print(f"kept tokens {sparkline(kept)}  ({min(kept):.0f}..{max(kept):.0f})")
+    switches = sum(1 for a, b in zip(budgets, budgets[1:]) if a != b)
+    distinct = sorted(set(int(b) for b in budgets))
+    print(f"budget switches: {switches}; budgets used: {distinct[:6]}{' ...' if len(distinct) > 6 else ''}")
+    print(f"kept tokens, steps 1000-1039: {[int(k) for k in kept[1000:1040]]}" if len(kept) > 1040 else "")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"summary": summary, "trace": trace.to_dict(),
+                                        "nll": result.nll.tolist()}))
+        print(f"wrote {args.out}")
+    if args.plot:
+        from confkv.eval.plots import plot_trace
+
+        plot_trace(trace, args.plot, title=f"{args.policy} on {args.corpus}")
+        print(f"wrote {args.plot}")
+    return 0

@@ -87,8 +87,8 @@ class _Checker(LogitsProcessor):
         return scores
 
 
-def _run(model, name, params, ids, mask, kv_int8):
-    store = StoreConfig(kv_int8=kv_int8, fp_window=FP_WINDOW, move_block=4)
+def _run(model, name, params, ids, mask, kv_int8, fp_window=FP_WINDOW):
+    store = StoreConfig(kv_int8=kv_int8, fp_window=fp_window, move_block=4)
     cache = ConfKVCache.for_model(model, name, store=store, **params)
     checker = _Checker(cache)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, cache=cache,
@@ -120,14 +120,19 @@ def test_budget_protection_determinism(model, name, batch, kv_int8):
     assert checker.snapshots == checker2.snapshots
 
 
+@pytest.mark.parametrize("kv_int8", [False, True], ids=["fp", "int8"])
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_exact_when_budget_exceeds_sequence(model, name, batch):
+def test_exact_when_budget_exceeds_sequence(model, name, batch, kv_int8):
+    """With INT8 on, an FP window as long as the sequence quantizes nothing: still exact."""
     ids, mask = _prompt(batch)
+    params = _params(name, 4000)
+    if kv_int8 and "min_layer_budget" in params:
+        params["min_layer_budget"] = 2 * (PROMPT + NEW)  # above fp_window + sinks
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                          cache=DynamicCache(config=model.config), pad_token_id=PAD,
                          output_logits=True, return_dict_in_generate=True)
-    out, cache, _ = _run(model, name, _params(name, 4000), ids, mask, kv_int8=False)
+    out, cache, _ = _run(model, name, params, ids, mask, kv_int8=kv_int8, fp_window=PROMPT + NEW)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(ref.logits, 1), atol=1e-4, rtol=1e-4)
     assert torch.equal(cache.kept_counts()[:, 0], torch.full((len(cache.layers),), PROMPT + NEW - 1))

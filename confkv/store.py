@@ -49,7 +49,7 @@ class LayerStore:
         if sliding_window is not None:
             self.recent_len = 0
         elif self.int8:
-            self.recent_len = max(policy.protect, config.fp_window)
+            self.recent_len = config.fp_window  # never evicted: effective protection is max(protect, W)
         else:
             self.recent_len = policy.protect
         self.stat_names = () if sliding_window is not None else policy.stat_names
@@ -167,16 +167,15 @@ class LayerStore:
             raise RuntimeError(f"confkv: {query.shape[2]} queries but {new} new keys in this layer; "
                                "the cache and the attention read are out of step")
         query_positions = self._place_new_tokens(padding)
-        segments = [
-            self._segment(self.old, self._visible(self.old, query_positions, causal=False)),
-            self._segment(self.recent, self._visible(self.recent, query_positions, causal=new > 1)),
-        ]
+        regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
+        segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
+                    for r in regions]
         need_mass = bool(self.stat_names) and self.policy.needs_attention
         out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
-                                          softcap=softcap, need_mass=need_mass)
+                                     softcap=softcap, need_mass=need_mass)
         if need_mass:
-            self.policy.observe(self.old.stats, masses[0], new)
-            self.policy.observe(self.recent.stats, masses[1], new)
+            for region, mass in zip(regions, masses):
+                self.policy.observe(region.stats, mass, new)
         return out
 
     def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:

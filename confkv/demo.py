@@ -13,7 +13,7 @@ from confkv.textplot import sparkline
 
 DEFAULT_PROMPT = ("Explain, step by step and in detail, how a hash table works: hashing, collisions, "
                   "open addressing versus chaining, resizing, and the cost of each operation.")
-DEMO_POLICY = {"n_high": 64, "n_low": 128, "tau": 0.6, "protect": 16, "sinks": 4}
+DEMO_POLICY = {"n_high": 48, "n_low": 112, "tau": 0.8, "protect": 16, "sinks": 4}
 
 
 def _generate(model, tokenizer, input_ids, cache, max_new_tokens):

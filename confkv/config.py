@@ -79,11 +79,21 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class GateConfig:
-    """The confidence gate (METHOD.md step 2): ``c >= tau`` -> ``n_high`` (tight), else ``n_low`` (loose)."""
+    """The confidence gate (METHOD.md step 2): ``c >= tau`` -> ``n_high`` (tight), else ``n_low`` (loose).
+
+    ``smoothing`` (default 0, the paper's per-step gate) gates on an exponential moving
+    average of the confidence instead, ``g_t = smoothing * g_{t-1} + (1 - smoothing) * c_t``.
+    Measured on SmolLM2 (README, "The sawtooth"), the raw per-step confidence swings
+    across ``tau`` almost every step; since evicted tokens never come back, the cache can
+    only grow by one token per uncertain step and is cut back at the next confident one,
+    so a per-step gate stays close to ``n_high``. Smoothing gives the gate longer
+    uncertain and confident stretches.
+    """
 
     tau: float = 0.5
     n_high: int = 256
     n_low: int = 512
+    smoothing: float = 0.0
     confidence: ConfidenceConfig = field(default_factory=ConfidenceConfig)
 
     def __post_init__(self) -> None:
@@ -93,5 +103,7 @@ class GateConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
                      f"must be a positive integer number of tokens, got {value!r}")
+        _require(isinstance(self.smoothing, (int, float)) and 0.0 <= self.smoothing < 1.0, "smoothing",
+                 f"must be in [0, 1), got {self.smoothing!r}")
         _require(self.n_high <= self.n_low, "n_high",
                  f"the tight (confident) budget n_high={self.n_high} must be <= the loose budget n_low={self.n_low}")

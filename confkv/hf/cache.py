@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from confkv.budget import BudgetController
 from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
@@ -124,6 +125,7 @@ class ConfKVCache(Cache):
         stores = [LayerStore(policy, self.store_config, sliding_window=w) for w in layout.sliding_windows]
         super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
         self.managed = layout.managed
+        self.controller = BudgetController(policy, len(self.managed))
         self.trace = MemoryTrace()
         self.evict = True  # set False to defer eviction (e.g. query-aware prefill)
         gate = getattr(policy, "gate", None)
@@ -172,7 +174,7 @@ class ConfKVCache(Cache):
                 "attn_implementation='confkv'. Build the cache with ConfKVCache.for_model(model, ...) "
                 "or call confkv.hf.enable(model) first.")
         conf = confidence_of(logits.detach(), self.confidence_config)
-        budgets = self.policy.layer_budgets(conf, len(self.managed))
+        budgets = self.controller.step(conf)
         budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
         for layer_idx, store in enumerate(stores):
             store.end_step(budget_of.get(layer_idx) if self.evict else None)
@@ -193,6 +195,19 @@ class ConfKVCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(_NO_CROP)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.controller.select_batch(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.controller.select_batch(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.controller.gated is not None:
+            self.controller.gated = self.controller.gated.repeat_interleave(repeats)
 
 
 class _ActiveCache(__import__("threading").local):

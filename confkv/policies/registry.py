@@ -31,7 +31,7 @@ for _cls in (FullPolicy, WindowPolicy, StreamingPolicy, ConfKVPolicy,
              H2OPolicy, ScissorhandsPolicy, TOVAPolicy, RandomPolicy, ConfKVFixedPolicy, ConfKVLPolicy):
     register(_cls)
 
-_GATE_FIELDS = ("tau", "n_high", "n_low")
+_GATE_FIELDS = ("tau", "n_high", "n_low", "smoothing")
 _CONFIDENCE_FIELDS = ("w_entropy", "w_margin", "w_top", "margin_form")
 
 

@@ -3,6 +3,10 @@
 Subcommands:
     demo   CONF-KV next to the full cache on the bundled SmolLM2: text, traces, speed.
     ppl    token-by-token streaming perplexity of one policy, with the memory trace.
+    niah   needle-in-a-haystack grid, query-aware and streaming protocols.
+    probe  confidence vs the KL shift caused by evicting the most recent tokens.
+    sweep  policies x memory-matched budgets (x INT8) on streaming perplexity (resumable JSONL).
+    report one Markdown/HTML page from a results folder.
 """
 
 from __future__ import annotations
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("policies", help="list the registered policies and their parameters")
 
+    from confkv.commands_eval import COMMANDS as EVAL_COMMANDS, add_eval_subcommands
+
+    add_eval_subcommands(sub, _add_common)
+
     args = parser.parse_args(argv)
     try:
         if getattr(args, "threads", None):
@@ -89,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             from confkv.commands_ppl import run_ppl
 
             return run_ppl(args, _policy_params(args), _store_config(args))
+        if args.command in EVAL_COMMANDS:
+            return EVAL_COMMANDS[args.command](args)
     except ConfKVError as error:
         print(f"confkv: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,217 @@
+"""``confkv niah``, ``confkv probe``, ``confkv sweep``, ``confkv report``: thin CLI over :mod:`confkv.eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in str(text).replace(" ", "").split(",") if x]
+
+
+def _strs(text: str) -> list[str]:
+    return [x for x in str(text).replace(" ", "").split(",") if x]
+
+
+def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a local path or a hub id")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    probe = sub.add_parser("probe", help="confidence vs KL shift from evicting the most recent tokens")
+    model_args(probe)
+    probe.add_argument("--corpus", default="pydoc-topics")
+    probe.add_argument("--tokens", type=int, default=2048)
+    probe.add_argument("--offset", type=int, default=0)
+    probe.add_argument("--k", type=_ints, default=[32], help="tokens evicted before the current one, e.g. 8,32,128")
+    probe.add_argument("--start", type=int, default=None, help="first probed step (default max(64, 2*max(k)))")
+    probe.add_argument("--stride", type=int, default=1, help="probe every s-th step")
+    probe.add_argument("--block", type=int, default=256, help="tokens per forward block")
+    probe.add_argument("--n-boot", type=int, default=2000)
+    probe.add_argument("--block-len", type=int, default=1, help="moving-block bootstrap block length (1 = iid)")
+    probe.add_argument("--out-dir", type=Path, default=Path("results/probe"))
+
+    niah = sub.add_parser("niah", help="needle-in-a-haystack grid (query-aware and streaming protocols)")
+    model_args(niah)
+    niah.add_argument("--policies", type=_strs, default=["full", "streaming", "confkv"],
+                      help="comma-separated policy names")
+    niah.add_argument("--protocols", type=_strs, default=["query-aware", "streaming"])
+    niah.add_argument("--lengths", type=_ints, default=[1024, 2048])
+    niah.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    niah.add_argument("--trials", type=int, default=1)
+    niah.add_argument("--haystack", default="pydoc-topics")
+    niah.add_argument("--needle", default=None, help="needle template with {answer}")
+    niah.add_argument("--question", default=None, help="question template")
+    niah.add_argument("--answer", default=None, help="fixed answer (default: a passkey per trial)")
+    niah.add_argument("--budget-fraction", type=float, default=0.25,
+                      help="KV memory budget as a fraction of the full KV bytes of the longest context")
+    niah.add_argument("--budget-of", choices=("longest", "each"), default="longest",
+                      help="fraction of the longest context (one budget) or of each context length")
+    niah.add_argument("--max-new-tokens", type=int, default=10)
+    niah.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    niah.add_argument("--batch", type=int, default=0, help="sequences per batch (0: all of one length)")
+    niah.add_argument("--int8", action="store_true")
+    niah.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
+    niah.add_argument("--out-dir", type=Path, default=Path("results/niah"))
+
+    sweep = sub.add_parser("sweep", help="policies x memory budgets (x INT8) on streaming perplexity, resumable")
+    model_args(sweep)
+    sweep.add_argument("--policies", type=_strs,
+                       default=["full", "window", "streaming", "confkv", "confkv-fixed", "h2o", "tova",
+                                "scissorhands", "random", "confkv-l"])
+    sweep.add_argument("--reference-windows", type=_ints, default=[512],
+                       help="memory references: full-precision sliding windows of these many tokens")
+    sweep.add_argument("--match", choices=("peak", "mean"), default="peak", help="which KV bytes to match")
+    sweep.add_argument("--int8", choices=("off", "on", "both"), default="off")
+    sweep.add_argument("--corpus", default="pydoc-topics")
+    sweep.add_argument("--tokens", type=int, default=2048)
+    sweep.add_argument("--offset", type=int, default=0)
+    sweep.add_argument("--fp-window", type=int, default=128)
+    sweep.add_argument("--ratio", type=float, default=0.5, help="n_high / n_low for the gated policies")
+    sweep.add_argument("--confidence-trace", type=Path, default=None,
+                       help="a ppl/probe JSON with a confidence trace (for mean matching of gated policies)")
+    sweep.add_argument("--param", action="append", metavar="POLICY:KEY=VALUE",
+                       help="extra parameter for one policy (or '*'), e.g. confkv:tau=0.6")
+    sweep.add_argument("--out", type=Path, default=Path("results/sweep/ppl.jsonl"))
+    sweep.add_argument("--traces-dir", type=Path, default=None, help="also save each run's trace JSON here")
+    sweep.add_argument("--dry-run", action="store_true", help="print the planned runs and budgets only")
+
+    report = sub.add_parser("report", help="Markdown (+ HTML) page from a results folder")
+    report.add_argument("results", type=Path, nargs="?", default=Path("results"))
+    report.add_argument("--out", type=Path, default=None, help="default <results>/REPORT.md")
+    report.add_argument("--html", action="store_true")
+
+
+def _setup(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    import csv
+
+    from confkv.data import corpus_tokens
+    from confkv.eval.probe import plot_probe, probe_confidence_kl
+    from confkv.models import load_model
+
+    _setup(args)
+    model, tokenizer = load_model(args.model)
+    ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
+    results = probe_confidence_kl(model, ids, k=args.k, start=args.start, stride=args.stride, block=args.block,
+                                  n_boot=args.n_boot, block_len=args.block_len, progress=not args.no_progress)
+    out = args.out_dir
+    meta = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "offset": args.offset,
+            "stride": args.stride}
+    _write_json(out / "probe.json", {"meta": meta, "results": [r.to_dict() for r in results]})
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "probe.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["k", "step", "confidence", "kl", "nll_full", "nll_evict", "confidence_evict"])
+        for r in results:
+            for row in zip(r.positions.tolist(), r.confidence.tolist(), r.kl.tolist(), r.nll_full.tolist(),
+                           r.nll_evict.tolist(), r.confidence_evict.tolist()):
+                writer.writerow([r.k, *row])
+    plot_probe(results, out / "probe.png", title=f"{args.model} on {args.corpus} ({args.tokens} tokens)")
+    for r in results:
+        s = r.summary()
+        print(f"k={r.k:4d}  steps {s['steps']}  r={s['pearson_r']:+.3f} CI95 [{s['pearson_ci95'][0]:+.3f}, "
+              f"{s['pearson_ci95'][1]:+.3f}]  r(logKL)={s['pearson_r_log_kl']:+.3f}  rho={s['spearman_rho']:+.3f}  "
+              f"mean KL {s['mean_kl']:.4f}  ppl full {s['ppl_full']:.2f} evict {s['ppl_evict']:.2f}  "
+              f"{s['seconds']:.0f}s")
+    print(f"wrote {out / 'probe.json'}, {out / 'probe.csv'}, {out / 'probe.png'}")
+    return 0
+
+
+def _flat_params(items: list[str] | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--param expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            params[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key.replace("-", "_")] = raw
+    return params
+
+
+def run_niah(args: argparse.Namespace) -> int:
+    from confkv.eval.niah import NiahConfig, plot_niah, run_niah_grid, write_niah
+    from confkv.models import load_model
+
+    _setup(args)
+    model, tokenizer = load_model(args.model)
+    config = NiahConfig(lengths=tuple(args.lengths), depths=tuple(args.depths), trials=args.trials,
+                        policies=tuple(args.policies), protocols=tuple(args.protocols), haystack=args.haystack,
+                        needle_template=args.needle, question_template=args.question, answer=args.answer,
+                        budget_fraction=args.budget_fraction, budget_of=args.budget_of,
+                        max_new_tokens=args.max_new_tokens, chunk=args.chunk, batch=args.batch,
+                        kv_int8=args.int8, extra_params=_flat_params(args.param))
+    result = run_niah_grid(model, tokenizer, config, progress=not args.no_progress, model_name=args.model)
+    paths = write_niah(result, args.out_dir)
+    paths.append(plot_niah(result, args.out_dir / "niah_heatmap.png"))
+    for line in result.summary_lines():
+        print(line)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def run_sweep_cmd(args: argparse.Namespace) -> int:
+    from confkv.config import StoreConfig
+    from confkv.eval.sweep import SweepConfig, plan_sweep, run_sweep
+
+    _setup(args)
+    per_policy: dict[str, dict[str, Any]] = {}
+    for item in args.param or []:
+        who, _, kv = item.partition(":")
+        if not kv:
+            raise SystemExit(f"--param expects POLICY:KEY=VALUE, got {item!r}")
+        per_policy.setdefault(who, {}).update(_flat_params([kv]))
+    int8 = {"off": (False,), "on": (True,), "both": (False, True)}[args.int8]
+    config = SweepConfig(policies=tuple(args.policies), reference_windows=tuple(args.reference_windows),
+                         match=args.match, int8=int8, corpus=args.corpus, tokens=args.tokens, offset=args.offset,
+                         model=args.model, store=StoreConfig(fp_window=args.fp_window), ratio=args.ratio,
+                         policy_params=per_policy, confidence_trace=args.confidence_trace)
+    if args.dry_run:
+        from confkv.models import load_model
+
+        model, _ = load_model(args.model)
+        for run in plan_sweep(model, config):
+            print(json.dumps(run.key_dict()), f"predicted {run.predicted:.0f} B")
+        return 0
+    rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir)
+    print(f"{len(rows)} rows in {args.out}")
+    for row in rows:
+        print(f"{row['policy']:14s} int8={row['kv_int8']!s:5s} ref={row['reference_window']:5d}  "
+              f"params={json.dumps(row['params'])}  ppl {row['ppl']:.3f}  peak {row['peak_kv_bytes'] / 1e6:.2f} MB  "
+              f"mean {row['mean_kv_bytes'] / 1e6:.2f} MB")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from confkv.eval.report import build_report
+
+    path = build_report(args.results, out=args.out, html=args.html)
+    print(f"wrote {path}")
+    return 0
+
+
+COMMANDS = {"probe": run_probe, "niah": run_niah, "sweep": run_sweep_cmd, "report": run_report}

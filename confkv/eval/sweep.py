@@ -1,0 +1,384 @@
+"""Policies x memory budgets (x INT8) on one task, at matched KV memory, resumable.
+
+Memory matching
+---------------
+The reference is a full-precision sliding window of ``W`` tokens (the paper's "memory of a
+512-token window"). For each policy we look for the budget whose KV bytes (``peak`` or
+``mean`` over the run, all layers, as the cache's trace measures them) are the largest not
+exceeding the reference's.
+
+The bytes are predicted *analytically* by :func:`simulate_kv_bytes`, which replays the
+store's bookkeeping step by step (tokens appended, FP window ageing in ``move_block``
+groups, INT8 for older tokens with per-token scales and one frozen channel scale per
+layer, eviction to the policy's per-layer budgets) from bytes per token: no model
+forward. Policies with a constant budget need nothing else. The budget of a gated policy
+depends on the confidence at each step: ``peak`` matching sets ``n_low`` (its peak is the
+loose budget); ``mean`` matching replays the gate over a confidence trace (a previous run's,
+by default the sweep's own full-KV run, which is run first) and searches the scale of
+``(n_high, n_low) = (ratio * n, n)``. Every run's row records the predicted bytes next to
+the measured ones (``match_error``), so the analytic match is verified by the trace.
+
+Resumability
+------------
+One JSON row per run, appended to a JSONL file as one complete line, flushed and fsynced.
+A run's key (task, model, corpus, tokens, offset, policy, params, INT8, FP window) is
+checked against the rows already on disk and skipped when present; a torn last line (a
+kill in the middle of a write) is cut off on load, so it is neither kept nor duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from confkv.config import StoreConfig
+from confkv.errors import ConfKVError
+from confkv.policies import UNLIMITED, Policy, make_policy
+
+GATED = ("confkv", "confkv-l")
+
+
+# --------------------------------------------------------------------------- bytes model
+
+@dataclass(frozen=True)
+class BytesModel:
+    """Bytes per token of one sequence, per layer, as the store counts them."""
+
+    sliding_windows: tuple[int | None, ...]
+    fp_bytes: int  # K+V of one full-precision token, one layer
+    int8_bytes: int  # K+V of one INT8 token incl. per-token scales, one layer
+    channel_scale_bytes: int  # one layer's frozen key channel scale
+
+    @classmethod
+    def for_model(cls, model: Any) -> "BytesModel":
+        from confkv import quant
+        from confkv.hf.support import layer_layout, text_config
+
+        layout = layer_layout(model.config)
+        config = text_config(model.config)
+        heads = getattr(config, "num_attention_heads", None) or config.n_head
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        hidden = getattr(config, "hidden_size", None) or config.n_embd
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        dtype = next(model.parameters()).dtype
+        return cls(layout.sliding_windows, quant.fp_bytes_per_token(kv_heads, head_dim, dtype),
+                   quant.int8_bytes_per_token(kv_heads, head_dim), quant.channel_scale_bytes(kv_heads, head_dim))
+
+    @property
+    def managed(self) -> int:
+        return sum(1 for w in self.sliding_windows if w is None)
+
+
+def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store: StoreConfig | None = None,
+                      confidences: Sequence[float] | None = None) -> np.ndarray:
+    """Predicted KV bytes (all layers, one sequence) after each of ``steps`` single-token steps.
+
+    Replays :class:`confkv.store.LayerStore`'s ageing/eviction bookkeeping; ``confidences``
+    (one per step, default 0 = uncertain) drive gated budgets.
+    """
+    store = store or StoreConfig()
+    managed = bytes_model.managed
+    from confkv.store import LayerStore
+
+    recent_len = LayerStore(policy, store).recent_len  # the store's own rule for its never-evicted FP window
+    old_bytes = bytes_model.int8_bytes if store.kv_int8 else bytes_model.fp_bytes
+    recent = np.zeros(managed, dtype=np.int64)
+    old = np.zeros(managed, dtype=np.int64)
+    scaled = np.zeros(managed, dtype=bool)
+    sliding = [w for w in bytes_model.sliding_windows if w is not None]
+    out = np.empty(steps, dtype=np.float64)
+    if confidences is not None and len(confidences) < steps:
+        raise ValueError(f"{len(confidences)} confidences for {steps} steps")
+    cache: dict[float, np.ndarray] = {}
+    for t in range(steps):
+        c = float(confidences[t]) if confidences is not None else 0.0
+        key = c if policy.name in GATED else 0.0
+        budget = cache.get(key)
+        if budget is None:
+            budget = policy.layer_budgets(torch.tensor([key], dtype=torch.float32), managed)[0].numpy()
+            budget = np.minimum(budget, UNLIMITED)
+            cache[key] = budget
+        recent += 1
+        over = (recent + old) > budget
+        surplus = recent - recent_len
+        move = (surplus > 0) & ((surplus >= store.move_block) | over)
+        old = np.where(move, old + surplus, old)
+        recent = np.where(move, recent_len, recent)
+        scaled |= move & store.kv_int8
+        keep_old = np.maximum(budget - recent, 0)
+        floor = min(policy.sinks, t + 1)  # sinks are never evicted
+        old = np.minimum(old, np.maximum(keep_old, np.minimum(old, floor)))
+        total = int((recent * bytes_model.fp_bytes + old * old_bytes).sum())
+        total += int(scaled.sum()) * bytes_model.channel_scale_bytes
+        total += sum(min(t + 1, w - 1) for w in sliding) * bytes_model.fp_bytes
+        out[t] = total
+    return out
+
+
+def reference_bytes(bytes_model: BytesModel, window: int, steps: int, stat: str) -> float:
+    """Peak or mean KV bytes of a full-precision ``window``-token sliding window over ``steps`` steps."""
+    trace = simulate_kv_bytes(make_policy("window", budget=window), bytes_model, steps, StoreConfig())
+    return float(trace.max() if stat == "peak" else trace.mean())
+
+
+def _budget_params(name: str, n: int, ratio: float) -> dict[str, Any]:
+    if name in GATED:
+        return {"n_low": n, "n_high": max(1, round(ratio * n))}
+    return {"budget": n}
+
+
+def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel, steps: int, *,
+                 stat: str = "peak", store: StoreConfig | None = None, ratio: float = 0.5,
+                 confidences: Sequence[float] | None = None, extra: dict[str, Any] | None = None,
+                 max_tokens: int = 1 << 20) -> tuple[dict[str, Any], float]:
+    """Budget parameters for ``policy_name`` whose predicted ``stat`` KV bytes are the largest <= ``target_bytes``.
+
+    Returns ``(params, predicted_bytes)``; params are the policy's budget fields
+    (``budget``, or ``n_low``/``n_high`` for gated policies) merged with ``extra``.
+    Raises :class:`ConfKVError` when even the smallest valid budget exceeds the target.
+    """
+    extra = dict(extra or {})
+    if policy_name == "full":
+        trace = simulate_kv_bytes(make_policy("full", **extra), bytes_model, steps, store, confidences)
+        return extra, float(trace.max() if stat == "peak" else trace.mean())
+
+    def predicted(n: int) -> float | None:
+        try:
+            policy = make_policy(policy_name, **{**extra, **_budget_params(policy_name, n, ratio)})
+            if store is not None and store.kv_int8 and store.fp_window + policy.sinks >= policy.min_budget():
+                return None
+        except ConfKVError:
+            return None
+        trace = simulate_kv_bytes(policy, bytes_model, steps, store, confidences)
+        return float(trace.max() if stat == "peak" else trace.mean())
+
+    low, high = 1, max_tokens
+    while low <= high and predicted(low) is None:  # smallest valid budget (validation is monotone)
+        low = low * 2 if low < 64 else low + 64
+        if low > high:
+            break
+    # refine the smallest valid budget downwards
+    lo_valid = low
+    step = max(1, low // 2)
+    while step >= 1:
+        if lo_valid - step >= 1 and predicted(lo_valid - step) is not None:
+            lo_valid -= step
+        else:
+            step //= 2
+    first = predicted(lo_valid)
+    if first is None or first > target_bytes:
+        raise ConfKVError(f"{policy_name}: even the smallest valid budget ({lo_valid}) needs "
+                          f"{first if first is not None else float('nan'):.0f} B > target {target_bytes:.0f} B")
+    lo, hi = lo_valid, min(max_tokens, max(lo_valid, steps + 1))
+    if (predicted(hi) or math.inf) <= target_bytes:
+        lo = hi
+    while lo < hi:  # largest n with predicted(n) <= target
+        mid = (lo + hi + 1) // 2
+        value = predicted(mid)
+        if value is not None and value <= target_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return {**extra, **_budget_params(policy_name, lo, ratio)}, float(predicted(lo))
+
+
+# --------------------------------------------------------------------------- JSONL rows
+
+def row_key(row: dict[str, Any]) -> str:
+    """The identity of a run: equal keys are the same run."""
+    fields = ("task", "model", "corpus", "tokens", "offset", "policy", "params", "kv_int8", "fp_window")
+    return json.dumps({f: row.get(f) for f in fields}, sort_keys=True)
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows already on disk; a torn last line is cut off (the file is truncated to its last newline)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):
+        cut = raw.rfind(b"\n") + 1
+        with open(path, "r+b") as handle:
+            handle.truncate(cut)
+            handle.flush()
+            os.fsync(handle.fileno())
+        raw = raw[:cut]
+    rows = []
+    for line in raw.decode("utf-8").splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def append_row(path: str | Path, row: dict[str, Any]) -> None:
+    """Append ``row`` as one complete line, flushed and fsynced."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(row, sort_keys=True) + "\n"
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(line)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# --------------------------------------------------------------------------- the sweep
+
+@dataclass
+class SweepConfig:
+    policies: tuple[str, ...] = ("full", "window", "streaming", "confkv")
+    reference_windows: tuple[int, ...] = (512,)
+    match: str = "peak"
+    int8: tuple[bool, ...] = (False,)
+    corpus: str = "pydoc-topics"
+    tokens: int = 2048
+    offset: int = 0
+    model: str = "smollm2"
+    store: StoreConfig = field(default_factory=StoreConfig)
+    ratio: float = 0.5
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    confidence_trace: Path | None = None
+    task: str = "ppl"
+
+
+@dataclass
+class PlannedRun:
+    policy: str
+    params: dict[str, Any]
+    kv_int8: bool
+    reference_window: int
+    target: float
+    predicted: float
+    config: SweepConfig
+
+    def key_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {"task": c.task, "model": c.model, "corpus": c.corpus, "tokens": c.tokens, "offset": c.offset,
+                "policy": self.policy, "params": self.params, "kv_int8": self.kv_int8,
+                "fp_window": c.store.fp_window if self.kv_int8 else None}
+
+
+def _confidences_from_json(path: Path) -> list[float]:
+    data = json.loads(Path(path).read_text())
+    if "trace" in data:
+        return [float(c[0]) for c in data["trace"]["confidence"]]
+    if "confidence" in data:
+        return [float(c[0]) if isinstance(c, list) else float(c) for c in data["confidence"]]
+    raise ValueError(f"{path}: no confidence trace (expected a ppl JSON with 'trace')")
+
+
+def plan_sweep(model: Any, config: SweepConfig, confidences: Sequence[float] | None = None) -> list[PlannedRun]:
+    """The runs of a sweep with their memory-matched parameters (no model forward)."""
+    bytes_model = BytesModel.for_model(model)
+    steps = config.tokens - 1
+    if confidences is None and config.confidence_trace is not None:
+        confidences = _confidences_from_json(config.confidence_trace)
+    runs = []
+    for kv_int8 in config.int8:
+        store = replace(config.store, kv_int8=kv_int8)
+        for window in config.reference_windows:
+            target = reference_bytes(bytes_model, window, steps, config.match)
+            for name in config.policies:
+                extra = {**config.policy_params.get("*", {}), **config.policy_params.get(name, {})}
+                if name == "full":
+                    params, predicted = extra, float("nan")
+                    window_key = 0
+                else:
+                    conf = confidences if (config.match == "mean" and name in GATED) else None
+                    params, predicted = match_budget(name, target, bytes_model, steps, stat=config.match, store=store,
+                                                     ratio=config.ratio, confidences=conf, extra=extra)
+                    window_key = window
+                runs.append(PlannedRun(name, params, kv_int8, window_key, target if name != "full" else float("nan"),
+                                       predicted, config))
+    return runs
+
+
+def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
+              progress: bool = True, traces_dir: str | Path | None = None,
+              stop_after: int | None = None) -> list[dict[str, Any]]:
+    """Run (or resume) a sweep; returns all rows of ``out`` for this sweep's runs.
+
+    ``stop_after`` stops after that many new runs (used to simulate an interruption).
+    """
+    from confkv.data import corpus_tokens
+
+    if model is None:
+        from confkv.models import load_model
+
+        model, tokenizer = load_model(config.model)
+    ids = corpus_tokens(tokenizer, config.corpus, config.tokens, offset=config.offset)
+    done = {row_key(r): r for r in load_rows(out)}
+    confidences = None
+    if config.match == "mean" and config.confidence_trace is not None:
+        confidences = _confidences_from_json(config.confidence_trace)
+    # the full-KV run goes first: its confidence trace drives mean matching of gated policies
+    planned: list[PlannedRun] = []
+
+    def collected() -> list[dict[str, Any]]:
+        keys = [row_key(r.key_dict()) for r in planned]
+        return [done[k] for k in dict.fromkeys(keys) if k in done]
+
+    new_runs = 0
+    for kv_int8 in config.int8:
+        sub = replace(config, int8=(kv_int8,))
+        groups = [tuple(p for p in sub.policies if p == "full"), tuple(p for p in sub.policies if p != "full")]
+        for group in groups:
+            if not group:
+                continue
+            if confidences is None and config.match == "mean":
+                full_rows = [r for r in done.values() if r["policy"] == "full" and r.get("confidence")
+                             and r["model"] == config.model and r["corpus"] == config.corpus
+                             and r["tokens"] == config.tokens and r["offset"] == config.offset]
+                if full_rows:
+                    confidences = full_rows[0]["confidence"]
+            for run in plan_sweep(model, replace(sub, policies=group), confidences):
+                planned.append(run)
+                if row_key(run.key_dict()) in done:
+                    continue
+                if stop_after is not None and new_runs >= stop_after:
+                    return collected()
+                _execute(run, model, ids, out, done, progress, traces_dir)
+                new_runs += 1
+    return collected()
+
+
+def _execute(run: PlannedRun, model, ids, out, done, progress, traces_dir) -> dict[str, Any]:
+    from confkv.eval.ppl import streaming_ppl
+
+    store = replace(run.config.store, kv_int8=run.kv_int8)
+    started = time.time()
+    result = streaming_ppl(model, ids, run.policy, store=store, progress=progress, **run.params)
+    trace = result.trace
+    peak, mean = trace.peak_kv_bytes(), trace.mean_kv_bytes()
+    measured = peak if run.config.match == "peak" else mean
+    row = {**run.key_dict(), "reference_window": run.reference_window, "match": run.config.match,
+           "target_bytes": run.target, "predicted_bytes": run.predicted, "ppl": result.ppl,
+           "peak_kv_bytes": peak, "mean_kv_bytes": mean,
+           "match_error": (measured / run.target - 1) if run.target == run.target and run.target else None,
+           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))), "seconds": result.seconds,
+           "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started + result.seconds))}
+    if run.policy == "full":
+        row["confidence"] = [round(c, 5) for c in trace.confidences(0)]
+    if traces_dir is not None:
+        traces_dir = Path(traces_dir)
+        traces_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{run.policy}_int8-{int(run.kv_int8)}_ref-{run.reference_window}_{_params_slug(run.params)}.json"
+        (traces_dir / name).write_text(json.dumps({"summary": row, "trace": trace.to_dict()}))
+        row["trace_file"] = str(traces_dir / name)
+    append_row(out, row)
+    done[row_key(row)] = row
+    return row
+
+
+def _params_slug(params: dict[str, Any]) -> str:
+    return "-".join(f"{k}{v}" for k, v in sorted(params.items()) if isinstance(v, (int, float, str))) or "default"

@@ -1,0 +1,105 @@
+"""Sweep: analytic memory matching (checked against measured traces) and crash-safe resume."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from confkv.config import StoreConfig
+from confkv.eval.ppl import streaming_ppl
+from confkv.eval.sweep import (BytesModel, SweepConfig, append_row, load_rows, match_budget, plan_sweep,
+                               reference_bytes, row_key, run_sweep, simulate_kv_bytes)
+from confkv.models import tiny_model, tiny_tokenizer
+from confkv.policies import make_policy
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("name,params,int8", [
+    ("window", {"budget": 24}, False),
+    ("streaming", {"budget": 21}, False),
+    ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, False),
+    ("h2o", {"budget": 40, "protect": 4}, True),
+    ("confkv-l", {"n_high": 30, "n_low": 40, "tau": 0.02, "protect": 4, "min_layer_budget": 14}, True),
+    ("full", {}, True),
+])
+def test_simulated_bytes_equal_measured_trace(model, name, params, int8):
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))
+    store = StoreConfig(kv_int8=int8, fp_window=8, move_block=8)
+    result = streaming_ppl(model, ids, name, store=store, progress=False, **params)
+    measured = np.array(result.trace.total_kv_bytes(), dtype=float)
+    predicted = simulate_kv_bytes(make_policy(name, **params), BytesModel.for_model(model), len(measured), store,
+                                  result.trace.confidences(0))
+    np.testing.assert_array_equal(measured, predicted)
+
+
+def test_matching_picks_the_right_budgets(model):
+    bm = BytesModel.for_model(model)
+    assert bm.fp_bytes == 2 * 2 * 16 * 4 and bm.int8_bytes == 2 * (2 * 16 + 2 * 4)
+    steps = 200
+    target = reference_bytes(bm, 64, steps, "peak")
+    assert target == 64 * bm.fp_bytes * 2
+    for name in ("window", "streaming", "h2o", "tova", "random", "confkv-fixed"):
+        params, predicted = match_budget(name, target, bm, steps, stat="peak")
+        assert params == {"budget": 64} and predicted == target
+    params, _ = match_budget("confkv", target, bm, steps, stat="peak", extra={"protect": 8})
+    assert params["n_low"] == 64 and params["n_high"] == 32
+    # INT8: the old region costs int8 bytes, so the budget grows; the prediction stays under the target
+    store = StoreConfig(kv_int8=True, fp_window=16)
+    params, predicted = match_budget("window", target, bm, steps, stat="peak", store=store)
+    b = params["budget"]
+    assert b > 64 and predicted <= target
+    # largest such budget (the peak is set by the FP window growing to fp_window + move_block - 1 tokens)
+    assert simulate_kv_bytes(make_policy("window", budget=b + 1), bm, steps, store).max() > target
+    # mean matching of a gated policy: always confident -> n_high carries the memory
+    mean_target = reference_bytes(bm, 64, steps, "mean")
+    params, predicted = match_budget("confkv", mean_target, bm, steps, stat="mean", confidences=[1.0] * steps,
+                                     extra={"protect": 8})
+    assert params["n_high"] in (64, 65) and predicted <= mean_target
+    with pytest.raises(Exception):
+        match_budget("confkv", 10.0, bm, steps, stat="peak")
+
+
+def test_plan_uses_peak_match(model):
+    config = SweepConfig(policies=("full", "window", "confkv"), reference_windows=(48,), tokens=120,
+                         model="tiny", policy_params={"confkv": {"protect": 8}})
+    runs = plan_sweep(model, config)
+    assert [(r.policy, r.params) for r in runs] == [("full", {}), ("window", {"budget": 48}),
+                                                    ("confkv", {"protect": 8, "n_low": 48, "n_high": 24})]
+
+
+def test_resume_after_kill_no_duplicates_no_losses(model, tmp_path):
+    tok = tiny_tokenizer()
+    config = SweepConfig(policies=("full", "window", "streaming", "confkv"), reference_windows=(24,),
+                         tokens=50, model="tiny", match="mean", policy_params={"confkv": {"protect": 4}})
+    out = tmp_path / "rows.jsonl"
+    partial = run_sweep(config, out, model=model, tokenizer=tok, progress=False, stop_after=2)
+    assert len(partial) == 2 and len(load_rows(out)) == 2
+    # a kill in the middle of writing the third row leaves a torn line
+    with open(out, "a") as handle:
+        handle.write('{"policy": "streaming", "ppl": 1.')
+    rows = run_sweep(config, out, model=model, tokenizer=tok, progress=False)
+    on_disk = load_rows(out)
+    assert len(rows) == 4 and len(on_disk) == 4
+    assert len({row_key(r) for r in on_disk}) == 4
+    assert [r["policy"] for r in on_disk] == ["full", "window", "streaming", "confkv"]
+    assert out.read_text().endswith("\n") and all(json.loads(l) for l in out.read_text().splitlines())
+    # the measured memory verifies the analytic match
+    for r in on_disk:
+        if r["policy"] in ("window", "streaming"):
+            assert r["mean_kv_bytes"] == pytest.approx(r["predicted_bytes"])
+            assert r["match_error"] <= 1e-9
+    # rerun: nothing new
+    again = run_sweep(config, out, model=model, tokenizer=tok, progress=False)
+    assert len(load_rows(out)) == 4 and [r["ppl"] for r in again] == [r["ppl"] for r in rows]
+
+
+def test_append_row_is_one_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    append_row(path, {"a": 1})
+    append_row(path, {"a": 2})
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n'

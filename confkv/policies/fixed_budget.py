@@ -40,6 +40,19 @@ def check_ratio(value: float, field_name: str) -> None:
              and 0.0 <= value <= 1.0, field_name, f"must be a number in [0, 1], got {value!r}")
 
 
+def check_recent_fits(policy: FixedBudgetPolicy) -> None:
+    """The recent part (``n_recent``, scored ``+inf``) plus the sinks must fit the budget.
+
+    Otherwise the ``+inf`` recent tokens tie with the protected sinks in the top-k and a
+    sink can be evicted (found by tests/test_property_cache.py: h2o, budget=3, sinks=2).
+    """
+    n_recent = policy.n_recent  # type: ignore[attr-defined]
+    _require(n_recent + policy.sinks <= policy.budget, "sinks",
+             f"the recent part of the budget (n_recent={n_recent}, from recent_ratio={policy.recent_ratio!r} "  # type: ignore[attr-defined]
+             f"and protect={policy.protect}) plus sinks={policy.sinks} exceeds budget={policy.budget}, so a "
+             "never-evicted sink could be evicted; lower `recent_ratio`/`sinks` or raise `budget`")
+
+
 def recent_first(importance: torch.Tensor, positions: torch.Tensor, current_position: torch.Tensor,
                  n_recent: int) -> torch.Tensor:
     """``importance`` [B, Hkv, L], with the ``n_recent`` most recent tokens scored ``+inf``.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.policies.fixed_budget import FixedBudgetPolicy, check_ratio, recent_first
+from confkv.policies.fixed_budget import FixedBudgetPolicy, check_ratio, check_recent_fits, recent_first
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class H2OPolicy(FixedBudgetPolicy):
     def __post_init__(self) -> None:
         check_ratio(self.recent_ratio, "recent_ratio")
         super().__post_init__()
+        check_recent_fits(self)
 
     @property
     def n_recent(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from confkv.config import _require
-from confkv.policies.fixed_budget import FixedBudgetPolicy, check_ratio, recent_first
+from confkv.policies.fixed_budget import FixedBudgetPolicy, check_ratio, check_recent_fits, recent_first
 
 #: history bits packed in one float32 statistic (float32 holds integers < 2**24 exactly)
 _BITS_PER_WORD = 24
@@ -61,6 +61,7 @@ class ScissorhandsPolicy(FixedBudgetPolicy):
                  "threshold", f"must be None (1/budget) or a number in [0, 1), got {self.threshold!r}")
         check_ratio(self.recent_ratio, "recent_ratio")
         super().__post_init__()
+        check_recent_fits(self)
 
     @property
     def n_recent(self) -> int:

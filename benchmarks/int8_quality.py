@@ -33,7 +33,6 @@ def main() -> None:
     parser.add_argument("--fp-window", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("results/int8_quality"))
     args = parser.parse_args()
-    torch.set_num_threads(2)
 
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens)

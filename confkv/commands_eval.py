@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -111,7 +112,9 @@ def run_probe(args: argparse.Namespace) -> int:
     from confkv.data import corpus_tokens
     from confkv.eval.probe import plot_probe, probe_confidence_kl
     from confkv.models import load_model
+    from confkv.outputs import check_writable
 
+    check_writable(args.out_dir, folder=True, what="--out-dir")
     _setup(args)
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
@@ -156,7 +159,9 @@ def _flat_params(items: list[str] | None) -> dict[str, Any]:
 def run_niah(args: argparse.Namespace) -> int:
     from confkv.eval.niah import NiahConfig, plot_niah, run_niah_grid, write_niah
     from confkv.models import load_model
+    from confkv.outputs import check_writable
 
+    check_writable(args.out_dir, folder=True, what="--out-dir")
     _setup(args)
     model, tokenizer = load_model(args.model)
     config = NiahConfig(lengths=tuple(args.lengths), depths=tuple(args.depths), trials=args.trials,
@@ -177,7 +182,12 @@ def run_niah(args: argparse.Namespace) -> int:
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from confkv.config import StoreConfig
     from confkv.eval.sweep import SweepConfig, plan_sweep, run_sweep
+    from confkv.outputs import check_writable
 
+    if not args.dry_run:
+        check_writable(args.out, what="--out")
+        if args.traces_dir is not None:
+            check_writable(args.traces_dir, folder=True, what="--traces-dir")
     _setup(args)
     per_policy: dict[str, dict[str, Any]] = {}
     for item in args.param or []:
@@ -197,7 +207,14 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         for run in plan_sweep(model, config):
             print(json.dumps(run.key_dict()), f"predicted {run.predicted:.0f} B")
         return 0
-    rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir)
+    try:
+        rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir)
+    except KeyboardInterrupt:
+        from confkv.eval.sweep import load_rows
+
+        print(f"interrupted (Ctrl-C): {len(load_rows(args.out))} complete rows in {args.out}; the run in progress "
+              "was not written. Rerun the same command to resume.", file=sys.stderr)
+        return 130
     print(f"{len(rows)} rows in {args.out}")
     for row in rows:
         print(f"{row['policy']:14s} int8={row['kv_int8']!s:5s} ref={row['reference_window']:5d}  "
@@ -208,7 +225,9 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
 def run_report(args: argparse.Namespace) -> int:
     from confkv.eval.report import build_report
+    from confkv.outputs import check_writable
 
+    check_writable(args.out or args.results / "REPORT.md", what="--out")
     path = build_report(args.results, out=args.out, html=args.html)
     print(f"wrote {path}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from confkv.config import StoreConfig
@@ -12,12 +13,26 @@ from confkv.textplot import sparkline
 
 def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig) -> int:
     from confkv.data import corpus_tokens
-    from confkv.eval.ppl import streaming_ppl
+    from confkv.eval.ppl import RunInterrupted, streaming_ppl
     from confkv.models import load_model
+    from confkv.outputs import check_writable
+    from confkv.policies import make_policy
 
+    # fail fast, before loading or computing anything: output paths, then the policy's parameters
+    if args.out:
+        check_writable(args.out, what="--out")
+    if args.plot:
+        check_writable(args.plot, what="--plot")
+    make_policy(args.policy, **params)
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
-    result = streaming_ppl(model, ids, args.policy, store=store, **params)
+    try:
+        result = streaming_ppl(model, ids, args.policy, store=store, **params)
+    except RunInterrupted as interrupt:
+        result = interrupt.partial
+        print(f"interrupted (Ctrl-C) after {result.tokens} of {ids.shape[1] - 1} tokens", file=sys.stderr)
+        if not result.tokens:
+            return 130
     summary = result.summary()
     summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8})
     trace = result.trace
@@ -35,12 +50,14 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     print(f"kept tokens, steps 1000-1039: {[int(k) for k in kept[1000:1040]]}" if len(kept) > 1040 else "")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"summary": summary, "trace": trace.to_dict(),
-                                        "nll": result.nll.tolist()}))
-        print(f"wrote {args.out}")
+        tmp = args.out.with_name(args.out.name + ".tmp")  # write then rename: never a half-written JSON
+        tmp.write_text(json.dumps({"summary": summary, "interrupted": result.interrupted, "trace": trace.to_dict(),
+                                   "nll": result.nll.tolist()}))
+        tmp.replace(args.out)
+        print(f"wrote {args.out}{' (partial: interrupted)' if result.interrupted else ''}")
     if args.plot:
         from confkv.eval.plots import plot_trace
 
         plot_trace(trace, args.plot, title=f"{args.policy} on {args.corpus}")
         print(f"wrote {args.plot}")
-    return 0
+    return 130 if result.interrupted else 0

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from confkv.config import StoreConfig
 from confkv.hf.cache import ConfKVCache
+from confkv.hf.generate import check_prompt_length
 from confkv.policies import Policy
 from confkv.trace import MemoryTrace
 
@@ -36,6 +37,7 @@ class PplResult:
     seconds: float
     policy: str = ""
     params: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False
 
     @property
     def ppl(self) -> float:
@@ -48,7 +50,19 @@ class PplResult:
     def summary(self) -> dict[str, Any]:
         return {"policy": self.policy, "params": self.params, "tokens": self.tokens, "ppl": self.ppl,
                 "peak_kv_bytes": self.trace.peak_kv_bytes(), "mean_kv_bytes": self.trace.mean_kv_bytes(),
-                "seconds": self.seconds, "tokens_per_second": self.tokens / self.seconds if self.seconds else None}
+                "seconds": self.seconds, "tokens_per_second": self.tokens / self.seconds if self.seconds else None,
+                "interrupted": self.interrupted}
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (``KeyboardInterrupt``) during :func:`streaming_ppl`; ``partial`` holds the tokens done.
+
+    A ``KeyboardInterrupt`` subclass, so callers that do not handle it still stop as on Ctrl-C.
+    """
+
+    def __init__(self, partial: PplResult) -> None:
+        super().__init__(f"interrupted after {partial.tokens} tokens")
+        self.partial = partial
 
 
 @torch.no_grad()
@@ -58,18 +72,31 @@ def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str |
 
     Each step feeds one token, scores the next one from the raw logits, and lets the
     cache evict. Returns per-token NLL and the memory trace.
+
+    Raises:
+        PromptTooLongError: ``N`` exceeds the model's positions.
+        RunInterrupted: on Ctrl-C; its ``partial`` is the result of the tokens done so far.
     """
     if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [1, N] with N >= 2, got {tuple(input_ids.shape)}")
+    check_prompt_length(model, input_ids.shape[1])
     cache = ConfKVCache.for_model(model, policy, store=store, **policy_params)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     steps = input_ids.shape[1] - 1
     nll = torch.empty(steps, dtype=torch.float64)
-    start = time.perf_counter()
-    for t in tqdm(range(steps), desc=f"ppl {cache.policy.name}", disable=not progress, leave=False):
-        logits = model(input_ids=input_ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
-        nll[t] = float(torch.logsumexp(logits, -1) - logits[input_ids[0, t + 1]])
-    seconds = time.perf_counter() - start
     name = policy if isinstance(policy, str) else policy.name
+    start = time.perf_counter()
+    done = 0
+    try:
+        for t in tqdm(range(steps), desc=f"ppl {cache.policy.name}", disable=not progress, leave=False):
+            logits = model(input_ids=input_ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
+            nll[t] = float(torch.logsumexp(logits, -1) - logits[input_ids[0, t + 1]])
+            done = t + 1
+    except KeyboardInterrupt as interrupt:
+        del cache.trace.steps[done:]  # a step cut between the forward pass and its NLL is dropped
+        partial = PplResult(nll=nll[:done].clone(), trace=cache.trace, seconds=time.perf_counter() - start,
+                            policy=name, params=dict(policy_params), interrupted=True)
+        raise RunInterrupted(partial) from interrupt
+    seconds = time.perf_counter() - start
     return PplResult(nll=nll, trace=cache.trace, seconds=seconds, policy=name, params=dict(policy_params))

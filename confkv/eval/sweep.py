@@ -309,9 +309,15 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
     """Run (or resume) a sweep; returns all rows of ``out`` for this sweep's runs.
 
     ``stop_after`` stops after that many new runs (used to simulate an interruption).
+    A ``KeyboardInterrupt`` (Ctrl-C) during a run propagates; the rows completed before it
+    are on disk, the interrupted run is not written and is redone on resume.
     """
     from confkv.data import corpus_tokens
+    from confkv.outputs import check_writable
 
+    check_writable(out, what="sweep output")  # fail before loading or running anything
+    if traces_dir is not None:
+        check_writable(traces_dir, folder=True, what="traces folder")
     if model is None:
         from confkv.models import load_model
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from confkv.config import GateConfig, ConfidenceConfig
@@ -50,7 +51,7 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
     if name not in POLICIES:
         raise ConfigError(f"policy: unknown policy {name!r}; known policies: {', '.join(sorted(POLICIES))}")
     policy_class = POLICIES[name]
-    fields = set(policy_class.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(policy_class)}  # ClassVars (name, stat_names, ...) excluded
     if "gate" in fields:
         gate_params = {k: params.pop(k) for k in _GATE_FIELDS if k in params}
         conf_params = {k: params.pop(k) for k in _CONFIDENCE_FIELDS if k in params}
@@ -62,6 +63,7 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
                                         confidence=confidence)
     unknown = sorted(set(params) - fields)
     if unknown:
+        known = fields | (set(_GATE_FIELDS) | set(_CONFIDENCE_FIELDS) if "gate" in fields else set())
         raise ConfigError(f"{unknown[0]}: not a parameter of policy {name!r}; "
-                          f"its parameters are: {', '.join(sorted(fields))}")
+                          f"its parameters are: {', '.join(sorted(known))}")
     return policy_class(**params)

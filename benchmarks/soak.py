@@ -1,0 +1,276 @@
+"""Soak test: a long token-by-token stream through a confkv cache on the real SmolLM2.
+
+What it checks, through the whole run:
+
+- the KV bytes the cache holds (its exact accounting, ``cache.kv_bytes()``) never exceed an
+  analytic upper bound of the configuration (``kv_bound_bytes`` below);
+- the process RSS (``/proc/self/statm``) stays flat after a warm-up;
+- the number of Python objects tracked by the garbage collector (``len(gc.get_objects())``
+  after a ``gc.collect()``) does not grow after the warm-up.
+
+Positions past the model's 8,192
+--------------------------------
+SmolLM2 was trained with 8,192 positions; the stream is longer. We feed the **true**
+positions (0, 1, ..., N-1: the cache's logical positions, what transformers derives from
+``cache.get_seq_length()``), uncapped. RoPE scores depend only on the *offset* between a
+query and a key, so a query at position 15,000 and a key at 14,990 interact exactly as at
+positions 10 and 0: everything inside the recent/kept window is in distribution. Only keys
+kept from more than 8,191 positions back (the attention sinks and old heavy hitters) are
+seen at offsets the model never trained on. Capping the positions instead (``min(pos, 8191)``)
+would give every new token the same rotary angle, collapse the offsets to the recent keys
+to zero and wreck the model much more, so we do not. The per-1K-token perplexity is
+recorded so the reader can see what happens to quality past 8K; the point of the soak is
+the memory behaviour, which does not depend on the position scheme.
+
+The cache's own trace (``cache.trace``, one ``StepRecord`` per step) grows with the number
+of steps by design (it *is* the record of the run). A stream that never ends must drain it;
+this script copies each step's numbers into preallocated NumPy arrays and clears
+``cache.trace.steps`` after every step (``--keep-trace`` keeps it, to measure its growth).
+
+Usage (the recorded run, ``results/soak/``)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py --tokens 20000 --threads 1 \\
+        --policy confkv --param n_high=256 --param n_low=512 --param tau=0.6 --param smoothing=0.95 \\
+        --int8 --fp-window 128 --out results/soak
+
+Exit status 0 when all three checks pass, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * _PAGE
+
+
+def object_count() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def kv_bound_bytes(policy, store, bytes_model) -> int:
+    """An upper bound on the KV bytes the cache may hold after any step.
+
+    Per managed layer a sequence keeps at most ``max_budget`` tokens (the policy's largest
+    budget). With INT8, at most ``recent_len + move_block - 1`` of them sit in the FP window
+    (the store ages them in ``move_block`` groups), the rest are INT8 with per-token scales,
+    plus one frozen channel scale. Sliding-window layers hold at most ``window - 1`` tokens.
+    """
+    from confkv.store import LayerStore
+
+    cap = policy.max_budget()
+    fp, i8 = bytes_model.fp_bytes, bytes_model.int8_bytes
+    if store.kv_int8:
+        recent_len = LayerStore(policy, store).recent_len
+        fp_tokens = min(cap, recent_len + store.move_block - 1)
+        per_layer = fp_tokens * fp + cap * i8 + bytes_model.channel_scale_bytes
+    else:
+        per_layer = cap * fp
+    sliding = sum((w - 1) * fp for w in bytes_model.sliding_windows if w is not None)
+    return bytes_model.managed * per_layer + sliding
+
+
+def parse_params(items):
+    params = {}
+    for item in items or []:
+        key, _, raw = item.partition("=")
+        try:
+            params[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key.replace("-", "_")] = raw
+    return params
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--corpus", default="pydoc-topics")
+    parser.add_argument("--tokens", type=int, default=20000)
+    parser.add_argument("--offset", type=int, default=0)
+    parser.add_argument("--policy", default="confkv")
+    parser.add_argument("--param", action="append", metavar="KEY=VALUE")
+    parser.add_argument("--int8", action="store_true")
+    parser.add_argument("--fp-window", type=int, default=128)
+    parser.add_argument("--move-block", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sample-every", type=int, default=250, help="RSS / object-count sample period (steps)")
+    parser.add_argument("--warmup", type=int, default=2000, help="steps before RSS/object counts must be flat")
+    parser.add_argument("--rss-tolerance-mb", type=float, default=16.0,
+                        help="allowed RSS growth after warm-up (allocator noise)")
+    parser.add_argument("--objects-tolerance", type=int, default=2000,
+                        help="allowed growth of gc-tracked objects after warm-up")
+    parser.add_argument("--keep-trace", action="store_true", help="do not drain cache.trace (measure its growth)")
+    parser.add_argument("--out", type=Path, default=Path("results/soak"))
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    from confkv.config import StoreConfig
+    from confkv.data import corpus_tokens
+    from confkv.eval.sweep import BytesModel
+    from confkv.hf import ConfKVCache
+    from confkv.models import load_model, model_max_positions
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "OMP_NUM_THREADS={} {} {}".format(os.environ.get("OMP_NUM_THREADS", "?"),
+                                               Path(sys.executable).name, " ".join(sys.argv))
+    params = parse_params(args.param)
+    store = StoreConfig(kv_int8=args.int8, fp_window=args.fp_window, move_block=args.move_block)
+    model, tokenizer = load_model(args.model)
+    ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
+    cache = ConfKVCache.for_model(model, args.policy, store=store, **params)
+    bytes_model = BytesModel.for_model(model)
+    bound = kv_bound_bytes(cache.policy, store, bytes_model)
+    max_positions = model_max_positions(model)
+
+    steps = args.tokens - 1
+    nll = np.full(steps, np.nan)
+    kv = np.zeros(steps, dtype=np.int64)
+    kept = np.zeros(steps, dtype=np.float64)
+    budget = np.zeros(steps, dtype=np.int64)
+    conf = np.zeros(steps, dtype=np.float64)
+    samples: list[dict] = []
+    started = time.perf_counter()
+    interrupted = False
+    done = 0
+
+    def sample(step: int) -> None:
+        samples.append({"step": step, "seconds": round(time.perf_counter() - started, 2), "rss_bytes": rss_bytes(),
+                        "gc_objects": object_count(), "kv_bytes": int(kv[step - 1]) if step else 0,
+                        "trace_records": len(cache.trace.steps)})
+
+    def finish() -> int:
+        walltime = time.perf_counter() - started
+        s = np.array([x["step"] for x in samples])
+        rss = np.array([x["rss_bytes"] for x in samples], dtype=np.float64)
+        objs = np.array([x["gc_objects"] for x in samples], dtype=np.int64)
+        after = s >= args.warmup
+        base = np.argmax(after) if after.any() else len(s) - 1
+        rss_growth = float(rss[after].max() - rss[base]) if after.any() else float("nan")
+        obj_growth = int(objs[after].max() - objs[base]) if after.any() else 0
+        if after.sum() >= 3:
+            slope = float(np.polyfit(s[after], rss[after], 1)[0])  # bytes per step
+        else:
+            slope = float("nan")
+        per_k = []
+        for k0 in range(0, done, 1000):
+            chunk = nll[k0:min(k0 + 1000, done)]
+            per_k.append({"from": k0, "to": k0 + len(chunk), "ppl": float(math.exp(chunk.mean()))})
+        peak = int(kv[:done].max()) if done else 0
+        checks = {
+            "kv_within_bound": bool(peak <= bound),
+            "rss_flat": bool(after.any() and rss_growth <= args.rss_tolerance_mb * 2**20),
+            "objects_flat": bool(after.any() and obj_growth <= args.objects_tolerance),
+        }
+        summary = {
+            "command": command, "model": args.model, "corpus": args.corpus, "offset": args.offset,
+            "policy": args.policy, "params": params, "store": store.__dict__, "threads": args.threads,
+            "model_max_positions": max_positions,
+            "position_scheme": "true (uncapped) positions; RoPE offsets inside the kept window stay in distribution",
+            "steps_done": done, "steps_planned": steps, "interrupted": interrupted,
+            "seconds": round(walltime, 1), "ms_per_step": round(1000 * walltime / max(done, 1), 2),
+            "kv_bound_bytes": bound, "kv_peak_bytes": peak,
+            "kv_mean_bytes": float(kv[:done].mean()) if done else 0.0,
+            "kv_peak_after_warmup": int(kv[args.warmup:done].max()) if done > args.warmup else None,
+            "kept_tokens_max": float(kept[:done].max()) if done else 0.0,
+            "warmup_steps": args.warmup,
+            "rss_at_warmup_mb": round(rss[base] / 2**20, 2) if len(rss) else None,
+            "rss_max_after_warmup_mb": round(rss[after].max() / 2**20, 2) if after.any() else None,
+            "rss_growth_after_warmup_mb": round(rss_growth / 2**20, 3),
+            "rss_slope_bytes_per_step": slope,
+            "gc_objects_at_warmup": int(objs[base]) if len(objs) else None,
+            "gc_objects_growth_after_warmup": obj_growth,
+            "ppl_total": float(math.exp(nll[:done].mean())) if done else None,
+            "ppl_per_1k": per_k,
+            "checks": checks, "passed": all(checks.values()),
+        }
+        (args.out / "soak.json").write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
+        with open(args.out / "soak_steps.csv", "w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["step", "position", "confidence", "budget", "kept_mean", "kv_bytes", "nll"])
+            for t in range(done):
+                writer.writerow([t + 1, t, f"{conf[t]:.5f}", budget[t], f"{kept[t]:.2f}", kv[t], f"{nll[t]:.5f}"])
+        plot(args.out / "soak.png", samples, kv[:done], kept[:done], budget[:done], bound, args.warmup, summary)
+        print(json.dumps({k: summary[k] for k in ("steps_done", "seconds", "ms_per_step", "kv_bound_bytes", "kv_peak_bytes",
+                                                  "rss_growth_after_warmup_mb", "gc_objects_growth_after_warmup",
+                                                  "ppl_total", "checks")}, indent=1))
+        return 0 if summary["passed"] and not interrupted else 1
+
+    sample(0)
+    try:
+        with torch.no_grad():
+            for t in range(steps):
+                logits = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
+                nll[t] = float(torch.logsumexp(logits, -1) - logits[ids[0, t + 1]])
+                record = cache.trace.steps[-1]
+                kv[t] = int(record.kv_bytes.sum())
+                kept[t] = float(record.kept[:, 0].float().mean())
+                budget[t] = int(record.budget[0])
+                conf[t] = float(record.confidence[0])
+                if not args.keep_trace:
+                    cache.trace.steps.clear()
+                done = t + 1
+                if done % args.sample_every == 0:
+                    sample(done)
+                    if done % (args.sample_every * 8) == 0:
+                        x = samples[-1]
+                        print(f"step {done}/{steps}  {x['seconds']:.0f}s  kv {kv[t] / 1e6:.2f} MB (bound {bound / 1e6:.2f})  "
+                              f"rss {x['rss_bytes'] / 2**20:.1f} MiB  objects {x['gc_objects']}", flush=True)
+                        finish()  # keep a valid partial result on disk
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted after {done} steps; writing the partial result", file=sys.stderr)
+    if samples[-1]["step"] != done:
+        sample(done)
+    return finish()
+
+
+def plot(path, samples, kv, kept, budget, bound, warmup, summary) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
+    steps = np.arange(1, len(kv) + 1)
+    axes[0].plot(steps, kept, lw=0.5, label="kept tokens (mean over layers)")
+    axes[0].plot(steps, budget, lw=0.5, alpha=0.6, label="budget")
+    axes[0].legend(loc="upper right", fontsize=8)
+    axes[0].set_ylabel("tokens")
+    axes[1].plot(steps, kv / 1e6, lw=0.5, label="KV bytes held")
+    axes[1].axhline(bound / 1e6, color="r", ls="--", lw=1, label="bound")
+    axes[1].legend(loc="lower right", fontsize=8)
+    axes[1].set_ylabel("KV MB")
+    s = [x["step"] for x in samples]
+    axes[2].plot(s, [x["rss_bytes"] / 2**20 for x in samples], marker=".", lw=1)
+    axes[2].set_ylabel("RSS MiB")
+    axes[3].plot(s, [x["gc_objects"] for x in samples], marker=".", lw=1)
+    axes[3].set_ylabel("gc objects")
+    axes[3].set_xlabel("step (token position + 1)")
+    for ax in axes:
+        ax.axvline(warmup, color="gray", ls=":", lw=1)
+        ax.axvline(summary["model_max_positions"], color="k", ls=":", lw=0.8)
+    fig.suptitle(f"soak: {summary['policy']} {summary['params']} int8={summary['store']['kv_int8']}  "
+                 f"{summary['steps_done']} steps, PPL {summary['ppl_total'] or float('nan'):.2f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

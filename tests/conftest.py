@@ -4,6 +4,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton reads TRITON_INTERPRET when it is first imported, and some test modules import it
+# indirectly at collection (transformers' BERT in test_hf_refusals.py) before
+# test_triton_read.py sets it: set it here, first, or the interpreted kernel tests fail
+# when the whole suite runs ("Cannot call @triton.jit'd outside of the scope of a kernel").
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

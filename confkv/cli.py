@@ -7,6 +7,7 @@ Subcommands:
     probe  confidence vs the KL shift caused by evicting the most recent tokens.
     sweep  policies x memory-matched budgets (x INT8) on streaming perplexity (resumable JSONL).
     report one Markdown/HTML page from a results folder.
+    bench  per-step decode latency vs context, batched throughput, step breakdown, bandwidth floor.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
 def _store_config(args: argparse.Namespace):
     from confkv.config import StoreConfig
 
-    return StoreConfig(kv_int8=args.int8, fp_window=args.fp_window, prefill_chunk=args.chunk)
+    return StoreConfig(kv_int8=args.int8, fp_window=args.fp_window, prefill_chunk=args.chunk,
+                       evict_slack=getattr(args, "evict_slack", 0))
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +50,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8", action="store_true", help="store tokens older than the FP window in INT8")
     parser.add_argument("--fp-window", type=int, default=128, help="recent tokens kept in full precision (W)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
+    parser.add_argument("--evict-slack", type=int, default=0,
+                        help="opt-in: evict down to budget - SLACK when over budget (compaction once per SLACK steps)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -72,6 +76,22 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("policies", help="list the registered policies and their parameters")
 
+    bench = sub.add_parser("bench", help="decode latency / throughput benchmark against transformers' caches")
+    bench.add_argument("--model", default="smollm2")
+    bench.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    bench.add_argument("--budget", type=int, default=1024, help="budget of the evicting configurations")
+    bench.add_argument("--slack", type=int, default=64, help="evict_slack of the '+slack' configurations (0: none)")
+    bench.add_argument("--steps", type=int, default=4, help="timed decode steps per configuration per repeat")
+    bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (A, B, C, A, B, C, ...)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration first")
+    bench.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
+    bench.add_argument("--batches", type=int, nargs="*", default=[1, 4, 8], help="throughput batch sizes")
+    bench.add_argument("--batch-steps", type=int, default=3, help="timed steps per configuration per batch size")
+    bench.add_argument("--breakdown-steps", type=int, default=8)
+    bench.add_argument("--configs", nargs="*", default=None, help="subset of configuration names")
+    bench.add_argument("--out", type=Path, default=Path("results/bench"))
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
     from confkv.commands_eval import COMMANDS as EVAL_COMMANDS, add_eval_subcommands
 
     add_eval_subcommands(sub, _add_common)
@@ -88,6 +108,22 @@ def main(argv: list[str] | None = None) -> int:
             for name, cls in sorted(POLICIES.items()):
                 fields = ", ".join(f for f in cls.__dataclass_fields__)
                 print(f"{name:14s} {fields}")
+            return 0
+        if args.command == "bench":
+            from confkv.eval import bench as bench_mod
+
+            lines: list[str] = []
+            def log(line: str) -> None:
+                print(line, flush=True)
+                lines.append(line)
+            log("command: confkv " + " ".join(argv if argv is not None else sys.argv[1:]))
+            result = bench_mod.run_bench(
+                model_name=args.model, contexts=args.contexts, budget=args.budget, slack=args.slack,
+                steps=args.steps, repeats=args.repeats, warmup=args.warmup, chunk=args.chunk,
+                batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
+                configs=args.configs, log=log)
+            log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
+            bench_mod.write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0
         if args.command == "demo":
             from confkv.demo import run_demo

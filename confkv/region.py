@@ -21,6 +21,9 @@ class Region:
         positions: [B, Hkv, L] int64 logical position of each slot's token.
         valid: [B, L] bool, False for padding and for slots beyond a sequence's count.
         stats: policy statistics, name -> [B, Hkv, L] float32.
+        dense: True only when every slot is known to be valid (``valid.all()``) without
+            looking at ``valid``; lets the store skip masks and count tokens as lengths.
+            False is always safe.
     """
 
     keys: torch.Tensor
@@ -30,6 +33,7 @@ class Region:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    dense: bool = False
 
     @property
     def length(self) -> int:
@@ -49,7 +53,7 @@ class Region:
             keys=slots(head_dim, dt=storage), values=slots(head_dim, dt=storage),
             positions=slots(dt=torch.int64), valid=torch.empty((batch, 0), dtype=torch.bool, device=device),
             stats={name: slots() for name in stat_names},
-            key_scale=slots() if int8 else None, value_scale=slots() if int8 else None,
+            key_scale=slots() if int8 else None, value_scale=slots() if int8 else None, dense=True,
         )
 
     def _per_slot(self) -> dict[str, torch.Tensor]:
@@ -59,20 +63,21 @@ class Region:
             tensors["value_scale"] = self.value_scale
         return tensors
 
-    def gather(self, index: torch.Tensor, valid: torch.Tensor) -> "Region":
-        """Keep the slots ``index`` [B, Hkv, K] (per head), with new validity ``valid`` [B, K]."""
+    def gather(self, index: torch.Tensor, valid: torch.Tensor, dense: bool = False) -> "Region":
+        """Keep the slots ``index`` [B, Hkv, K] (per head), with new validity ``valid`` [B, K]
+        (``dense``: the caller knows ``valid`` is all True)."""
         def take(t: torch.Tensor) -> torch.Tensor:
             if t.ndim == 4:
                 return t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
             return t.gather(2, index)
         parts = {name: take(t) for name, t in self._per_slot().items()}
-        return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, **parts)
+        return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, dense=dense, **parts)
 
     def slice(self, start: int, end: int) -> "Region":
         """Slots ``start:end`` (same for every head)."""
         parts = {name: t[:, :, start:end] for name, t in self._per_slot().items()}
         return Region(stats={n: t[:, :, start:end] for n, t in self.stats.items()},
-                      valid=self.valid[:, start:end], **parts)
+                      valid=self.valid[:, start:end], dense=self.dense, **parts)
 
     def nbytes(self) -> int:
         """Bytes of the stored keys and values, including per-token scales."""
@@ -95,6 +100,7 @@ def concat(first: Region, second: Region) -> Region:
         positions=cat(first.positions, second.positions), valid=torch.cat([first.valid, second.valid], dim=1),
         stats={n: cat(first.stats[n], second.stats[n]) for n in first.stats},
         key_scale=cat(first.key_scale, second.key_scale), value_scale=cat(first.value_scale, second.value_scale),
+        dense=first.dense and second.dense,
     )
 
 
@@ -104,4 +110,4 @@ def select_batch(region: Region, index: torch.Tensor) -> Region:
         return None if t is None else t.index_select(0, index.to(t.device))
     return Region(keys=pick(region.keys), values=pick(region.values), positions=pick(region.positions),
                   valid=pick(region.valid), stats={n: pick(t) for n, t in region.stats.items()},
-                  key_scale=pick(region.key_scale), value_scale=pick(region.value_scale))
+                  key_scale=pick(region.key_scale), value_scale=pick(region.value_scale), dense=region.dense)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from confkv import profiling
 from confkv.config import StoreConfig
 from confkv.eviction import protection_mask, select_kept
 from confkv.attention import KVSegment, attention_read
@@ -76,7 +77,16 @@ class LayerStore:
         """[B] int64 tokens each sequence currently keeps (padding excluded)."""
         if not self.is_initialized:
             return torch.zeros(0, dtype=torch.int64)
+        if self.old.dense and self.recent.dense:
+            return torch.full(self.seen_real.shape, self.physical_length, dtype=torch.int64,
+                              device=self.seen_real.device)
         return self.old.valid.sum(-1) + self.recent.valid.sum(-1)
+
+    def kept_list(self) -> list[int]:
+        """:meth:`kept_counts` as Python ints (no tensor op when every slot is valid)."""
+        if self.is_initialized and self.old.dense and self.recent.dense:
+            return [self.physical_length] * self.seen_real.shape[0]
+        return self.kept_counts().tolist()
 
     def kv_bytes(self) -> int:
         """Exact bytes of the stored keys and values, INT8 scales included."""
@@ -106,6 +116,9 @@ class LayerStore:
 
         Their positions and validity are filled in by :meth:`attend`, which knows the padding.
         """
+        prof = profiling.ACTIVE
+        if prof is not None:
+            started = profiling.clock()
         batch, kv_heads, new, head_dim = keys.shape
         if not self.is_initialized:
             self.old = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names, self.int8)
@@ -119,10 +132,13 @@ class LayerStore:
             positions=torch.zeros((batch, kv_heads, new), dtype=torch.int64, device=keys.device),
             valid=torch.ones((batch, new), dtype=torch.bool, device=keys.device),
             stats={name: keys.new_zeros((batch, kv_heads, new), dtype=torch.float32) for name in self.stat_names},
+            dense=True,  # until `_place_new_tokens` sees padding
         )
         self.recent = concat(self.recent, fresh)
         self.seen_tokens += new
         self.pending = new
+        if prof is not None:
+            prof.add("append (FP window)", profiling.clock() - started)
 
     def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
         """Set positions/validity of the pending tokens; return query positions [B, q]."""
@@ -130,18 +146,25 @@ class LayerStore:
         batch = self.recent.valid.shape[0]
         device = self.recent.keys.device
         if padding is None:
-            real = torch.ones((batch, new), dtype=torch.bool, device=device)
-        else:
-            real = padding[:, -new:].to(device=device, dtype=torch.bool)
+            # nothing padded: positions continue from seen_real, validity stays all True
+            query_positions = self.seen_real[:, None] + torch.arange(new, device=device)  # [B, q]
+            self.recent.positions[:, :, -new:] = query_positions[:, None, :]
+            self.seen_real = self.seen_real + new
+            self.pending = 0
+            return query_positions
+        real = padding[:, -new:].to(device=device, dtype=torch.bool)
         query_positions = self.seen_real[:, None] + real.long().cumsum(-1) - 1  # [B, q]
         self.recent.positions[:, :, -new:] = query_positions[:, None, :]
         self.recent.valid[:, -new:] = real
+        self.recent.dense = False
         self.seen_real = self.seen_real + real.sum(-1)
         self.pending = 0
         return query_positions
 
-    def _visible(self, region: Region, query_positions: torch.Tensor, causal: bool) -> torch.Tensor:
-        """[B, 1 or Hkv, q or 1, L] bool: which slots each query may attend."""
+    def _visible(self, region: Region, query_positions: torch.Tensor, causal: bool) -> torch.Tensor | None:
+        """[B, 1 or Hkv, q or 1, L] bool: which slots each query may attend (None: all of them)."""
+        if region.dense and not causal and self.sliding_window is None:
+            return None
         visible = region.valid[:, None, None, :]
         if causal:
             visible = visible & (region.positions[:, :, None, :] <= query_positions[:, None, :, None])
@@ -166,16 +189,29 @@ class LayerStore:
         if new != query.shape[2]:
             raise RuntimeError(f"confkv: {query.shape[2]} queries but {new} new keys in this layer; "
                                "the cache and the attention read are out of step")
+        prof = profiling.ACTIVE
+        if prof is not None:
+            started = profiling.clock()
         query_positions = self._place_new_tokens(padding)
         regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
         segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
                     for r in regions]
         need_mass = bool(self.stat_names) and self.policy.needs_attention
+        if prof is not None:
+            now = profiling.clock()
+            prof.add("positions and masks", now - started)
+            started = now
         out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
                                      softcap=softcap, need_mass=need_mass)
+        if prof is not None:
+            now = profiling.clock()
+            prof.add("attention read", now - started)
+            started = now
         if need_mass:
             for region, mass in zip(regions, masses):
                 self.policy.observe(region.stats, mass, new)
+            if prof is not None:
+                prof.add("EMA / stats update", profiling.clock() - started)
         return out
 
     def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
@@ -188,9 +224,19 @@ class LayerStore:
         """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction)."""
         if not self.is_initialized or self.pending:
             return
+        prof = profiling.ACTIVE
+        if prof is not None:
+            started = profiling.clock()
         if self.sliding_window is not None:
             budget = torch.full_like(self.seen_real, self.sliding_window - 1)
-        over_budget = budget is not None and bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
+        if budget is None:
+            over_budget = False
+        elif self.old.dense and self.recent.dense:
+            over_budget = self.physical_length > min(budget.tolist())
+        else:
+            over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
+        if prof is not None:
+            prof.add("eviction bookkeeping", profiling.clock() - started)
         self._age(force=over_budget)
         self._evict(budget)
 
@@ -203,11 +249,20 @@ class LayerStore:
         surplus = self.recent.length - self.recent_len
         if surplus <= 0 or (surplus < self.config.move_block and not force):
             return
+        prof = profiling.ACTIVE
         moving = self.recent.slice(0, surplus)
         self.recent = self.recent.slice(surplus, self.recent.length)
         if self.int8:
+            if prof is not None:
+                started = profiling.clock()
             moving = self._quantize(moving)
+            if prof is not None:
+                prof.add("quantization", profiling.clock() - started)
+        if prof is not None:
+            started = profiling.clock()
         self.old = concat(self.old, moving)
+        if prof is not None:
+            prof.add("ageing (old-region concat)", profiling.clock() - started)
 
     def _quantize(self, region: Region) -> Region:
         from confkv import quant  # noqa: PLC0415 - the INT8 path only
@@ -218,10 +273,19 @@ class LayerStore:
         keys, key_scale = quant.quantize_keys(region.keys, self.channel_scale)
         values, value_scale = quant.quantize_values(region.values)
         return Region(keys=keys, values=values, positions=region.positions, valid=region.valid,
-                      stats=region.stats, key_scale=key_scale, value_scale=value_scale)
+                      stats=region.stats, key_scale=key_scale, value_scale=value_scale, dense=region.dense)
 
     def _evict(self, budget: torch.Tensor | None) -> None:
+        prof = profiling.ACTIVE
+        if prof is not None:
+            started = profiling.clock()
         old = self.old
+        if old.dense and self.recent.dense:
+            # every slot valid: counts are lengths, no holes; nothing to do unless over budget
+            if budget is None or old.length + self.recent.length <= min(budget.tolist()):
+                if prof is not None:
+                    prof.add("eviction bookkeeping", profiling.clock() - started)
+                return
         old_count = old.valid.sum(-1)
         if budget is None:
             keep = old_count
@@ -233,8 +297,16 @@ class LayerStore:
         sinks = self.policy.sinks if self.sliding_window is None else 0
         over_budget = bool((old_count > keep).any())
         has_holes = old.length > int(old_count.max()) if old.length else False
+        if prof is not None:
+            now = profiling.clock()
+            prof.add("eviction bookkeeping", now - started)
+            started = now
         if not (over_budget or has_holes):
             return
+        slack = self.config.evict_slack if self.sliding_window is None else 0
+        if slack and over_budget:
+            # evict down to budget - slack: the next `slack` steps need no compaction
+            keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
         protected = protection_mask(old.positions, old.valid, current, protect, sinks)
         keep = torch.maximum(keep, protected.sum(-1).amax(-1))
         if self.sliding_window is not None:
@@ -242,4 +314,10 @@ class LayerStore:
         else:
             scores = self.policy.scores(old.stats, old.positions, current)
         index, valid = select_kept(scores, old.valid, protected, keep)
-        self.old = old.gather(index, valid)
+        if prof is not None:
+            now = profiling.clock()
+            prof.add("ranking and top-k", now - started)
+            started = now
+        self.old = old.gather(index, valid, dense=bool(valid.all()))
+        if prof is not None:
+            prof.add("compaction gather", profiling.clock() - started)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from confkv import profiling
 from confkv.budget import BudgetController
 from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
@@ -173,14 +174,30 @@ class ConfKVCache(Cache):
                 "confkv: keys were cached but never read by confkv attention; the model is not running with "
                 "attn_implementation='confkv'. Build the cache with ConfKVCache.for_model(model, ...) "
                 "or call confkv.hf.enable(model) first.")
+        prof = profiling.ACTIVE
+        if prof is not None:
+            started = profiling.clock()
         conf = confidence_of(logits.detach(), self.confidence_config)
+        if prof is not None:
+            now = profiling.clock()
+            prof.add("confidence", now - started)
+            started = now
         budgets = self.controller.step(conf)
         budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
+        if prof is not None:
+            prof.add("budget gate", profiling.clock() - started)
         for layer_idx, store in enumerate(stores):
             store.end_step(budget_of.get(layer_idx) if self.evict else None)
+        if prof is not None:
+            started = profiling.clock()
+        self._record(conf, budgets, stores)
+        if prof is not None:
+            prof.add("trace record", profiling.clock() - started)
+
+    def _record(self, conf: torch.Tensor, budgets: torch.Tensor, stores: list[LayerStore]) -> None:
         self.trace.record(StepRecord(
             confidence=conf.cpu(), budget=budgets.float().mean(-1).round().long().cpu(),
-            kept=torch.stack([s.kept_counts().cpu() for s in stores]),
+            kept=torch.tensor([s.kept_list() for s in stores], dtype=torch.int64),
             kv_bytes=torch.tensor([s.kv_bytes() for s in stores], dtype=torch.int64),
             seen=stores[0].seen_tokens))
 

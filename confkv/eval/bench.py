@@ -1,0 +1,458 @@
+"""``confkv bench``: per-step decode latency, batched throughput and a step breakdown.
+
+A benchmark, never a timed test. Everything is measured in ONE process, with the
+configurations interleaved (A, B, C, A, B, C, ...) so that a loaded machine slows all
+of them alike; results are reported as medians, spreads (p10-p90) and ratios to
+transformers' ``DynamicCache``.
+
+Protocol
+--------
+* Every configuration owns one cache that grows through the contexts in ascending
+  order: the prompt (a real text, ``pydoc-topics`` by default) is fed in chunks up to
+  the next context ``C`` (``confkv.hf.prefill`` for confkv caches, chunked forward
+  passes for the transformers caches), then ``warmup`` + ``repeats x steps`` decode
+  steps are timed, interleaved across configurations. Decode steps feed the text's
+  next tokens (teacher forcing), so every configuration sees the same tokens.
+* ``DynamicCache`` and ``QuantizedCache`` run with ``attn_implementation="sdpa"``;
+  confkv caches with ``"confkv"`` (set before each configuration's turn).
+* Throughput at batch B (after the latency grid): each configuration's cache at the
+  last context is grown in place from the previous batch size with
+  ``batch_repeat_interleave`` and row ``b`` is fed the text ``8 * b`` tokens further on,
+  so the rows (and confkv's per-sequence budgets) diverge; tokens/s = B / step time.
+  (transformers' ``QuantizedCache`` cannot repeat its quantized part: reported as such.)
+* Floor: memory bandwidth from a large tensor copy measured in the same run; each
+  configuration's floor is (weight bytes + KV bytes read) / bandwidth.
+* Breakdown: :mod:`confkv.profiling` timers around the policy's functions, for a
+  few steps of the ``confkv`` configuration at the last context.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from confkv import profiling
+
+
+@dataclass
+class BenchConfig:
+    """One cache configuration of the benchmark."""
+
+    name: str
+    kind: str  # "dynamic", "quantized" or "confkv"
+    policy: str = "full"
+    params: dict[str, Any] = field(default_factory=dict)
+    store: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+def default_configs(budget: int, slack: int) -> list[BenchConfig]:
+    """The comparison grid: transformers caches, confkv full, fixed-budget baselines, CONF-KV."""
+    half = budget // 2
+    gate = {"n_high": budget - half // 2, "n_low": budget + half // 2, "tau": 0.5}
+    int8 = {"kv_int8": True, "fp_window": min(128, budget // 4)}
+    configs = [
+        BenchConfig("dynamic", "dynamic", note="transformers DynamicCache, sdpa"),
+        BenchConfig("quantized", "quantized", note="transformers QuantizedCache (quanto int4), sdpa"),
+        BenchConfig("full", "confkv", "full", note="confkv store, no eviction (our overhead)"),
+        BenchConfig(f"window", "confkv", "window", {"budget": budget}),
+        BenchConfig(f"streaming", "confkv", "streaming", {"budget": budget}),
+        BenchConfig(f"h2o", "confkv", "h2o", {"budget": budget}),
+        BenchConfig("confkv", "confkv", "confkv", dict(gate), note=f"n_high/n_low around {budget}"),
+        BenchConfig("confkv-int8", "confkv", "confkv", dict(gate), dict(int8)),
+    ]
+    if slack:
+        configs += [
+            BenchConfig(f"window+slack{slack}", "confkv", "window", {"budget": budget}, {"evict_slack": slack}),
+            BenchConfig(f"confkv+slack{slack}", "confkv", "confkv", dict(gate), {"evict_slack": slack}),
+            BenchConfig(f"confkv-int8+slack{slack}", "confkv", "confkv", dict(gate),
+                        {**int8, "evict_slack": slack}),
+        ]
+    return configs
+
+
+class _Runner:
+    """One configuration's model state and cache."""
+
+    def __init__(self, config: BenchConfig, model: Any) -> None:
+        self.config = config
+        self.model = model
+        self.cache: Any = None
+        self.error: str | None = None
+        self.fed = 0
+
+    def attn(self) -> None:
+        wanted = "confkv" if self.config.kind == "confkv" else "sdpa"
+        if wanted == "confkv":
+            from confkv.hf import enable
+
+            enable(self.model)  # registers the attention (idempotent)
+        if self.model.config._attn_implementation != wanted:
+            self.model.set_attn_implementation(wanted)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache, QuantizedCache
+
+        from confkv.config import StoreConfig
+        from confkv.hf import ConfKVCache
+
+        kind = self.config.kind
+        if kind == "dynamic":
+            return DynamicCache()
+        if kind == "quantized":
+            return QuantizedCache("quanto", self.model.config, nbits=4)
+        cache = ConfKVCache.for_model(self.model, self.config.policy, store=StoreConfig(**self.config.store),
+                                      **self.config.params)
+        return cache
+
+    @torch.no_grad()
+    def feed_to(self, ids: torch.Tensor, target: int, chunk: int) -> None:
+        """Prefill up to ``target`` tokens of ``ids`` [1, N]."""
+        from confkv.hf.generate import prefill
+
+        self.attn()
+        if self.cache is None:
+            self.cache = self.new_cache()
+        if target <= self.fed:
+            return
+        if self.config.kind == "confkv":
+            prefill(self.model, self.cache, ids[:, self.fed:target], chunk=chunk)
+        else:
+            for begin in range(self.fed, target, chunk):
+                end = min(begin + chunk, target)
+                self.model(input_ids=ids[:, begin:end], cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.fed = target
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> float:
+        """One decode step with ``tokens`` [B, 1]; returns seconds."""
+        self.attn()
+        start = time.perf_counter()
+        self.model(input_ids=tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+        elapsed = time.perf_counter() - start
+        self.fed += 1
+        return elapsed
+
+    def kv_bytes(self) -> int:
+        cache = self.cache
+        if cache is None:
+            return 0
+        if hasattr(cache, "kv_bytes"):
+            return int(cache.kv_bytes())
+        total = 0
+        for layer in cache.layers:
+            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+                t = getattr(layer, name, None)
+                total += _tensor_bytes(t)
+        return total
+
+    def kept_tokens(self) -> float:
+        cache = self.cache
+        if hasattr(cache, "kept_counts"):
+            return float(cache.kept_counts().float().mean())
+        return float(cache.get_seq_length())
+
+
+def _tensor_bytes(t: Any) -> int:
+    """Bytes of a tensor, including quanto's quantized tensors (data + scales)."""
+    if t is None:
+        return 0
+    if isinstance(t, torch.Tensor) and type(t) is torch.Tensor:
+        return t.numel() * t.element_size()
+    total = 0
+    for attr in ("_data", "_scale", "_shift"):
+        inner = getattr(t, attr, None)
+        if isinstance(inner, torch.Tensor):
+            total += _tensor_bytes(inner)
+    if total == 0 and isinstance(t, torch.Tensor):
+        total = t.numel() * t.element_size()
+    return total
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
+    """Copy bandwidth (read + write bytes per second) of a ``mib`` MiB float32 tensor, median of repeats."""
+    src = torch.ones(mib * (1 << 20) // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        rates.append(2 * src.nbytes / (time.perf_counter() - start))
+    return {"median_gbps": statistics.median(rates) / 1e9, "max_gbps": max(rates) / 1e9,
+            "min_gbps": min(rates) / 1e9, "mib": mib}
+
+
+def weight_bytes_read(model: Any) -> int:
+    """Bytes of parameters read per decode step: every unique parameter but the embedding table
+    (only one row of it is read; when it is tied to the LM head the head reads it all)."""
+    seen: set[int] = set()
+    total = 0
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p.data_ptr() == embed.data_ptr() and not tied:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    def q(f: float) -> float:
+        return ordered[min(len(ordered) - 1, int(round(f * (len(ordered) - 1))))]
+    return {"median_ms": 1e3 * statistics.median(times), "p10_ms": 1e3 * q(0.1), "p90_ms": 1e3 * q(0.9),
+            "n": len(times)}
+
+
+def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int = 1024, slack: int = 64,
+              steps: int = 4, repeats: int = 3, warmup: int = 2, chunk: int = 1024, batches: list[int] | None = None,
+              batch_steps: int = 3, breakdown_steps: int = 8, configs: list[str] | None = None,
+              corpus: str = "pydoc-topics", log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the benchmark; returns a JSON-ready dict (see the module docstring)."""
+    from confkv.data import corpus_tokens
+    from confkv.hf import ConfKVCache  # noqa: F401 - registers nothing, fails early if transformers is broken
+    from confkv.models import load_model
+
+    batches = batches or []
+    contexts = sorted(contexts)
+    model, tokenizer = load_model(model_name)
+    all_configs = default_configs(budget, slack)
+    if configs:
+        unknown = set(configs) - {c.name for c in all_configs}
+        if unknown:
+            raise ValueError(f"unknown bench configs {sorted(unknown)}; known: {[c.name for c in all_configs]}")
+        all_configs = [c for c in all_configs if c.name in configs]
+    decode_budget = len(contexts) * (warmup + steps * repeats) + 2
+    max_batch = max(batches, default=1)
+    need = (contexts[-1] + decode_budget + breakdown_steps * 4 + (batch_steps + warmup + 2) * (len(batches) + 1)
+            + max_batch * 8 + 64)
+    ids = corpus_tokens(tokenizer, corpus, need)
+    ids = ids if ids.ndim == 2 else ids[None]
+    runners = [_Runner(c, model) for c in all_configs]
+
+    # the quantized cache's backend may not be installed: try it on a few tokens first
+    for runner in runners:
+        if runner.config.kind == "quantized":
+            try:
+                probe = _Runner(runner.config, model)
+                probe.feed_to(ids, 16, chunk)
+                probe.step(ids[:, 16:17])
+            except Exception as error:  # noqa: BLE001 - report any backend failure
+                runner.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                log(f"[bench] {runner.config.name}: not available ({runner.error})")
+    runners_ok = [r for r in runners if r.error is None]
+
+    bandwidth = measure_bandwidth()
+    weights = weight_bytes_read(model)
+    log(f"[bench] bandwidth {bandwidth['median_gbps']:.2f} GB/s (copy), weights read/step {weights / 1e6:.1f} MB")
+    result: dict[str, Any] = {
+        "model": model_name, "contexts": contexts, "budget": budget, "slack": slack, "steps": steps,
+        "repeats": repeats, "warmup": warmup, "chunk": chunk, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "platform": platform.platform(), "bandwidth": bandwidth,
+        "weight_bytes": weights,
+        "configs": {r.config.name: {"kind": r.config.kind, "policy": r.config.policy, "params": r.config.params,
+                                    "store": r.config.store, "note": r.config.note, "error": r.error}
+                    for r in runners},
+        "latency": {}, "throughput": {}, "breakdown": {}, "load": {},
+    }
+    result["load"]["start"] = _loadavg()
+
+    for context in contexts:
+        for runner in runners_ok:
+            start = time.perf_counter()
+            runner.feed_to(ids, context, chunk)
+            log(f"[bench] ctx {context} {runner.config.name}: prefill to {runner.fed} in "
+                f"{time.perf_counter() - start:.1f}s")
+        times: dict[str, list[float]] = {r.config.name: [] for r in runners_ok}
+        for rep in range(warmup + repeats):
+            for runner in runners_ok:
+                n = 1 if rep < warmup else steps
+                for _ in range(n):
+                    t = runner.step(ids[:, runner.fed:runner.fed + 1])
+                    if rep >= warmup:
+                        times[runner.config.name].append(t)
+        rows = {}
+        ref = statistics.median(times["dynamic"]) if "dynamic" in times else None
+        for runner in runners_ok:
+            name = runner.config.name
+            summary = _summary(times[name])
+            kv = runner.kv_bytes()
+            floor_s = (weights + kv) / (bandwidth["median_gbps"] * 1e9)
+            summary.update({
+                "kv_bytes": kv, "kept_tokens": runner.kept_tokens(), "floor_ms": 1e3 * floor_s,
+                "speedup_vs_dynamic": (ref / statistics.median(times[name])) if ref else None,
+                "times_ms": [round(1e3 * t, 3) for t in times[name]],
+            })
+            rows[name] = summary
+        rows["_rss_bytes"] = _rss_bytes()
+        rows["_load"] = _loadavg()
+        result["latency"][str(context)] = rows
+        log(format_latency_rows(context, rows))
+
+    target = next((r for r in runners_ok if r.config.name == "confkv"), None)
+    if target is not None and breakdown_steps:
+        for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
+                     f"window+slack{slack}", "full"):
+            runner = next((r for r in runners_ok if r.config.name == name), None)
+            if runner is not None:
+                result["breakdown"][name] = step_breakdown(runner, ids, breakdown_steps)
+                log(format_breakdown(name, result["breakdown"][name]))
+
+    # Throughput: the caches are grown in place from batch to batch (batch_repeat_interleave
+    # by batch / previous batch); the rows then diverge (row b reads the text 8 * b tokens on).
+    current = 1
+    for batch in sorted(batches):
+        if batch % current:
+            log(f"[bench] batch {batch}: not a multiple of {current}, skipped")
+            continue
+        rows = {}
+        for runner in runners_ok:
+            if batch > current and runner.error is None:
+                try:
+                    runner.cache.batch_repeat_interleave(batch // current)
+                except Exception as error:  # noqa: BLE001 - e.g. a backend without batch ops
+                    runner.error = f"throughput: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                    log(f"[bench] {runner.config.name}: {runner.error}")
+        current = batch
+        active = [r for r in runners_ok if r.error is None]
+        times = {r.config.name: [] for r in active}
+        for rep in range(warmup + batch_steps):
+            for runner in list(active):
+                tokens = ids[0, [runner.fed + 8 * b for b in range(batch)]][:, None]
+                try:
+                    t = runner.step(tokens)
+                except Exception as error:  # noqa: BLE001 - QuantizedCache has no working batch repeat
+                    runner.error = f"batch {batch}: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                    log(f"[bench] {runner.config.name}: {runner.error}")
+                    active.remove(runner)
+                    del times[runner.config.name]
+                    continue
+                if rep >= warmup:
+                    times[runner.config.name].append(t)
+        ref = statistics.median(times["dynamic"]) if "dynamic" in times else None
+        for runner in active:
+            name = runner.config.name
+            med = statistics.median(times[name])
+            rows[name] = {**_summary(times[name]), "tokens_per_s": batch / med, "kv_bytes": runner.kv_bytes(),
+                          "context": runner.fed, "speedup_vs_dynamic": (ref / med) if ref else None}
+        rows["_rss_bytes"] = _rss_bytes()
+        rows["_load"] = _loadavg()
+        result["throughput"][str(batch)] = rows
+        log(format_throughput_rows(batch, rows))
+
+    result["load"]["end"] = _loadavg()
+    result["peak_rss_bytes"] = _peak_rss_bytes()
+    return result
+
+
+def step_breakdown(runner: _Runner, ids: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Mean ms per step spent in each instrumented section, over ``steps`` decode steps."""
+    timers = profiling.Timers()
+    total = 0.0
+    with profiling.enabled(timers):
+        for _ in range(steps):
+            total += runner.step(ids[:, runner.fed:runner.fed + 1])
+    sections = {name: 1e3 * t / steps for name, t in timers.seconds.items()}
+    policy_work = sum(v for k, v in sections.items() if k not in ("attention read",))
+    step_ms = 1e3 * total / steps
+    # Model compute: everything that is not an instrumented confkv section.
+    sections = {"model compute (rest)": step_ms - sum(sections.values()), **sections}
+    return {"step_ms": step_ms, "sections_ms": sections, "calls": dict(timers.calls),
+            "policy_work_ms": policy_work, "policy_work_fraction": policy_work / step_ms}
+
+
+def _loadavg() -> list[float]:
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except OSError:
+        return []
+
+
+def format_latency_rows(context: int, rows: dict[str, Any]) -> str:
+    lines = [f"context {context}  (load {rows.get('_load')}, RSS {rows['_rss_bytes'] / 2**20:.0f} MiB)",
+             f"  {'config':26s} {'median ms':>9s} {'p10-p90 ms':>15s} {'x dyn':>6s} {'floor ms':>8s} "
+             f"{'kept':>6s} {'KV MB':>8s}"]
+    for name, r in rows.items():
+        if name.startswith("_"):
+            continue
+        speed = f"{r['speedup_vs_dynamic']:.2f}" if r.get("speedup_vs_dynamic") else "-"
+        lines.append(f"  {name:26s} {r['median_ms']:9.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} {speed:>6s} "
+                     f"{r['floor_ms']:8.1f} {r['kept_tokens']:6.0f} {r['kv_bytes'] / 1e6:8.1f}")
+    return "\n".join(lines)
+
+
+def format_throughput_rows(batch: int, rows: dict[str, Any]) -> str:
+    lines = [f"batch {batch}  (load {rows.get('_load')}, RSS {rows['_rss_bytes'] / 2**20:.0f} MiB)",
+             f"  {'config':26s} {'step ms':>8s} {'tok/s':>7s} {'x dyn':>6s} {'KV MB':>8s}"]
+    for name, r in rows.items():
+        if name.startswith("_"):
+            continue
+        speed = f"{r['speedup_vs_dynamic']:.2f}" if r.get("speedup_vs_dynamic") else "-"
+        lines.append(f"  {name:26s} {r['median_ms']:8.1f} {r['tokens_per_s']:7.2f} {speed:>6s} "
+                     f"{r['kv_bytes'] / 1e6:8.1f}")
+    return "\n".join(lines)
+
+
+def format_breakdown(name: str, b: dict[str, Any]) -> str:
+    lines = [f"breakdown of one {name} step: {b['step_ms']:.1f} ms; policy work (all but model compute and "
+             f"attention read) {b['policy_work_ms']:.2f} ms = {100 * b['policy_work_fraction']:.1f}%"]
+    for section, ms in b["sections_ms"].items():
+        lines.append(f"  {section:28s} {ms:8.2f} ms  {100 * ms / b['step_ms']:5.1f}%")
+    return "\n".join(lines)
+
+
+def plot_latency(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    contexts = result["contexts"]
+    names = [n for n in result["configs"] if result["configs"][n]["error"] is None]
+    for name in names:
+        ys = [result["latency"][str(c)][name]["median_ms"] for c in contexts]
+        ax.plot(contexts, ys, marker="o", label=name, linestyle="--" if name == "dynamic" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [str(c) for c in contexts])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode step latency, median (ms)")
+    ax.set_title(f"{result['model']} on CPU ({result['threads']} thread(s)), budget {result['budget']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path, text: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "bench.txt").write_text(text)
+    plot_latency(result, out_dir / "latency_vs_context.png")

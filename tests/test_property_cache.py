@@ -1,7 +1,7 @@
 """Property-based invariants of ``ConfKVCache`` for every registered policy (hypothesis).
 
 Random configurations (budgets, protection window, sinks, gate threshold and smoothing,
-INT8 on/off with random FP window and move block), random batch compositions (1-3
+INT8 on/off with random FP window and move block, attention-read block size), random batch compositions (1-3
 sequences, random left padding), random step sequences (a prompt fed in random chunk
 sizes, then single-token steps) on tiny random models. After **every** forward pass:
 
@@ -111,6 +111,7 @@ def scenarios(draw, name: str) -> dict:
     kv_int8 = draw(st.booleans())
     fp_window = draw(st.integers(0, 6))
     move_block = draw(st.integers(1, 8))
+    block_size = draw(st.sampled_from([1, 3, 16, 1024]))  # key blocks of the attention read
     params = draw(policy_params(name, kv_int8, fp_window))
     batch = draw(st.integers(1, 3))
     prompt = draw(st.integers(1, 40))
@@ -123,7 +124,8 @@ def scenarios(draw, name: str) -> dict:
         left -= size
     decode = draw(st.integers(0, 24))
     seed = draw(st.integers(0, 2**16))
-    return {"arch": arch, "store": StoreConfig(kv_int8=kv_int8, fp_window=fp_window, move_block=move_block),
+    return {"arch": arch, "store": StoreConfig(kv_int8=kv_int8, fp_window=fp_window, move_block=move_block,
+                                                  block_size=block_size),
             "params": params, "batch": batch, "prompt": prompt, "pads": pads, "chunks": chunks,
             "decode": decode, "seed": seed}
 

@@ -73,11 +73,18 @@ class Region:
         parts = {name: take(t) for name, t in self._per_slot().items()}
         return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, dense=dense, **parts)
 
-    def slice(self, start: int, end: int) -> "Region":
-        """Slots ``start:end`` (same for every head)."""
-        parts = {name: t[:, :, start:end] for name, t in self._per_slot().items()}
-        return Region(stats={n: t[:, :, start:end] for n, t in self.stats.items()},
-                      valid=self.valid[:, start:end], dense=self.dense, **parts)
+    def slice(self, start: int, end: int, copy: bool = False) -> "Region":
+        """Slots ``start:end`` (same for every head).
+
+        With ``copy`` the result owns fresh tensors, so the parent's storage can be
+        freed (a view would keep all of it alive and the byte accounting would miss it).
+        """
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[:, :, start:end].clone() if copy else t[:, :, start:end]
+        parts = {name: cut(t) for name, t in self._per_slot().items()}
+        valid = self.valid[:, start:end]
+        return Region(stats={n: cut(t) for n, t in self.stats.items()},
+                      valid=valid.clone() if copy else valid, dense=self.dense, **parts)
 
     def nbytes(self) -> int:
         """Bytes of the stored keys and values, including per-token scales."""

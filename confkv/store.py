@@ -251,7 +251,7 @@ class LayerStore:
             return
         prof = profiling.ACTIVE
         moving = self.recent.slice(0, surplus)
-        self.recent = self.recent.slice(surplus, self.recent.length)
+        self.recent = self.recent.slice(surplus, self.recent.length, copy=True)  # frees the old window
         if self.int8:
             if prof is not None:
                 started = profiling.clock()

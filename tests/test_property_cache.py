@@ -310,11 +310,6 @@ def test_same_inputs_same_output(name):
     run()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "store.py `_age` keeps the FP window as a view (`Region.slice`) of the pre-ageing tensor, so "
-    "until the next append the layer holds the moved tokens' old storage too: the memory held "
-    "exceeds kv_bytes() by up to one prefill chunk (or move_block) of FP tokens per layer. "
-    "Fix: copy the sliced window (`.clone()`/`.contiguous()` of a view), then drop this marker."))
 def test_kv_bytes_equal_storage_actually_held():
     model = _model("llama")
     cache = ConfKVCache.for_model(model, "window", budget=10)

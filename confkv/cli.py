@@ -13,7 +13,6 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,16 +22,9 @@ from confkv.errors import ConfKVError
 
 def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
     """Policy parameters given as ``--param key=value`` (values parsed as JSON when possible)."""
-    params: dict[str, Any] = {}
-    for item in args.param or []:
-        if "=" not in item:
-            raise SystemExit(f"--param expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        try:
-            params[key.replace("-", "_")] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key.replace("-", "_")] = raw
-    return params
+    from confkv.commands_eval import parse_params
+
+    return parse_params(args.param)
 
 
 def _store_config(args: argparse.Namespace):

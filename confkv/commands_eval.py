@@ -143,7 +143,8 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flat_params(items: list[str] | None) -> dict[str, Any]:
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """``['key=value', ...]`` from ``--param`` -> dict (values parsed as JSON when possible)."""
     params: dict[str, Any] = {}
     for item in items or []:
         if "=" not in item:
@@ -169,7 +170,7 @@ def run_niah(args: argparse.Namespace) -> int:
                         needle_template=args.needle, question_template=args.question, answer=args.answer,
                         budget_fraction=args.budget_fraction, budget_of=args.budget_of,
                         max_new_tokens=args.max_new_tokens, chunk=args.chunk, batch=args.batch,
-                        kv_int8=args.int8, extra_params=_flat_params(args.param))
+                        kv_int8=args.int8, extra_params=parse_params(args.param))
     result = run_niah_grid(model, tokenizer, config, progress=not args.no_progress, model_name=args.model)
     paths = write_niah(result, args.out_dir)
     paths.append(plot_niah(result, args.out_dir / "niah_heatmap.png"))
@@ -194,7 +195,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         who, _, kv = item.partition(":")
         if not kv:
             raise SystemExit(f"--param expects POLICY:KEY=VALUE, got {item!r}")
-        per_policy.setdefault(who, {}).update(_flat_params([kv]))
+        per_policy.setdefault(who, {}).update(parse_params([kv]))
     int8 = {"off": (False,), "on": (True,), "both": (False, True)}[args.int8]
     config = SweepConfig(policies=tuple(args.policies), reference_windows=tuple(args.reference_windows),
                          match=args.match, int8=int8, corpus=args.corpus, tokens=args.tokens, offset=args.offset,

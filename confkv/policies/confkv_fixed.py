@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.config import _require
 from confkv.policies.confkv import ConfKVPolicy
+from confkv.policies.fixed_budget import FixedBudgetPolicy
 
 
 @dataclass(frozen=True)
-class ConfKVFixedPolicy(ConfKVPolicy):
+class ConfKVFixedPolicy(FixedBudgetPolicy, ConfKVPolicy):
     """Fixed-budget CONF-KV (METHOD.md, "Baselines"): isolates the confidence gate.
 
     The ranking is :class:`~confkv.policies.confkv.ConfKVPolicy`'s, inherited unchanged
@@ -23,19 +23,8 @@ class ConfKVFixedPolicy(ConfKVPolicy):
     """
 
     name = "confkv-fixed"
-
-    budget: int = 512
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.budget, int) and not isinstance(self.budget, bool) and self.budget >= 1,
-                 "budget", f"must be a positive integer number of tokens, got {self.budget!r}")
-        super().__post_init__()
-
-    def min_budget(self) -> int:
-        return self.budget
-
-    def max_budget(self) -> int:
-        return self.budget
+    protect: int = 32  # ConfKVPolicy's defaults (FixedBudgetPolicy would bring the base ones)
+    sinks: int = 4
 
     def layer_budgets(self, confidence: torch.Tensor, num_layers: int) -> torch.Tensor:
         return torch.full((confidence.shape[0], num_layers), self.budget, dtype=torch.int64)

@@ -96,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         if args.command == "policies":
             from confkv.policies import POLICIES
+            from confkv.policies.registry import policy_parameters
 
-            for name, cls in sorted(POLICIES.items()):
-                fields = ", ".join(f for f in cls.__dataclass_fields__)
-                print(f"{name:14s} {fields}")
+            for name in sorted(POLICIES):
+                defaults = ", ".join(f"{k}={v}" for k, v in policy_parameters(name).items())
+                print(f"{name:14s} {defaults}")
             return 0
         if args.command == "bench":
             from confkv.eval import bench as bench_mod

@@ -36,6 +36,20 @@ _GATE_FIELDS = ("tau", "n_high", "n_low", "smoothing")
 _CONFIDENCE_FIELDS = ("w_entropy", "w_margin", "w_top", "margin_form")
 
 
+def policy_parameters(name: str) -> dict[str, Any]:
+    """The flat parameters ``make_policy(name, ...)`` accepts, with their defaults."""
+    policy_class = POLICIES[name]
+    params: dict[str, Any] = {}
+    for f in dataclasses.fields(policy_class):
+        if f.name == "gate":
+            gate = GateConfig()
+            params.update({k: getattr(gate, k) for k in _GATE_FIELDS})
+            params.update({k: getattr(gate.confidence, k) for k in _CONFIDENCE_FIELDS})
+        elif f.default is not dataclasses.MISSING:
+            params[f.name] = f.default
+    return params
+
+
 def make_policy(name: str | Policy, **params: Any) -> Policy:
     """Build a policy from its name and flat parameters.
 
@@ -63,7 +77,6 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
                                         confidence=confidence)
     unknown = sorted(set(params) - fields)
     if unknown:
-        known = fields | (set(_GATE_FIELDS) | set(_CONFIDENCE_FIELDS) if "gate" in fields else set())
         raise ConfigError(f"{unknown[0]}: not a parameter of policy {name!r}; "
-                          f"its parameters are: {', '.join(sorted(known))}")
+                          f"its parameters are: {', '.join(sorted(policy_parameters(name)))}")
     return policy_class(**params)

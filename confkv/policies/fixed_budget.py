@@ -35,6 +35,11 @@ class FixedBudgetPolicy(Policy):
         return self.budget
 
 
+def recent_part(budget: int, protect: int, recent_ratio: float) -> int:
+    """Tokens of a budget reserved for the most recent ones (H2O / Scissorhands "recent" split)."""
+    return min(budget, max(protect, round(recent_ratio * budget)))
+
+
 def check_ratio(value: float, field_name: str) -> None:
     _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
              and 0.0 <= value <= 1.0, field_name, f"must be a number in [0, 1], got {value!r}")

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from confkv.policies.fixed_budget import FixedBudgetPolicy, check_ratio, check_recent_fits, recent_first
+from confkv.policies.fixed_budget import (FixedBudgetPolicy, check_ratio, check_recent_fits, recent_first,
+                                          recent_part)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class H2OPolicy(FixedBudgetPolicy):
     @property
     def n_recent(self) -> int:
         """Tokens of the recent part of the budget."""
-        return min(self.budget, max(self.protect, round(self.recent_ratio * self.budget)))
+        return recent_part(self.budget, self.protect, self.recent_ratio)
 
     def observe(self, stats: dict[str, torch.Tensor], mass: torch.Tensor, num_queries: int) -> None:
         stats["acc"].add_(mass)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from confkv.config import _require
-from confkv.policies.fixed_budget import FixedBudgetPolicy, check_ratio, check_recent_fits, recent_first
+from confkv.policies.fixed_budget import (FixedBudgetPolicy, check_ratio, check_recent_fits, recent_first,
+                                          recent_part)
 
 #: history bits packed in one float32 statistic (float32 holds integers < 2**24 exactly)
 _BITS_PER_WORD = 24
@@ -65,7 +66,8 @@ class ScissorhandsPolicy(FixedBudgetPolicy):
 
     @property
     def n_recent(self) -> int:
-        return min(self.budget, max(self.protect, round(self.recent_ratio * self.budget)))
+        """Tokens of the recent part of the budget."""
+        return recent_part(self.budget, self.protect, self.recent_ratio)
 
     @property
     def effective_threshold(self) -> float:

@@ -21,6 +21,8 @@ The store counts tokens seen (logical, for positions) apart from slots held
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from confkv import profiling
@@ -109,6 +111,44 @@ class LayerStore:
         self.seen_real = self.seen_real.index_select(0, index.to(self.seen_real.device))
         if self.channel_scale is not None:
             self.channel_scale = self.channel_scale.index_select(0, index.to(self.channel_scale.device))
+
+    def fork(self, policy: Policy,
+             stats_of: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> LayerStore:
+        """An independent copy of this store, run by ``policy`` from now on.
+
+        Every tensor is cloned (policies update statistics in place), positions, scales and
+        counters are kept; the FP window size follows ``policy`` at the next ``end_step``.
+
+        Args:
+            policy: the policy of the copy.
+            stats_of: maps a region's statistics to ``policy``'s names (e.g.
+                :meth:`~confkv.policies.tee.TeePolicy.member_stats`); default: the same names.
+        Raises:
+            ValueError: a statistic ``policy`` needs is missing, or keys are pending.
+        """
+        twin = LayerStore(policy, self.config, sliding_window=self.sliding_window)
+        if not self.is_initialized:
+            return twin
+        if self.pending:
+            raise ValueError("confkv: cannot fork a store in the middle of a forward pass")
+
+        def copy(region: Region) -> Region:
+            stats = stats_of(region.stats) if stats_of is not None else region.stats
+            missing = [name for name in twin.stat_names if name not in stats]
+            if missing:
+                raise ValueError(f"confkv: cannot fork for policy {policy.name!r}: statistics {missing} were "
+                                 "never collected (prefill with a TeePolicy that includes it)")
+            return Region(keys=region.keys.clone(), values=region.values.clone(),
+                          positions=region.positions.clone(), valid=region.valid.clone(),
+                          stats={name: stats[name].clone() for name in twin.stat_names},
+                          key_scale=_clone(region.key_scale), value_scale=_clone(region.value_scale),
+                          dense=region.dense)
+
+        twin.old, twin.recent = copy(self.old), copy(self.recent)
+        twin.channel_scale = _clone(self.channel_scale)
+        twin.seen_tokens = self.seen_tokens
+        twin.seen_real = self.seen_real.clone()
+        return twin
 
     # -- the step --------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -321,3 +361,7 @@ class LayerStore:
         self.old = old.gather(index, valid, dense=bool(valid.all()))
         if prof is not None:
             prof.add("compaction gather", profiling.clock() - started)
+
+
+def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()

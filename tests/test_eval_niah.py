@@ -1,9 +1,12 @@
 """NIAH grid: both protocols run, are scored, and are exact with the full cache; heatmap written."""
 
+import pytest
 import torch
 
 from confkv.data import make_niah_sample, score_niah
-from confkv.eval.niah import NiahConfig, budgets_for_bytes, full_kv_bytes, plot_niah, run_niah_batch, run_niah_grid, write_niah
+from confkv.errors import ConfigError
+from confkv.eval.niah import (PROTOCOLS, NiahConfig, budgets_for_bytes, full_kv_bytes, load_records, parse_spec,
+                              plot_niah, record_key, run_key, run_niah_batch, run_niah_grid, write_niah)
 from confkv.config import StoreConfig
 from confkv.models import tiny_model, tiny_tokenizer
 
@@ -56,3 +59,79 @@ def test_budgets_for_bytes_int8_grows_budget():
     q = budgets_for_bytes(model, ["window"], target, 400, store=StoreConfig(kv_int8=True, fp_window=16))
     assert fp["window"]["budget"] == 100 and fp["full"] == {}
     assert q["window"]["budget"] > 100
+
+
+def _small_config(**overrides):
+    base = dict(lengths=(120, 160), depths=(0.0, 1.0), trials=2, chunk=64, max_new_tokens=3,
+                policies=("full", "window", "h2o", "tova", "confkv", "confkv+int8"),
+                extra_params={"protect": 4}, fp_window=8, batch=2)
+    base.update(overrides)
+    return NiahConfig(**base)
+
+
+def _answers(result):
+    return {(r.policy, r.protocol, r.length, r.depth, r.trial): r.generated for r in result.records}
+
+
+def test_shared_prefill_and_full_once_match_separate_runs():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    shared = run_niah_grid(model, tok, _small_config(), progress=False)
+    separate = run_niah_grid(model, tok, _small_config(share_prefill=False, full_once=False), progress=False)
+    assert len(shared.records) == len(separate.records) == 2 * 2 * 2 * 6 * 2
+    assert _answers(shared) == _answers(separate)
+    full = [r for r in shared.records if r.policy == "full"]
+    assert {r.computed_in for r in full} == {"query-aware"} and {r.protocol for r in full} == set(PROTOCOLS)
+    # the INT8 entry gets a larger token budget for the same bytes
+    assert shared.budgets["confkv+int8@160"]["n_low"] > shared.budgets["confkv@160"]["n_low"]
+
+
+def test_relative_to_full_uses_the_same_samples():
+    from confkv.eval.niah import NiahRecord, NiahResult
+
+    def rec(policy, trial, correct):
+        return NiahRecord(policy=policy, protocol="streaming", length=100, depth=0.5, trial=trial, actual_depth=0.5,
+                          answer="1", generated="", correct=correct, params={}, kept_at_answer=0,
+                          peak_kv_bytes_per_seq=0, seconds_per_seq=0)
+
+    records = [rec("full", 0, True), rec("full", 1, True), rec("full", 2, False), rec("full", 3, True),
+               rec("h2o", 0, True), rec("h2o", 1, False), rec("h2o", 2, True)]  # trial 3 not run yet
+    result = NiahResult(config=NiahConfig(policies=("full", "h2o"), protocols=("streaming",)), records=records,
+                        budgets={}, budget_bytes={}, seconds=0)
+    assert result.accuracy("h2o", "streaming") == 2 / 3
+    assert result.relative_to_full("h2o", "streaming") == 2 / 2  # full hits 2 of trials 0-2
+    assert result.relative_to_full("full", "streaming") == 1.0
+    assert result.relative_to_full("h2o", "query-aware") != result.relative_to_full("h2o", "query-aware")  # NaN
+
+
+def test_resume_skips_done_records_and_never_duplicates(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    small = _small_config(trials=1, policies=("full", "window"))
+    first = run_niah_grid(model, tok, small, progress=False, resume_path=path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(first.records) == 2 * 2 * 1 * 2 * 2
+    # a kill in the middle of a write leaves a torn line: it is ignored
+    with open(path, "a") as handle:
+        handle.write(lines[0][: len(lines[0]) // 2])
+    bigger = _small_config(trials=2, policies=("full", "window"))
+    second = run_niah_grid(model, tok, bigger, progress=False, resume_path=path)
+    keys = [record_key(r) for r in second.records]
+    assert len(keys) == len(set(keys)) == 2 * 2 * 2 * 2 * 2
+    assert {record_key(r) for r in first.records} <= set(keys)
+    on_disk = [record_key(r) for r in load_records(path)]
+    assert len(on_disk) == len(set(on_disk)) == len(keys)
+    again = run_niah_grid(model, tok, bigger, progress=False, resume_path=path)  # nothing left to do
+    assert _answers(again) == _answers(second) and len(load_records(path)) == len(keys)
+    # another run's settings never resume into this one
+    other = run_niah_grid(model, tok, _small_config(lengths=(120,), policies=("window",)), progress=False,
+                          resume_path=path)  # longest context 120, not 160: other budgets
+    assert all(r.run == run_key(other.config, "") != run_key(bigger, "") for r in other.records)
+    assert len(other.records) == 1 * 2 * 2 * 1 * 2
+
+
+def test_policy_specs_are_checked():
+    assert parse_spec("confkv+int8") == ("confkv", True) and parse_spec("h2o") == ("h2o", False)
+    with pytest.raises(ValueError, match=r"\+int8"):
+        parse_spec("confkv+int4")
+    with pytest.raises(ConfigError, match="known: .*confkv"):
+        parse_spec("nope")

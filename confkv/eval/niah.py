@@ -14,13 +14,29 @@ Protocols (always reported separately):
   (peak bounded by budget + chunk), then the question (all but its last token), then
   greedy generation: the policy must decide what to keep before the question exists.
 
+Grid entries are policy names, optionally with ``+int8`` (INT8 store, e.g.
+``confkv+int8``), each matched to the same KV bytes.
+
+Sharing work (on by default, both exact up to float summation order):
+
+- query-aware: nothing is evicted during the prefill, so every policy with the same store
+  settings runs the *same* forward pass; one prefill feeds all their statistics
+  (:class:`~confkv.policies.tee.TeePolicy`) and each policy compresses its own fork of
+  the cache (``share_prefill``).
+- ``full`` evicts nothing, so its two protocols are one computation: it runs once and is
+  reported under both (``full_once``; ``computed_in`` in each record says which ran).
+
+Resuming: with ``resume_path`` (the CLI's ``<out-dir>/niah.jsonl``) every finished batch
+appends its records, and records of the same run already there are skipped.
+
 All samples of one context length have the same number of tokens
 (:func:`confkv.data.make_niah_sample` pads the haystack to the exact length), so the
 depths x trials of a length run as one batch (``batch`` caps its size) with per-sequence
 budgets and no padding.
 
 Budget: ``budget_fraction`` of the full-precision KV bytes of the longest context
-(``budget_of="longest"``, the paper's setup: one memory for the whole grid) or of each
+(``budget_of="longest"``, the paper's setup: one memory for the whole grid; or of
+``budget_tokens`` tokens, so that parts of one grid can run in several processes) or of each
 length (``"each"``), converted into each policy's budget parameters by
 :func:`budgets_for_bytes` (peak KV bytes; gated policies get ``n_low`` at the budget and
 ``n_high = ratio * n_low``).
@@ -39,6 +55,8 @@ import torch
 from tqdm.auto import tqdm
 
 from confkv.config import StoreConfig
+from confkv.errors import ConfigError
+from confkv.eval.jsonl import append_rows
 from confkv.data import DEFAULT_NEEDLE_TEMPLATE, DEFAULT_QUESTION_TEMPLATE, make_niah_sample, score_niah
 
 PROTOCOLS = ("query-aware", "streaming")
@@ -65,6 +83,10 @@ class NiahConfig:
     ratio: float = 0.5
     seed: int = 0
     extra_params: dict[str, Any] = field(default_factory=dict)
+    share_prefill: bool = True  # query-aware: one prefill per store setting, forked per policy
+    full_once: bool = True  # full KV: one computation reported under both protocols
+    dtype: str = "float32"  # the model's dtype (recorded; the caller loads the model)
+    budget_tokens: int | None = None  # budget = fraction of this many tokens' KV (overrides budget_of)
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.protocols if p not in PROTOCOLS]
@@ -72,6 +94,8 @@ class NiahConfig:
             raise ValueError(f"unknown NIAH protocol {unknown[0]!r}; choose from {PROTOCOLS}")
         if self.budget_of not in ("longest", "each"):
             raise ValueError("budget_of must be 'longest' or 'each'")
+        if self.budget_tokens is not None and (isinstance(self.budget_tokens, bool) or self.budget_tokens < 1):
+            raise ValueError(f"budget_tokens must be a positive number of tokens, got {self.budget_tokens!r}")
         if not 0 < self.budget_fraction <= 1:
             raise ValueError("budget_fraction must be in (0, 1]")
 
@@ -91,6 +115,8 @@ class NiahRecord:
     kept_at_answer: float  # mean over layers of tokens kept when the answer is generated
     peak_kv_bytes_per_seq: float  # trace peak / batch size
     seconds_per_seq: float
+    run: str = ""  # run_key(): the settings shared by every record of the grid
+    computed_in: str = ""  # the protocol whose computation produced it (full: one run for both)
 
 
 @dataclass
@@ -112,6 +138,18 @@ class NiahResult:
         return [[self.accuracy(policy, protocol, length, depth) for length in self.config.lengths]
                 for depth in self.config.depths]
 
+    def count(self, policy: str, protocol: str) -> int:
+        return sum(1 for r in self.records if r.policy == policy and r.protocol == protocol)
+
+    def relative_to_full(self, policy: str, protocol: str) -> float:
+        """Accuracy / full-KV accuracy on the same samples (NaN without full records or hits)."""
+        full = {(r.length, r.depth, r.trial): r.correct for r in self.records
+                if r.policy == "full" and r.protocol == protocol}
+        pairs = [(r.correct, full[(r.length, r.depth, r.trial)]) for r in self.records
+                 if r.policy == policy and r.protocol == protocol and (r.length, r.depth, r.trial) in full]
+        hits_full = sum(f for _, f in pairs)
+        return sum(c for c, _ in pairs) / hits_full if hits_full else float("nan")
+
     def summary(self) -> dict[str, Any]:
         return {f"{policy}/{protocol}": self.accuracy(policy, protocol)
                 for protocol in self.config.protocols for policy in self.config.policies}
@@ -122,14 +160,19 @@ class NiahResult:
             for policy in self.config.policies:
                 per_length = "  ".join(f"{length}:{self.accuracy(policy, protocol, length):.2f}"
                                        for length in self.config.lengths)
-                lines.append(f"{protocol:12s} {policy:14s} acc {self.accuracy(policy, protocol):.3f}   {per_length}")
+                lines.append(f"{protocol:12s} {policy:14s} acc {self.accuracy(policy, protocol):.3f}  "
+                             f"vs full {self.relative_to_full(policy, protocol):.3f}  "
+                             f"n={self.count(policy, protocol):4d}   {per_length}")
         return lines
 
     def to_dict(self) -> dict[str, Any]:
+        keys = [(p, q) for q in self.config.protocols for p in self.config.policies]
         return {"model": self.model, "config": asdict(self.config), "budgets": self.budgets,
                 "budget_bytes": {str(k): v for k, v in self.budget_bytes.items()}, "seconds": self.seconds,
                 "summary": self.summary(),
-                "grids": {f"{p}/{q}": self.grid(p, q) for q in self.config.protocols for p in self.config.policies},
+                "relative_to_full": {f"{p}/{q}": self.relative_to_full(p, q) for p, q in keys},
+                "counts": {f"{p}/{q}": self.count(p, q) for p, q in keys},
+                "grids": {f"{p}/{q}": self.grid(p, q) for p, q in keys},
                 "records": [asdict(r) for r in self.records]}
 
 
@@ -175,27 +218,27 @@ def full_kv_bytes(model: Any, tokens: int, store: StoreConfig | None = None) -> 
     return float(tokens * bm.fp_bytes * len(bm.sliding_windows))
 
 
-@torch.no_grad()
-def run_niah_batch(model: Any, tokenizer: Any, samples: list, policy: str, params: dict[str, Any], protocol: str,
-                   *, store: StoreConfig, chunk: int, max_new_tokens: int) -> list[tuple[str, float, float]]:
-    """Run one batch of same-length samples; returns (generated text, kept tokens at answer, peak bytes/seq)."""
-    from confkv.hf import ConfKVCache, prefill
+def parse_spec(spec: str) -> tuple[str, bool]:
+    """A grid entry -> (policy name, INT8 store): ``"confkv+int8"`` -> ``("confkv", True)``."""
+    from confkv.policies import POLICIES
 
-    device = next(model.parameters()).device
-    ids = torch.cat([s.input_ids for s in samples]).to(device)
-    context = torch.cat([s.context_ids for s in samples]).to(device)
-    question = torch.cat([s.question_ids for s in samples]).to(device)
+    name, plus, suffix = spec.partition("+")
+    if plus and suffix != "int8":
+        raise ValueError(f"NIAH policy {spec!r}: the only suffix is '+int8' (INT8 store), e.g. 'confkv+int8'")
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy {name!r} in NIAH policy {spec!r}; known: {', '.join(sorted(POLICIES))}")
+    return name, bool(plus)
+
+
+def _store_for(spec: str, config: NiahConfig) -> StoreConfig:
+    _, int8 = parse_spec(spec)
+    return StoreConfig(kv_int8=int8 or config.kv_int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
+
+
+def _generate(model: Any, tokenizer: Any, cache: Any, ids: torch.Tensor, max_new_tokens: int
+              ) -> list[tuple[str, float, float]]:
+    """Greedy answer from a cache holding the prompt minus its last token -> (text, kept, peak bytes/seq)."""
     batch = ids.shape[0]
-    cache = ConfKVCache.for_model(model, policy, store=store, **params)
-    if protocol == "query-aware":
-        cache.evict = False
-        logits = prefill(model, cache, ids[:, :-1], chunk=chunk)
-        cache.evict = True
-        cache.end_step(logits)  # bring the cache to the budget picked at the last prompt position
-    else:
-        prefill(model, cache, context, chunk=chunk)
-        if question.shape[1] > 1:
-            prefill(model, cache, question[:, :-1], chunk=chunk)
     answer_step = len(cache.trace)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
@@ -209,10 +252,100 @@ def run_niah_batch(model: Any, tokenizer: Any, samples: list, policy: str, param
     return [(texts[i], float(kept[i]), peak) for i in range(batch)]
 
 
+def _batch_ids(samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.cat([s.input_ids for s in samples]), torch.cat([s.context_ids for s in samples]),
+            torch.cat([s.question_ids for s in samples]))
+
+
+@torch.no_grad()
+def run_niah_batch(model: Any, tokenizer: Any, samples: list, policy: str, params: dict[str, Any], protocol: str,
+                   *, store: StoreConfig, chunk: int, max_new_tokens: int) -> list[tuple[str, float, float]]:
+    """Run one batch of same-length samples; returns (generated text, kept tokens at answer, peak bytes/seq)."""
+    from confkv.hf import ConfKVCache, prefill
+
+    device = next(model.parameters()).device
+    ids, context, question = (t.to(device) for t in _batch_ids(samples))
+    cache = ConfKVCache.for_model(model, policy, store=store, **params)
+    if protocol == "query-aware":
+        cache.evict = False
+        logits = prefill(model, cache, ids[:, :-1], chunk=chunk)
+        cache.evict = True
+        cache.end_step(logits)  # bring the cache to the budget picked at the last prompt position
+    else:
+        prefill(model, cache, context, chunk=chunk)
+        if question.shape[1] > 1:
+            prefill(model, cache, question[:, :-1], chunk=chunk)
+    return _generate(model, tokenizer, cache, ids, max_new_tokens)
+
+
+@torch.no_grad()
+def run_query_aware_shared(model: Any, tokenizer: Any, samples: list, members: list[tuple[str, dict[str, Any]]],
+                           *, store: StoreConfig, chunk: int, max_new_tokens: int
+                           ) -> list[list[tuple[str, float, float]]]:
+    """Query-aware protocol for several policies from ONE prefill (same store settings).
+
+    Nothing is evicted during a query-aware prefill, so the forward pass is the same for
+    every policy; a :class:`~confkv.policies.tee.TeePolicy` feeds all their statistics,
+    then each policy gets a fork of the cache, compresses it and answers. Equal to running
+    :func:`run_niah_batch` per policy up to float summation order (tests/test_tee_fork.py).
+    Returns one list of (text, kept, peak bytes/seq) per member.
+    """
+    from confkv.hf import ConfKVCache, prefill
+    from confkv.policies import make_policy
+    from confkv.policies.tee import TeePolicy
+
+    device = next(model.parameters()).device
+    ids = _batch_ids(samples)[0].to(device)
+    tee = TeePolicy.of([make_policy(name, **params) for name, params in members])
+    shared = ConfKVCache.for_model(model, tee, store=store)
+    shared.evict = False
+    logits = prefill(model, shared, ids[:, :-1], chunk=chunk)
+    outputs = []
+    for index in range(len(members)):
+        cache = shared.fork(index)
+        cache.end_step(logits)
+        outputs.append(_generate(model, tokenizer, cache, ids, max_new_tokens))
+        del cache
+    return outputs
+
+
+def record_key(record: "NiahRecord | dict[str, Any]") -> tuple:
+    """What identifies one NIAH generation (resuming skips keys already on disk)."""
+    r = asdict(record) if isinstance(record, NiahRecord) else record
+    return (r["run"], r["policy"], r["protocol"], r["length"], float(r["depth"]), r["trial"])
+
+
+def run_key(config: NiahConfig, model_name: str) -> str:
+    """The settings every record of one grid shares (a different run never resumes into it)."""
+    parts = {"model": model_name, "haystack": config.haystack, "needle": config.needle_template,
+             "question": config.question_template, "answer": config.answer,
+             "budget_fraction": config.budget_fraction, "budget_of": config.budget_of,
+             "budget_tokens": _reference_tokens(config, None),
+             "max_new_tokens": config.max_new_tokens, "chunk": config.chunk, "fp_window": config.fp_window,
+             "int8_all": config.kv_int8, "ratio": config.ratio, "seed": config.seed,
+             "extra": config.extra_params, "dtype": config.dtype}
+    return json.dumps(parts, sort_keys=True)
+
+
+def load_records(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``niah.jsonl`` (a torn last line from a kill is cut off)."""
+    from confkv.eval.jsonl import load_rows
+
+    return load_rows(path)
+
+
 def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: bool = True,
-                  model_name: str = "") -> NiahResult:
-    """Run the whole grid; see the module docstring for the protocols and budgets."""
-    store = StoreConfig(kv_int8=config.kv_int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
+                  model_name: str = "", resume_path: str | Path | None = None) -> NiahResult:
+    """Run the whole grid; see the module docstring for the protocols and budgets.
+
+    Args:
+        resume_path: a ``niah.jsonl``: each finished batch's records are appended to it
+            (fsynced), and records of the same run already there are not recomputed, so
+            an interrupted grid resumes where it stopped.
+    """
+    specs = list(config.policies)
+    for spec in specs:
+        parse_spec(spec)
     sample_kwargs: dict[str, Any] = {"haystack": config.haystack, "seed": config.seed}
     if config.needle_template:
         sample_kwargs["needle_template"] = config.needle_template
@@ -220,43 +353,96 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         sample_kwargs["question_template"] = config.question_template
     if config.answer:
         sample_kwargs["answer"] = config.answer
-    longest = max(config.lengths)
     budget_bytes: dict[int, float] = {}
     budgets: dict[str, dict[str, Any]] = {}
     for length in config.lengths:
-        reference = longest if config.budget_of == "longest" else length
+        reference = _reference_tokens(config, length)
         budget_bytes[length] = config.budget_fraction * full_kv_bytes(model, reference)
-        params = budgets_for_bytes(model, config.policies, budget_bytes[length], reference, store=store,
-                                   ratio=config.ratio, extra=config.extra_params)
-        for name, p in params.items():
-            budgets[f"{name}@{length}"] = p
+        for spec in specs:
+            name, _ = parse_spec(spec)
+            params = budgets_for_bytes(model, [name], budget_bytes[length], reference, store=_store_for(spec, config),
+                                       ratio=config.ratio, extra=config.extra_params)[name]
+            budgets[f"{spec}@{length}"] = params
+    run = run_key(config, model_name)
+    resume_path = Path(resume_path) if resume_path is not None else None
     records: list[NiahRecord] = []
+    done: set[tuple] = set()
+    if resume_path is not None:
+        def in_grid(row: dict[str, Any]) -> bool:
+            return (row["policy"] in specs and row["protocol"] in config.protocols and row["length"] in config.lengths
+                    and float(row["depth"]) in [float(d) for d in config.depths] and row["trial"] < config.trials)
+
+        for row in load_records(resume_path):
+            if row.get("run") == run and in_grid(row) and record_key(row) not in done:
+                done.add(record_key(row))
+                records.append(NiahRecord(**row))
     started = time.perf_counter()
-    jobs = [(length, protocol, policy) for length in config.lengths for protocol in config.protocols
-            for policy in config.policies]
-    for length, protocol, policy in tqdm(jobs, desc="niah", disable=not progress):
+    # one unit of work: a batch of samples of one length, one protocol, one group of policies
+    units = []
+    for length in config.lengths:
         samples = [make_niah_sample(tokenizer, context_tokens=length, depth=d, trial=t, **sample_kwargs)
-                   for d in config.depths for t in range(config.trials)]
-        groups: dict[tuple[int, int], list] = {}
-        for s in samples:  # same shapes batch together (all of them, normally)
-            groups.setdefault((s.input_ids.shape[1], s.context_ids.shape[1]), []).append(s)
-        params = budgets[f"{policy}@{length}"]
-        for group in groups.values():
-            size = config.batch or len(group)
-            for begin in range(0, len(group), size):
-                part = group[begin:begin + size]
-                t0 = time.perf_counter()
-                outs = run_niah_batch(model, tokenizer, part, policy, params, protocol, store=store,
-                                      chunk=config.chunk, max_new_tokens=config.max_new_tokens)
-                per_seq = (time.perf_counter() - t0) / len(part)
+                   for t in range(config.trials) for d in config.depths]
+        size = config.batch or len(samples)
+        for begin in range(0, len(samples), size):
+            part = samples[begin:begin + size]
+            for protocol in config.protocols:
+                units.extend((length, protocol, group, part) for group in _groups(specs, protocol, config))
+    for length, protocol, group, part in tqdm(units, desc="niah", disable=not progress):
+        todo = [spec for spec in group if any(
+            (run, spec, protocol, length, float(s.depth), s.trial) not in done for s in part)]
+        if not todo:
+            continue
+        t0 = time.perf_counter()
+        store = _store_for(todo[0], config)
+        members = [(parse_spec(spec)[0], budgets[f"{spec}@{length}"]) for spec in todo]
+        if protocol == "query-aware" and len(todo) > 1:
+            outputs = run_query_aware_shared(model, tokenizer, part, members, store=store, chunk=config.chunk,
+                                             max_new_tokens=config.max_new_tokens)
+        else:
+            outputs = [run_niah_batch(model, tokenizer, part, name, params, protocol, store=store, chunk=config.chunk,
+                                      max_new_tokens=config.max_new_tokens) for name, params in members]
+        per_seq = (time.perf_counter() - t0) / len(part) / len(todo)
+        fresh = []
+        for spec, outs in zip(todo, outputs):
+            protocols = [protocol]
+            if spec == "full" and config.full_once:
+                protocols = list(config.protocols)  # full KV evicts nothing: both protocols are one computation
+            for proto in protocols:
                 for s, (text, kept, peak) in zip(part, outs):
-                    records.append(NiahRecord(policy=policy, protocol=protocol, length=length, depth=s.depth,
-                                              trial=s.trial, actual_depth=s.actual_depth, answer=s.answer,
-                                              generated=text, correct=score_niah(text, s.answer), params=params,
-                                              kept_at_answer=kept, peak_kv_bytes_per_seq=peak,
-                                              seconds_per_seq=per_seq))
+                    record = NiahRecord(policy=spec, protocol=proto, length=length, depth=s.depth, trial=s.trial,
+                                        actual_depth=s.actual_depth, answer=s.answer, generated=text,
+                                        correct=score_niah(text, s.answer), params=budgets[f"{spec}@{length}"],
+                                        kept_at_answer=kept, peak_kv_bytes_per_seq=peak, seconds_per_seq=per_seq,
+                                        run=run, computed_in=protocol)
+                    if record_key(record) not in done:
+                        done.add(record_key(record))
+                        fresh.append(record)
+        if resume_path is not None:
+            append_rows(resume_path, [asdict(r) for r in fresh])
+        records.extend(fresh)
     return NiahResult(config=config, records=records, budgets=budgets, budget_bytes=budget_bytes,
                       seconds=time.perf_counter() - started, model=model_name)
+
+
+def _reference_tokens(config: NiahConfig, length: int | None) -> int | None:
+    """The context whose full KV bytes the budget is a fraction of (None: each length's own)."""
+    if config.budget_tokens is not None:
+        return config.budget_tokens
+    if config.budget_of == "longest":
+        return max(config.lengths)
+    return length
+
+
+def _groups(specs: list[str], protocol: str, config: NiahConfig) -> list[list[str]]:
+    """The policies one unit runs together: query-aware shares one prefill per store setting."""
+    if config.full_once and protocol != config.protocols[0]:
+        specs = [s for s in specs if s != "full"]  # computed with the first protocol
+    if protocol != "query-aware" or not config.share_prefill:
+        return [[s] for s in specs]
+    by_store: dict[bool, list[str]] = {}
+    for spec in specs:
+        by_store.setdefault(_store_for(spec, config).kv_int8, []).append(spec)
+    return list(by_store.values())
 
 
 def write_niah(result: NiahResult, out_dir: str | Path) -> list[Path]:
@@ -266,12 +452,13 @@ def write_niah(result: NiahResult, out_dir: str | Path) -> list[Path]:
     json_path, csv_path = out_dir / "niah.json", out_dir / "niah.csv"
     json_path.write_text(json.dumps(result.to_dict(), indent=1))
     fields = ["policy", "protocol", "length", "depth", "trial", "actual_depth", "answer", "generated", "correct",
-              "kept_at_answer", "peak_kv_bytes_per_seq", "seconds_per_seq", "params"]
+              "kept_at_answer", "peak_kv_bytes_per_seq", "seconds_per_seq", "computed_in", "params"]
     with open(csv_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for r in result.records:
             row = asdict(r)
+            del row["run"]  # the same for every record; niah.json has the config
             row["params"] = json.dumps(row["params"], sort_keys=True)
             writer.writerow(row)
     return [json_path, csv_path]
@@ -312,5 +499,6 @@ def plot_niah(result: NiahResult | dict[str, Any], path: str | Path) -> Path:
 
 
 __all__ = ["DEFAULT_NEEDLE_TEMPLATE", "DEFAULT_QUESTION_TEMPLATE", "NiahConfig", "NiahRecord", "NiahResult",
+           "load_records", "parse_spec", "record_key", "run_key", "run_query_aware_shared",
            "PROTOCOLS", "budgets_for_bytes", "full_kv_bytes", "plot_niah", "run_niah_batch", "run_niah_grid",
            "write_niah"]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,6 +40,7 @@ import torch
 
 from confkv.config import StoreConfig
 from confkv.errors import ConfKVError
+from confkv.eval.jsonl import append_row, load_rows
 from confkv.policies import UNLIMITED, Policy, make_policy
 
 GATED = ("confkv", "confkv-l")
@@ -196,40 +196,6 @@ def row_key(row: dict[str, Any]) -> str:
     """The identity of a run: equal keys are the same run."""
     fields = ("task", "model", "corpus", "tokens", "offset", "policy", "params", "kv_int8", "fp_window")
     return json.dumps({f: row.get(f) for f in fields}, sort_keys=True)
-
-
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows already on disk; a torn last line is cut off (the file is truncated to its last newline)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    if raw and not raw.endswith(b"\n"):
-        cut = raw.rfind(b"\n") + 1
-        with open(path, "r+b") as handle:
-            handle.truncate(cut)
-            handle.flush()
-            os.fsync(handle.fileno())
-        raw = raw[:cut]
-    rows = []
-    for line in raw.decode("utf-8").splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return rows
-
-
-def append_row(path: str | Path, row: dict[str, Any]) -> None:
-    """Append ``row`` as one complete line, flushed and fsynced."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(row, sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as handle:
-        handle.write(line)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 # --------------------------------------------------------------------------- the sweep

@@ -33,6 +33,7 @@ from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.support import LayerLayout, layer_layout
 from confkv.policies import Policy, make_policy
+from confkv.policies.tee import TeePolicy
 from confkv.store import LayerStore
 from confkv.trace import MemoryTrace, StepRecord
 
@@ -145,6 +146,27 @@ class ConfKVCache(Cache):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         return cls(layout, make_policy(policy, **policy_params), store,
                    final_logit_softcapping=getattr(config, "final_logit_softcapping", None))
+
+    def fork(self, member: int) -> "ConfKVCache":
+        """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
+
+        For one shared prefill followed by several policies (query-aware comparisons): prefill
+        with ``ConfKVCache.for_model(model, TeePolicy.of(members))`` and ``cache.evict = False``,
+        then ``cache.fork(i).end_step(logits)`` brings member ``i``'s copy to its budget.
+        The copy holds cloned tensors, the member's statistics, a fresh budget gate and the
+        records of this cache's trace so far.
+        """
+        if not isinstance(self.policy, TeePolicy):
+            raise ValueError("confkv: fork() needs a cache built with a TeePolicy (one prefill, several policies)")
+        if not 0 <= member < len(self.policy.members):
+            raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
+        policy = self.policy.members[member]
+        twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping)
+        tee = self.policy
+        for twin_layer, layer in zip(twin.layers, self.layers):
+            twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))
+        twin.trace = MemoryTrace(steps=list(self.trace.steps))
+        return twin
 
     def _validate(self) -> None:
         policy, store = self.policy, self.store_config

@@ -28,26 +28,57 @@ class StepRecord:
 
 @dataclass
 class MemoryTrace:
-    """Append-only list of :class:`StepRecord` with summaries."""
+    """The list of :class:`StepRecord` with summaries.
+
+    Attributes:
+        steps: the records kept, oldest first.
+        max_steps: keep only the newest ``max_steps`` records (None: all). For streams
+            that never end: memory stays bounded, while :meth:`peak_kv_bytes`,
+            :meth:`mean_kv_bytes` and :attr:`recorded` still cover every step (running
+            totals of the dropped records).
+    """
 
     steps: list[StepRecord] = field(default_factory=list)
+    max_steps: int | None = None
+    dropped: int = 0  # records dropped by max_steps
+    _dropped_sum: int = 0
+    _dropped_peak: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
+                                           or self.max_steps < 1):
+            raise ValueError(f"trace max_steps must be a positive integer or None, got {self.max_steps!r}")
 
     def record(self, step: StepRecord) -> None:
         self.steps.append(step)
+        if self.max_steps is not None and len(self.steps) > self.max_steps:
+            old = self.steps.pop(0)
+            total = int(old.kv_bytes.sum())
+            self.dropped += 1
+            self._dropped_sum += total
+            self._dropped_peak = max(self._dropped_peak, total)
 
     def __len__(self) -> int:
         return len(self.steps)
 
+    @property
+    def recorded(self) -> int:
+        """Steps recorded since the start, dropped ones included."""
+        return self.dropped + len(self.steps)
+
     def total_kv_bytes(self) -> list[int]:
-        """Total KV bytes over layers, per step."""
+        """Total KV bytes over layers, per kept step."""
         return [int(s.kv_bytes.sum()) for s in self.steps]
 
     def peak_kv_bytes(self) -> int:
-        return max(self.total_kv_bytes(), default=0)
+        """Largest total KV bytes of any step, dropped ones included."""
+        return max(self.total_kv_bytes() + [self._dropped_peak], default=0)
 
     def mean_kv_bytes(self) -> float:
+        """Mean total KV bytes over every step, dropped ones included."""
         totals = self.total_kv_bytes()
-        return sum(totals) / len(totals) if totals else 0.0
+        count = len(totals) + self.dropped
+        return (sum(totals) + self._dropped_sum) / count if count else 0.0
 
     def kept_tokens(self, sequence: int = 0) -> list[float]:
         """Mean kept tokens over layers for one sequence, per step."""

@@ -19,6 +19,7 @@ Contract with transformers (METHOD.md, "Integration traps"):
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any
 
@@ -115,10 +116,12 @@ class ConfKVCache(Cache):
         store: storage settings (INT8, FP window, prefill chunk, block size).
         final_logit_softcapping: the model's final logit soft-cap, applied before the
             confidence (Gemma), or None.
+        trace_limit: keep only the newest ``trace_limit`` trace records (None: every
+            step); peak and mean KV bytes still cover the whole run. For endless streams.
     """
 
     def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
-                 final_logit_softcapping: float | None = None) -> None:
+                 final_logit_softcapping: float | None = None, trace_limit: int | None = None) -> None:
         self.policy = policy
         self.store_config = store or StoreConfig()
         self.layout = layout
@@ -128,7 +131,7 @@ class ConfKVCache(Cache):
         super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
         self.managed = layout.managed
         self.controller = BudgetController(policy, len(self.managed))
-        self.trace = MemoryTrace()
+        self.trace = MemoryTrace(max_steps=trace_limit)
         self.evict = True  # set False to defer eviction (e.g. query-aware prefill)
         gate = getattr(policy, "gate", None)
         self.confidence_config: ConfidenceConfig = gate.confidence if gate is not None else ConfidenceConfig()
@@ -137,7 +140,7 @@ class ConfKVCache(Cache):
     # -- construction ----------------------------------------------------------------------------
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: str | Policy = "confkv", *, store: StoreConfig | None = None,
-                  **policy_params: Any) -> "ConfKVCache":
+                  trace_limit: int | None = None, **policy_params: Any) -> "ConfKVCache":
         """Build a cache for ``model`` and switch the model to confkv attention (see :func:`confkv.hf.enable`)."""
         from confkv.hf.enable import enable  # noqa: PLC0415
 
@@ -145,7 +148,7 @@ class ConfKVCache(Cache):
         enable(model)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         return cls(layout, make_policy(policy, **policy_params), store,
-                   final_logit_softcapping=getattr(config, "final_logit_softcapping", None))
+                   final_logit_softcapping=getattr(config, "final_logit_softcapping", None), trace_limit=trace_limit)
 
     def fork(self, member: int) -> "ConfKVCache":
         """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
@@ -161,11 +164,13 @@ class ConfKVCache(Cache):
         if not 0 <= member < len(self.policy.members):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
-        twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping)
+        twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping,
+                           trace_limit=self.trace.max_steps)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))
-        twin.trace = MemoryTrace(steps=list(self.trace.steps))
+        twin.trace = copy.copy(self.trace)
+        twin.trace.steps = list(self.trace.steps)
         return twin
 
     def _validate(self) -> None:

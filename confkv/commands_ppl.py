@@ -17,13 +17,14 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     from confkv.models import load_model
     from confkv.outputs import check_writable
     from confkv.policies import make_policy
+    from confkv.store import check_store_fits
 
     # fail fast, before loading or computing anything: output paths, then the policy's parameters
     if args.out:
         check_writable(args.out, what="--out")
     if args.plot:
         check_writable(args.plot, what="--plot")
-    make_policy(args.policy, **params)
+    check_store_fits(make_policy(args.policy, **params), store)
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
     try:

@@ -27,10 +27,23 @@ import torch
 
 from confkv import profiling
 from confkv.config import StoreConfig
+from confkv.errors import ConfigError
 from confkv.eviction import protection_mask, select_kept
 from confkv.attention import KVSegment, attention_read
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.region import Region, concat, select_batch
+
+
+def check_store_fits(policy: Policy, config: StoreConfig) -> None:
+    """Raise :class:`ConfigError` when ``config`` cannot honour ``policy``'s smallest budget.
+
+    With ``kv_int8`` the FP window (never evicted) plus the sinks must fit the budget.
+    Callers run it before loading a model, so a bad combination fails in milliseconds.
+    """
+    if config.kv_int8 and policy.min_budget() < UNLIMITED and config.fp_window + policy.sinks >= policy.min_budget():
+        raise ConfigError(
+            f"fp_window: the FP window of {config.fp_window} tokens (never evicted) plus {policy.sinks} sinks "
+            f"does not fit the smallest budget {policy.min_budget()}; lower fp_window or raise the budget")
 
 
 class LayerStore:

@@ -478,3 +478,15 @@ if __name__ == "__main__":  # print the simple rows as the Markdown table of doc
         except Exception as err:  # noqa: BLE001
             message = f"`{type(err).__name__}`: {err}"
         print(f"| {row_id} | `{tried}` | {message.replace('|', '/')} |")
+
+
+def test_int8_window_that_does_not_fit_fails_before_loading_the_model(model_dir, capsys):
+    from confkv.cli import main
+
+    argv = ["ppl", "--tokens", "30", "--policy", "confkv", "--param", "n_high=64", "--param", "n_low=128", "--int8",
+            "--model", str(model_dir)]
+    with mock.patch("confkv.models.load_model", side_effect=AssertionError("loaded a model before checking")):
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "confkv: error: fp_window: the FP window of 128 tokens (never evicted) plus 4 sinks does not fit the " \
+           "smallest budget 64; lower fp_window or raise the budget" in err, err

@@ -30,12 +30,12 @@ from confkv import profiling
 from confkv.budget import BudgetController
 from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
-from confkv.errors import ConfigError, UnsupportedModelError
+from confkv.errors import UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.support import LayerLayout, layer_layout
 from confkv.policies import Policy, make_policy
 from confkv.policies.tee import TeePolicy
-from confkv.store import LayerStore
+from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
@@ -174,11 +174,7 @@ class ConfKVCache(Cache):
         return twin
 
     def _validate(self) -> None:
-        policy, store = self.policy, self.store_config
-        if store.kv_int8 and policy.min_budget() < 2**62 and store.fp_window + policy.sinks >= policy.min_budget():
-            raise ConfigError(
-                f"fp_window: the FP window of {store.fp_window} tokens (never evicted) plus {policy.sinks} sinks "
-                f"does not fit the smallest budget {policy.min_budget()}; lower fp_window or raise the budget")
+        check_store_fits(self.policy, self.store_config)
 
     # -- the step --------------------------------------------------------------------------------
     def _mark_active(self) -> None:

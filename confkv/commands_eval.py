@@ -66,6 +66,8 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--int8", action="store_true", help="INT8 store for every policy (or add '+int8' to one)")
     niah.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                       help="model dtype (bfloat16: ~1.7x faster prefill on CPUs with AMX/AVX512-BF16)")
+    niah.add_argument("--collect-only", action="store_true",
+                      help="run nothing: write niah.json/csv/heatmap from the records in <out-dir>/niah.jsonl")
     niah.add_argument("--fresh", action="store_true",
                       help="ignore the records already in <out-dir>/niah.jsonl (default: resume from them)")
     niah.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
@@ -188,7 +190,7 @@ def run_niah(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = run_niah_grid(model, tokenizer, config, progress=not args.no_progress, model_name=args.model,
-                               resume_path=resume)
+                               resume_path=resume, compute=not args.collect_only)
     except KeyboardInterrupt:
         print(f"interrupted (Ctrl-C): the finished batches are in {resume}; rerun the same command to resume.",
               file=sys.stderr)

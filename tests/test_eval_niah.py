@@ -135,3 +135,13 @@ def test_policy_specs_are_checked():
         parse_spec("confkv+int4")
     with pytest.raises(ConfigError, match="known: .*confkv"):
         parse_spec("nope")
+
+
+def test_collect_only_reads_records_without_running(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    config = _small_config(trials=1, policies=("full", "window"))
+    done = run_niah_grid(model, tok, config, progress=False, resume_path=path)
+    bigger = _small_config(trials=3, policies=("full", "window"))
+    collected = run_niah_grid(model, tok, bigger, progress=False, resume_path=path, compute=False)
+    assert _answers(collected) == _answers(done) and len(load_records(path)) == len(done.records)

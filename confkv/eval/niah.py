@@ -335,13 +335,14 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: bool = True,
-                  model_name: str = "", resume_path: str | Path | None = None) -> NiahResult:
+                  model_name: str = "", resume_path: str | Path | None = None, compute: bool = True) -> NiahResult:
     """Run the whole grid; see the module docstring for the protocols and budgets.
 
     Args:
         resume_path: a ``niah.jsonl``: each finished batch's records are appended to it
             (fsynced), and records of the same run already there are not recomputed, so
             an interrupted grid resumes where it stopped.
+        compute: False: only collect the records already in ``resume_path`` (a partial grid).
     """
     specs = list(config.policies)
     for spec in specs:
@@ -379,7 +380,7 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
     started = time.perf_counter()
     # one unit of work: a batch of samples of one length, one protocol, one group of policies
     units = []
-    for length in config.lengths:
+    for length in config.lengths if compute else ():
         samples = [make_niah_sample(tokenizer, context_tokens=length, depth=d, trial=t, **sample_kwargs)
                    for t in range(config.trials) for d in config.depths]
         size = config.batch or len(samples)

@@ -114,7 +114,10 @@ def _niah_section(path: Path, data: dict, base: Path, assets: Path) -> list[str]
     lines = [f"### NIAH `{_rel(path, base)}`", "",
              f"Model `{data.get('model')}`, haystack `{config['haystack']}`, lengths {config['lengths']}, "
              f"depths {config['depths']}, {config['trials']} trial(s); budget {config['budget_fraction']:.0%} of the "
-             f"full KV bytes of the {config['budget_of']} context. Exact match of the first number generated.", ""]
+             f"full KV bytes of "
+             + (f"{config['budget_tokens']} tokens" if config.get("budget_tokens") else f"the {config['budget_of']} context")
+             + ". Exact match of the first number generated; `vs full` = accuracy / full-KV accuracy on the same "
+             "samples; `n` = generations scored.", ""]
     table = []
     for protocol in config["protocols"]:
         for policy in config["policies"]:
@@ -124,8 +127,12 @@ def _niah_section(path: Path, data: dict, base: Path, assets: Path) -> list[str]
                 sel = [r["correct"] for r in recs if r["length"] == length]
                 per_length.append(sum(sel) / len(sel) if sel else float("nan"))
             params = data["budgets"].get(f"{policy}@{config['lengths'][-1]}", {})
-            table.append([protocol, policy, json.dumps(params), *per_length])
-    lines += _table(["protocol", "policy", "params (longest)", "accuracy", *[str(v) for v in config["lengths"]]], table)
+            key = f"{policy}/{protocol}"
+            table.append([protocol, policy, json.dumps(params), per_length[0],
+                          data.get("relative_to_full", {}).get(key, float("nan")), data.get("counts", {}).get(key, len(recs)),
+                          *per_length[1:]])
+    lines += _table(["protocol", "policy", "params (longest)", "accuracy", "vs full", "n",
+                     *[str(v) for v in config["lengths"]]], table)
     png = path.parent / "niah_heatmap.png"
     if not png.exists():
         png = plot_niah(data, assets / (_rel(path, base).replace("/", "_") + "_heatmap.png"))

@@ -103,3 +103,24 @@ def test_append_row_is_one_line(tmp_path):
     append_row(path, {"a": 1})
     append_row(path, {"a": 2})
     assert path.read_text() == '{"a": 1}\n{"a": 2}\n'
+
+
+def test_gap_closure_fractions():
+    from confkv.eval.sweep import gap_closed, gap_table
+
+    base = {"model": "m", "corpus": "c", "tokens": 10, "offset": 0, "match": "mean"}
+    rows = [dict(base, policy="full", ppl=10.0, reference_window=0),
+            dict(base, policy="window", ppl=20.0, reference_window=256),
+            dict(base, policy="streaming", ppl=14.0, reference_window=256),
+            dict(base, policy="confkv", ppl=13.0, reference_window=256),
+            dict(base, policy="confkv", ppl=12.0, reference_window=256, kv_int8=True),
+            dict(base, policy="confkv", ppl=11.0, reference_window=512)]  # no window/streaming at 512: skipped
+    gaps = gap_table(rows)
+    by = {(g["policy"], g["kv_int8"]): g for g in gaps}
+    assert set(by) == {("window", False), ("streaming", False), ("confkv", False), ("confkv", True)}
+    assert by[("confkv", False)]["drop_vs_window"] == 7.0
+    assert by[("confkv", False)]["window_gap_closed"] == pytest.approx(0.7)
+    assert by[("confkv", False)]["streaming_gap_closed"] == pytest.approx(0.25)
+    assert by[("confkv", True)]["streaming_gap_closed"] == pytest.approx(0.5)
+    assert by[("window", False)]["streaming_gap_closed"] == pytest.approx(-1.5)
+    assert gap_closed(12.0, 10.0, 10.0) != gap_closed(12.0, 10.0, 10.0)  # no gap: NaN

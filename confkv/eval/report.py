@@ -45,7 +45,7 @@ def _load_json(path: Path) -> Any:
 
 def _sweep_section(path: Path, base: Path, assets: Path) -> list[str]:
     from confkv.eval.plots import plot_pareto, plot_trace, trace_from_dict
-    from confkv.eval.sweep import load_rows
+    from confkv.eval.sweep import gap_table, load_rows
 
     rows = [r for r in load_rows(path) if "ppl" in r and "policy" in r]
     if not rows:
@@ -66,6 +66,17 @@ def _sweep_section(path: Path, base: Path, assets: Path) -> list[str]:
                       r["ppl"] - full.get(False, float("nan"))])
     lines += _table(["policy", "KV", "ref window", "params", "PPL", "peak MB", "mean MB", "match error",
                      "PPL - full"], table)
+    gaps = gap_table(rows)
+    if gaps:
+        lines += ["Gap closure at the same memory: `drop vs window` = PPL(window) - PPL; the share of the "
+                  "window-to-full and StreamingLLM-to-full perplexity gaps closed (100% = full KV, 0% = no better "
+                  "than the baseline, negative = worse).", ""]
+        gaps.sort(key=lambda g: (-g["reference_window"], -g["streaming_gap_closed"]))
+        lines += _table(["ref window", "policy", "KV", "PPL", "drop vs window", "window-to-full gap closed",
+                         "streaming-to-full gap closed"],
+                        [[g["reference_window"], g["policy"], "INT8" if g["kv_int8"] else "FP", g["ppl"],
+                          g["drop_vs_window"], f"{100 * g['window_gap_closed']:.1f}%",
+                          f"{100 * g['streaming_gap_closed']:.1f}%"] for g in gaps])
     for memory in ("mean_kv_bytes", "peak_kv_bytes"):
         png = plot_pareto(rows, assets / f"{slug}_pareto_{memory.split('_')[0]}.png",
                           title=f"{first.get('model')}: perplexity vs {memory.split('_')[0]} KV memory", memory=memory)

@@ -198,6 +198,36 @@ def row_key(row: dict[str, Any]) -> str:
     return json.dumps({f: row.get(f) for f in fields}, sort_keys=True)
 
 
+def gap_closed(ppl: float, baseline: float, full: float) -> float:
+    """Fraction of the ``baseline``-to-``full`` perplexity gap that ``ppl`` closes (1 = as good as full KV,
+    0 = no better than the baseline, < 0 worse); NaN when the gap is not positive."""
+    gap = baseline - full
+    return (baseline - ppl) / gap if gap > 0 else float("nan")
+
+
+def gap_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per row with a reference window: PPL drop vs ``window`` at the same window, and the fraction
+    of the window-to-full and streaming-to-full gaps it closes (the full-precision ``full``,
+    ``window`` and ``streaming`` rows of the same task are the references)."""
+    def same_task(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return all(a.get(k) == b.get(k) for k in ("model", "corpus", "tokens", "offset", "match"))
+
+    out = []
+    for row in rows:
+        window = row.get("reference_window")
+        if not window or row.get("policy") == "full":
+            continue
+        refs = {r["policy"]: r["ppl"] for r in rows if same_task(r, row) and not r.get("kv_int8")
+                and (r["policy"] == "full" or (r["policy"] in ("window", "streaming") and r.get("reference_window") == window))}
+        if not {"full", "window", "streaming"} <= refs.keys():
+            continue
+        out.append({"policy": row["policy"], "kv_int8": bool(row.get("kv_int8")), "reference_window": window,
+                    "ppl": row["ppl"], "drop_vs_window": refs["window"] - row["ppl"],
+                    "window_gap_closed": gap_closed(row["ppl"], refs["window"], refs["full"]),
+                    "streaming_gap_closed": gap_closed(row["ppl"], refs["streaming"], refs["full"])})
+    return out
+
+
 # --------------------------------------------------------------------------- the sweep
 
 @dataclass

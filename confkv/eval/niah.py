@@ -379,15 +379,18 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
                 records.append(NiahRecord(**row))
     started = time.perf_counter()
     # one unit of work: a batch of samples of one length, one protocol, one group of policies
+    # ordered batch-major (trials first, then lengths): a partial grid covers every length
     units = []
+    batches: dict[int, list[list]] = {}
     for length in config.lengths if compute else ():
         samples = [make_niah_sample(tokenizer, context_tokens=length, depth=d, trial=t, **sample_kwargs)
                    for t in range(config.trials) for d in config.depths]
         size = config.batch or len(samples)
-        for begin in range(0, len(samples), size):
-            part = samples[begin:begin + size]
+        batches[length] = [samples[begin:begin + size] for begin in range(0, len(samples), size)]
+    for index in range(max((len(b) for b in batches.values()), default=0)):
+        for length, parts in batches.items():
             for protocol in config.protocols:
-                units.extend((length, protocol, group, part) for group in _groups(specs, protocol, config))
+                units.extend((length, protocol, group, parts[index]) for group in _groups(specs, protocol, config))
     for length, protocol, group, part in tqdm(units, desc="niah", disable=not progress):
         todo = [spec for spec in group if any(
             (run, spec, protocol, length, float(s.depth), s.trial) not in done for s in part)]

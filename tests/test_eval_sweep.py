@@ -19,17 +19,21 @@ def model():
     return tiny_model("llama")
 
 
-@pytest.mark.parametrize("name,params,int8", [
-    ("window", {"budget": 24}, False),
-    ("streaming", {"budget": 21}, False),
-    ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, False),
-    ("h2o", {"budget": 40, "protect": 4}, True),
-    ("confkv-l", {"n_high": 30, "n_low": 40, "tau": 0.02, "protect": 4, "min_layer_budget": 14}, True),
-    ("full", {}, True),
+@pytest.mark.parametrize("name,params,int8,slack", [
+    ("window", {"budget": 24}, False, 0),
+    ("streaming", {"budget": 21}, False, 0),
+    ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, False, 0),
+    ("h2o", {"budget": 40, "protect": 4}, True, 0),
+    ("confkv-l", {"n_high": 30, "n_low": 40, "tau": 0.02, "protect": 4, "min_layer_budget": 14}, True, 0),
+    ("full", {}, True, 0),
+    ("window", {"budget": 24}, False, 5),
+    ("streaming", {"budget": 21, "sinks": 2}, True, 3),
+    ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, False, 6),
+    ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, True, 6),
 ])
-def test_simulated_bytes_equal_measured_trace(model, name, params, int8):
+def test_simulated_bytes_equal_measured_trace(model, name, params, int8, slack):
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))
-    store = StoreConfig(kv_int8=int8, fp_window=8, move_block=8)
+    store = StoreConfig(kv_int8=int8, fp_window=8, move_block=8, evict_slack=slack)
     result = streaming_ppl(model, ids, name, store=store, progress=False, **params)
     measured = np.array(result.trace.total_kv_bytes(), dtype=float)
     predicted = simulate_kv_bytes(make_policy(name, **params), BytesModel.for_model(model), len(measured), store,

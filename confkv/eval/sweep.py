@@ -81,8 +81,8 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
                       confidences: Sequence[float] | None = None) -> np.ndarray:
     """Predicted KV bytes (all layers, one sequence) after each of ``steps`` single-token steps.
 
-    Replays :class:`confkv.store.LayerStore`'s ageing/eviction bookkeeping; ``confidences``
-    (one per step, default 0 = uncertain) drive gated budgets.
+    Replays :class:`confkv.store.LayerStore`'s ageing/eviction bookkeeping (``evict_slack``
+    included); ``confidences`` (one per step, default 0 = uncertain) drive gated budgets.
     """
     store = store or StoreConfig()
     managed = bytes_model.managed
@@ -114,6 +114,8 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
         recent = np.where(move, recent_len, recent)
         scaled |= move & store.kv_int8
         keep_old = np.maximum(budget - recent, 0)
+        if store.evict_slack:  # a layer over budget evicts down to budget - slack (StoreConfig.evict_slack)
+            keep_old = np.where(old > keep_old, np.maximum(keep_old - store.evict_slack, 0), keep_old)
         floor = min(policy.sinks, t + 1)  # sinks are never evicted
         old = np.minimum(old, np.maximum(keep_old, np.minimum(old, floor)))
         total = int((recent * bytes_model.fp_bytes + old * old_bytes).sum())

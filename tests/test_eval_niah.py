@@ -145,3 +145,13 @@ def test_collect_only_reads_records_without_running(tmp_path):
     bigger = _small_config(trials=3, policies=("full", "window"))
     collected = run_niah_grid(model, tok, bigger, progress=False, resume_path=path, compute=False)
     assert _answers(collected) == _answers(done) and len(load_records(path)) == len(done.records)
+
+
+def test_full_once_fills_a_protocol_added_later(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    one = _small_config(trials=1, policies=("full", "window"), protocols=("query-aware",))
+    run_niah_grid(model, tok, one, progress=False, resume_path=path)
+    both = _small_config(trials=1, policies=("full", "window"))
+    result = run_niah_grid(model, tok, both, progress=False, resume_path=path)
+    assert result.count("full", "streaming") == result.count("full", "query-aware") == 2 * 2

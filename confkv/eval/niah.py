@@ -392,8 +392,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
             for protocol in config.protocols:
                 units.extend((length, protocol, group, parts[index]) for group in _groups(specs, protocol, config))
     for length, protocol, group, part in tqdm(units, desc="niah", disable=not progress):
-        todo = [spec for spec in group if any(
-            (run, spec, protocol, length, float(s.depth), s.trial) not in done for s in part)]
+        todo = [spec for spec in group if any((run, spec, proto, length, float(s.depth), s.trial) not in done
+                                              for proto in _reported_under(spec, protocol, config) for s in part)]
         if not todo:
             continue
         t0 = time.perf_counter()
@@ -408,10 +408,7 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         per_seq = (time.perf_counter() - t0) / len(part) / len(todo)
         fresh = []
         for spec, outs in zip(todo, outputs):
-            protocols = [protocol]
-            if spec == "full" and config.full_once:
-                protocols = list(config.protocols)  # full KV evicts nothing: both protocols are one computation
-            for proto in protocols:
+            for proto in _reported_under(spec, protocol, config):
                 for s, (text, kept, peak) in zip(part, outs):
                     record = NiahRecord(policy=spec, protocol=proto, length=length, depth=s.depth, trial=s.trial,
                                         actual_depth=s.actual_depth, answer=s.answer, generated=text,
@@ -435,6 +432,11 @@ def _reference_tokens(config: NiahConfig, length: int | None) -> int | None:
     if config.budget_of == "longest":
         return max(config.lengths)
     return length
+
+
+def _reported_under(spec: str, protocol: str, config: NiahConfig) -> list[str]:
+    """The protocols one computation of ``spec`` is reported under (full KV evicts nothing: all of them)."""
+    return list(config.protocols) if spec == "full" and config.full_once else [protocol]
 
 
 def _groups(specs: list[str], protocol: str, config: NiahConfig) -> list[list[str]]:

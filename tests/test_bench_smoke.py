@@ -1,0 +1,30 @@
+"""`confkv bench` runs end to end on a tiny model (structure only: no timing is asserted)."""
+
+import pytest
+
+from confkv.eval.bench import POLICY_SECTIONS, run_bench
+from confkv.models import tiny_model, tiny_tokenizer
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_bench_grid_breakdown_and_throughput_on_a_tiny_model():
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    lines = []
+    result = run_bench(contexts=[320, 192], budget=128, slack=8, steps=1, repeats=1, warmup=0, chunk=32, batches=[2],
+                       batch_steps=1, breakdown_steps=2,
+                       configs=["dynamic", "full", "window", "confkv", "confkv+slack8", "confkv-int8"],
+                       model=model, tokenizer=tok, log=lines.append)
+    assert result["contexts"] == [192, 320]
+    for context in ("192", "320"):
+        rows = result["latency"][context]
+        assert rows["dynamic"]["speedup_vs_dynamic"] == pytest.approx(1.0)
+        assert rows["window"]["kept_tokens"] <= 128 < rows["full"]["kept_tokens"]
+        assert rows["full"]["kv_bytes"] == rows["dynamic"]["kv_bytes"]  # same tokens, same dtype
+        assert rows["confkv-int8"]["kv_bytes"] < rows["confkv"]["kv_bytes"]
+    breakdown = result["breakdown"]["confkv"]
+    sections = breakdown["sections_ms"]
+    assert "attention read" in sections and "confidence" in sections
+    assert breakdown["policy_work_ms"] == pytest.approx(sum(v for k, v in sections.items() if k in POLICY_SECTIONS))
+    assert 0 < breakdown["policy_work_ms"] <= breakdown["cache_overhead_ms"] < breakdown["step_ms"]
+    assert set(result["throughput"]["2"]) >= {"dynamic", "confkv"}
+    assert any(line.startswith("breakdown of one confkv step") for line in lines)

@@ -8,6 +8,7 @@ import torch
 
 from confkv.config import StoreConfig
 from confkv.eval.ppl import streaming_ppl
+from confkv.errors import ConfKVError
 from confkv.eval.sweep import (BytesModel, SweepConfig, append_row, load_rows, match_budget, plan_sweep,
                                reference_bytes, row_key, run_sweep, simulate_kv_bytes)
 from confkv.models import tiny_model, tiny_tokenizer
@@ -128,3 +129,20 @@ def test_gap_closure_fractions():
     assert by[("confkv", True)]["streaming_gap_closed"] == pytest.approx(0.5)
     assert by[("window", False)]["streaming_gap_closed"] == pytest.approx(-1.5)
     assert gap_closed(12.0, 10.0, 10.0) != gap_closed(12.0, 10.0, 10.0)  # no gap: NaN
+
+
+def test_int8_pyramid_gets_a_floor_that_holds_the_fp_window(model):
+    bm = BytesModel.for_model(model)
+    store = StoreConfig(kv_int8=True, fp_window=80)
+    target = reference_bytes(bm, 256, 300, "peak")
+    params, predicted = match_budget("confkv-l", target, bm, 300, stat="peak", store=store)
+    assert params["min_layer_budget"] == 80 + 4 + 1 and predicted <= target  # above the default floor of 64
+    params, _ = match_budget("confkv-l", target, bm, 300, stat="peak", store=store, extra={"min_layer_budget": 90})
+    assert params["min_layer_budget"] == 90  # an explicit floor is kept
+
+
+def test_no_valid_budget_is_a_clear_error(model):
+    bm = BytesModel.for_model(model)
+    with pytest.raises(ConfKVError, match="no budget up to .* is valid"):
+        match_budget("confkv-l", 1e9, bm, 100, store=StoreConfig(kv_int8=True, fp_window=64),
+                     extra={"min_layer_budget": 8}, max_tokens=256)

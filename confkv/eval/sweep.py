@@ -28,6 +28,7 @@ kill in the middle of a write) is cut off on load, so it is neither kept nor dup
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -41,7 +42,7 @@ import torch
 from confkv.config import StoreConfig
 from confkv.errors import ConfKVError
 from confkv.eval.jsonl import append_row, load_rows
-from confkv.policies import UNLIMITED, Policy, make_policy
+from confkv.policies import POLICIES, UNLIMITED, Policy, make_policy
 
 GATED = ("confkv", "confkv-l")
 
@@ -151,6 +152,11 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
     if policy_name == "full":
         trace = simulate_kv_bytes(make_policy("full", **extra), bytes_model, steps, store, confidences)
         return extra, float(trace.max() if stat == "peak" else trace.mean())
+    fields = {f.name: f.default for f in dataclasses.fields(POLICIES[policy_name])}
+    if store is not None and store.kv_int8 and "min_layer_budget" in fields and "min_layer_budget" not in extra:
+        # a pyramid's smallest layer budget must hold the never-evicted FP window and the sinks
+        sinks = extra.get("sinks", fields["sinks"])
+        extra["min_layer_budget"] = max(fields["min_layer_budget"], store.fp_window + sinks + 1)
 
     def predicted(n: int) -> float | None:
         try:
@@ -176,9 +182,13 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
         else:
             step //= 2
     first = predicted(lo_valid)
-    if first is None or first > target_bytes:
-        raise ConfKVError(f"{policy_name}: even the smallest valid budget ({lo_valid}) needs "
-                          f"{first if first is not None else float('nan'):.0f} B > target {target_bytes:.0f} B")
+    if first is None:
+        raise ConfKVError(f"{policy_name}: no budget up to {max_tokens} tokens is valid with {extra or 'its defaults'}"
+                          + (f" and an INT8 store (FP window {store.fp_window})" if store is not None and store.kv_int8
+                             else "") + "; check the policy's parameters (make_policy names the failing one)")
+    if first > target_bytes:
+        raise ConfKVError(f"{policy_name}: even the smallest valid budget ({lo_valid}) needs {first:.0f} B > "
+                          f"target {target_bytes:.0f} B; use a larger reference window")
     lo, hi = lo_valid, min(max_tokens, max(lo_valid, steps + 1))
     if (predicted(hi) or math.inf) <= target_bytes:
         lo = hi

@@ -49,6 +49,8 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--lengths", type=_ints, default=[1024, 2048])
     niah.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     niah.add_argument("--trials", type=int, default=1)
+    niah.add_argument("--first-trial", type=int, default=0,
+                      help="run trials FIRST..FIRST+TRIALS-1 (split a grid over processes; same --out-dir)")
     niah.add_argument("--haystack", default="pydoc-topics")
     niah.add_argument("--needle", default=None, help="needle template with {answer}")
     niah.add_argument("--question", default=None, help="question template")
@@ -177,6 +179,7 @@ def run_niah(args: argparse.Namespace) -> int:
     _setup(args)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     config = NiahConfig(lengths=tuple(args.lengths), depths=tuple(args.depths), trials=args.trials,
+                        first_trial=args.first_trial,
                         policies=tuple(args.policies), protocols=tuple(args.protocols), haystack=args.haystack,
                         needle_template=args.needle, question_template=args.question, answer=args.answer,
                         budget_fraction=args.budget_fraction, budget_of=args.budget_of,

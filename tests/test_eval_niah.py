@@ -155,3 +155,15 @@ def test_full_once_fills_a_protocol_added_later(tmp_path):
     both = _small_config(trials=1, policies=("full", "window"))
     result = run_niah_grid(model, tok, both, progress=False, resume_path=path)
     assert result.count("full", "streaming") == result.count("full", "query-aware") == 2 * 2
+
+
+def test_first_trial_splits_a_grid_over_runs(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    whole = run_niah_grid(model, tok, _small_config(trials=2, policies=("window",)), progress=False)
+    for first in (1, 0):  # two "processes", one trial each, into one file
+        run_niah_grid(model, tok, _small_config(trials=1, first_trial=first, policies=("window",)), progress=False,
+                      resume_path=path)
+    collected = run_niah_grid(model, tok, _small_config(trials=2, policies=("window",)), progress=False,
+                              resume_path=path, compute=False)
+    assert _answers(collected) == _answers(whole) and len(load_records(path)) == len(whole.records)

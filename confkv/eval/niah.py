@@ -67,6 +67,7 @@ class NiahConfig:
     lengths: tuple[int, ...] = (1024, 2048)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     trials: int = 1
+    first_trial: int = 0  # trials first_trial .. first_trial + trials - 1 (split one grid over processes)
     policies: tuple[str, ...] = ("full", "streaming", "confkv")
     protocols: tuple[str, ...] = PROTOCOLS
     haystack: str = "pydoc-topics"
@@ -96,6 +97,8 @@ class NiahConfig:
             raise ValueError("budget_of must be 'longest' or 'each'")
         if self.budget_tokens is not None and (isinstance(self.budget_tokens, bool) or self.budget_tokens < 1):
             raise ValueError(f"budget_tokens must be a positive number of tokens, got {self.budget_tokens!r}")
+        if isinstance(self.first_trial, bool) or not isinstance(self.first_trial, int) or self.first_trial < 0:
+            raise ValueError(f"first_trial must be a non-negative integer, got {self.first_trial!r}")
         if not 0 < self.budget_fraction <= 1:
             raise ValueError("budget_fraction must be in (0, 1]")
 
@@ -371,7 +374,7 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
     if resume_path is not None:
         def in_grid(row: dict[str, Any]) -> bool:
             return (row["policy"] in specs and row["protocol"] in config.protocols and row["length"] in config.lengths
-                    and float(row["depth"]) in [float(d) for d in config.depths] and row["trial"] < config.trials)
+                    and float(row["depth"]) in [float(d) for d in config.depths] and config.first_trial <= row["trial"] < config.first_trial + config.trials)
 
         for row in load_records(resume_path):
             if row.get("run") == run and in_grid(row) and record_key(row) not in done:
@@ -384,7 +387,7 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
     batches: dict[int, list[list]] = {}
     for length in config.lengths if compute else ():
         samples = [make_niah_sample(tokenizer, context_tokens=length, depth=d, trial=t, **sample_kwargs)
-                   for t in range(config.trials) for d in config.depths]
+                   for t in range(config.first_trial, config.first_trial + config.trials) for d in config.depths]
         size = config.batch or len(samples)
         batches[length] = [samples[begin:begin + size] for begin in range(0, len(samples), size)]
     for index in range(max((len(b) for b in batches.values()), default=0)):

@@ -5,8 +5,9 @@ import torch
 
 from confkv.data import make_niah_sample, score_niah
 from confkv.errors import ConfigError
-from confkv.eval.niah import (PROTOCOLS, NiahConfig, budgets_for_bytes, full_kv_bytes, load_records, parse_spec,
-                              plot_niah, record_key, run_key, run_niah_batch, run_niah_grid, write_niah)
+from confkv.eval.niah import (PROTOCOL_VERSIONS, PROTOCOLS, NiahConfig, budgets_for_bytes, full_kv_bytes, load_records, parse_spec,
+                              plot_niah, record_key, run_key, run_niah_batch, run_niah_grid,
+                              run_query_aware_shared, write_niah)
 from confkv.config import StoreConfig
 from confkv.models import tiny_model, tiny_tokenizer
 
@@ -167,3 +168,47 @@ def test_first_trial_splits_a_grid_over_runs(tmp_path):
     collected = run_niah_grid(model, tok, _small_config(trials=2, policies=("window",)), progress=False,
                               resume_path=path, compute=False)
     assert _answers(collected) == _answers(whole) and len(load_records(path)) == len(whole.records)
+
+
+def test_query_aware_feeds_the_question_as_its_own_last_chunk(monkeypatch):
+    import confkv.hf
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    samples = [make_niah_sample(tok, context_tokens=150, depth=0.5, trial=0)]
+    fed = []
+    real_prefill = confkv.hf.prefill
+
+    def recording_prefill(model, cache, ids, **kwargs):
+        fed.append(ids.shape[1])
+        return real_prefill(model, cache, ids, **kwargs)
+
+    monkeypatch.setattr(confkv.hf, "prefill", recording_prefill)
+    question = samples[0].question_ids.shape[1]
+    context = samples[0].context_ids.shape[1]
+    for runner in ("alone", "shared"):
+        fed.clear()
+        if runner == "alone":
+            run_niah_batch(model, tok, samples, "tova", {"budget": 40, "protect": 4}, "query-aware",
+                           store=StoreConfig(), chunk=64, max_new_tokens=2)
+        else:
+            run_query_aware_shared(model, tok, samples, [("tova", {"budget": 40, "protect": 4}), ("full", {})],
+                                   store=StoreConfig(), chunk=64, max_new_tokens=2)
+        assert fed == [context, question - 1], runner
+
+
+def test_records_of_another_protocol_version_are_recomputed(tmp_path):
+    import json
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    config = _small_config(lengths=(120,), trials=1, policies=("full", "window"))
+    first = run_niah_grid(model, tok, config, progress=False, resume_path=path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:  # pretend the query-aware rows came from protocol version 1
+        if row["protocol"] == "query-aware":
+            row["protocol_version"] = 1
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = run_niah_grid(model, tok, config, progress=False, resume_path=path)
+    assert len(again.records) == len(first.records)
+    assert {r.protocol_version for r in again.records if r.protocol == "query-aware"} == {PROTOCOL_VERSIONS["query-aware"]}
+    assert len(load_records(path)) == len(rows) + sum(r.protocol == "query-aware" for r in first.records)

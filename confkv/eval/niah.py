@@ -2,14 +2,18 @@
 
 Protocols (always reported separately):
 
-- ``query-aware``: the whole prompt (haystack + question, all but its last token) is
-  prefilled in chunks with eviction *deferred* (``cache.evict = False``: the policy
-  still observes attention and the store still ages, nothing is dropped); then the cache
-  is brought to budget once, with the budget the policy picks from the confidence at
-  the last prefilled position (``cache.end_step(last_logits)`` with eviction back on:
-  the same end-of-step every forward pass runs, one extra trace record); then greedy
-  generation. The policy ranks tokens having seen the question (SnapKV-style); peak
-  memory during prefill is the full prompt.
+- ``query-aware``: the haystack is prefilled in chunks, then the question (all but its
+  last token) as its own last chunk, all with eviction *deferred* (``cache.evict = False``:
+  the policy still observes attention and the store still ages, nothing is dropped);
+  then the cache is brought to budget once, with the budget the policy picks from the
+  confidence at the last prefilled position (``cache.end_step(last_logits)`` with
+  eviction back on: the same end-of-step every forward pass runs, one extra trace
+  record); then greedy generation. The last attention every policy observes is the
+  question's alone (SnapKV's observation window; TOVA's "current query"), so the ranking
+  has seen the question; peak memory during prefill is the full prompt. (Protocol
+  version 2; version 1 chunked the whole prompt, so the question shared its last chunk
+  with up to ``chunk`` haystack tokens. Records keep their ``protocol_version``; a grid
+  never resumes from records of another version.)
 - ``streaming``: the haystack is prefilled in chunks with eviction after each chunk
   (peak bounded by budget + chunk), then the question (all but its last token), then
   greedy generation: the policy must decide what to keep before the question exists.
@@ -60,6 +64,8 @@ from confkv.eval.jsonl import append_rows
 from confkv.data import DEFAULT_NEEDLE_TEMPLATE, DEFAULT_QUESTION_TEMPLATE, make_niah_sample, score_niah
 
 PROTOCOLS = ("query-aware", "streaming")
+#: bumped when a protocol's computation changes; records of another version are not reused
+PROTOCOL_VERSIONS = {"query-aware": 2, "streaming": 1}
 
 
 @dataclass
@@ -120,6 +126,7 @@ class NiahRecord:
     seconds_per_seq: float
     run: str = ""  # run_key(): the settings shared by every record of the grid
     computed_in: str = ""  # the protocol whose computation produced it (full: one run for both)
+    protocol_version: int = 1  # PROTOCOL_VERSIONS[protocol] when it was computed
 
 
 @dataclass
@@ -264,21 +271,29 @@ def _batch_ids(samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 def run_niah_batch(model: Any, tokenizer: Any, samples: list, policy: str, params: dict[str, Any], protocol: str,
                    *, store: StoreConfig, chunk: int, max_new_tokens: int) -> list[tuple[str, float, float]]:
     """Run one batch of same-length samples; returns (generated text, kept tokens at answer, peak bytes/seq)."""
-    from confkv.hf import ConfKVCache, prefill
+    from confkv.hf import ConfKVCache
 
     device = next(model.parameters()).device
     ids, context, question = (t.to(device) for t in _batch_ids(samples))
     cache = ConfKVCache.for_model(model, policy, store=store, **params)
     if protocol == "query-aware":
         cache.evict = False
-        logits = prefill(model, cache, ids[:, :-1], chunk=chunk)
+        logits = _feed_prompt(model, cache, context, question, chunk)
         cache.evict = True
         cache.end_step(logits)  # bring the cache to the budget picked at the last prompt position
     else:
-        prefill(model, cache, context, chunk=chunk)
-        if question.shape[1] > 1:
-            prefill(model, cache, question[:, :-1], chunk=chunk)
+        _feed_prompt(model, cache, context, question, chunk)
     return _generate(model, tokenizer, cache, ids, max_new_tokens)
+
+
+def _feed_prompt(model: Any, cache: Any, context: torch.Tensor, question: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Prefill the haystack in chunks, then the question but its last token as its own chunk; last logits."""
+    from confkv.hf import prefill
+
+    logits = prefill(model, cache, context, chunk=chunk)
+    if question.shape[1] > 1:
+        logits = prefill(model, cache, question[:, :-1], chunk=chunk)
+    return logits
 
 
 @torch.no_grad()
@@ -293,16 +308,16 @@ def run_query_aware_shared(model: Any, tokenizer: Any, samples: list, members: l
     :func:`run_niah_batch` per policy up to float summation order (tests/test_tee_fork.py).
     Returns one list of (text, kept, peak bytes/seq) per member.
     """
-    from confkv.hf import ConfKVCache, prefill
+    from confkv.hf import ConfKVCache
     from confkv.policies import make_policy
     from confkv.policies.tee import TeePolicy
 
     device = next(model.parameters()).device
-    ids = _batch_ids(samples)[0].to(device)
+    ids, context, question = (t.to(device) for t in _batch_ids(samples))
     tee = TeePolicy.of([make_policy(name, **params) for name, params in members])
     shared = ConfKVCache.for_model(model, tee, store=store)
     shared.evict = False
-    logits = prefill(model, shared, ids[:, :-1], chunk=chunk)
+    logits = _feed_prompt(model, shared, context, question, chunk)
     outputs = []
     for index in range(len(members)):
         cache = shared.fork(index)
@@ -373,7 +388,9 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
     done: set[tuple] = set()
     if resume_path is not None:
         def in_grid(row: dict[str, Any]) -> bool:
-            return (row["policy"] in specs and row["protocol"] in config.protocols and row["length"] in config.lengths
+            return (row["policy"] in specs and row["protocol"] in config.protocols
+                    and row.get("protocol_version", 1) == PROTOCOL_VERSIONS[row["protocol"]]
+                    and row["length"] in config.lengths
                     and float(row["depth"]) in [float(d) for d in config.depths] and config.first_trial <= row["trial"] < config.first_trial + config.trials)
 
         for row in load_records(resume_path):
@@ -417,7 +434,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
                                         actual_depth=s.actual_depth, answer=s.answer, generated=text,
                                         correct=score_niah(text, s.answer), params=budgets[f"{spec}@{length}"],
                                         kept_at_answer=kept, peak_kv_bytes_per_seq=peak, seconds_per_seq=per_seq,
-                                        run=run, computed_in=protocol)
+                                        run=run, computed_in=protocol,
+                                        protocol_version=PROTOCOL_VERSIONS[proto])
                     if record_key(record) not in done:
                         done.add(record_key(record))
                         fresh.append(record)
@@ -461,7 +479,8 @@ def write_niah(result: NiahResult, out_dir: str | Path) -> list[Path]:
     json_path, csv_path = out_dir / "niah.json", out_dir / "niah.csv"
     json_path.write_text(json.dumps(result.to_dict(), indent=1))
     fields = ["policy", "protocol", "length", "depth", "trial", "actual_depth", "answer", "generated", "correct",
-              "kept_at_answer", "peak_kv_bytes_per_seq", "seconds_per_seq", "computed_in", "params"]
+              "kept_at_answer", "peak_kv_bytes_per_seq", "seconds_per_seq", "computed_in", "protocol_version",
+              "params"]
     with open(csv_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
@@ -508,6 +527,6 @@ def plot_niah(result: NiahResult | dict[str, Any], path: str | Path) -> Path:
 
 
 __all__ = ["DEFAULT_NEEDLE_TEMPLATE", "DEFAULT_QUESTION_TEMPLATE", "NiahConfig", "NiahRecord", "NiahResult",
-           "load_records", "parse_spec", "record_key", "run_key", "run_query_aware_shared",
+           "PROTOCOL_VERSIONS", "load_records", "parse_spec", "record_key", "run_key", "run_query_aware_shared",
            "PROTOCOLS", "budgets_for_bytes", "full_kv_bytes", "plot_niah", "run_niah_batch", "run_niah_grid",
            "write_niah"]

@@ -169,11 +169,11 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
 
 
 def run_niah(args: argparse.Namespace) -> int:
+    import torch
+
     from confkv.eval.niah import NiahConfig, plot_niah, run_niah_grid, write_niah
     from confkv.models import load_model
     from confkv.outputs import check_writable
-
-    import torch
 
     check_writable(args.out_dir, folder=True, what="--out-dir")
     _setup(args)

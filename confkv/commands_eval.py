@@ -67,7 +67,7 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--batch", type=int, default=0, help="sequences per batch (0: all of one length)")
     niah.add_argument("--int8", action="store_true", help="INT8 store for every policy (or add '+int8' to one)")
     niah.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                      help="model dtype (bfloat16: ~1.7x faster prefill on CPUs with AMX/AVX512-BF16)")
+                      help="model dtype (bfloat16: faster prefill on CPUs with AMX/AVX512-BF16)")
     niah.add_argument("--collect-only", action="store_true",
                       help="run nothing: write niah.json/csv/heatmap from the records in <out-dir>/niah.jsonl")
     niah.add_argument("--fresh", action="store_true",

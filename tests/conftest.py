@@ -19,3 +19,12 @@ def smollm2():
     from confkv.models import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests with one torch thread (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -49,12 +49,7 @@ def _opt_model():
     return AutoModelForCausalLM.from_config(config)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- simple rows

@@ -60,12 +60,7 @@ def _model(arch: str) -> torch.nn.Module:
     return _MODELS[arch]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- strategies

@@ -67,6 +67,10 @@ class StoreConfig:
       step. The budget is still never exceeded; the layer holds between ``budget - slack``
       and ``budget`` tokens (on average ``slack / 2`` fewer). It changes which tokens are
       kept: its quality effect at equal memory is recorded in ``results/bench/``.
+    - ``read_backend``: the attention read (:func:`confkv.attention.attention_read`):
+      ``"auto"`` (default: Triton on CUDA; on CPU PyTorch's fused kernel where the read
+      needs no mask, mass or INT8, else the block-wise read) or ``"torch"`` (always the
+      block-wise read, the reference).
     """
 
     kv_int8: bool = False
@@ -75,8 +79,11 @@ class StoreConfig:
     block_size: int = 1024
     move_block: int = 32
     evict_slack: int = 0
+    read_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.read_backend in ("auto", "torch"), "read_backend",
+                 f"must be 'auto' or 'torch', got {self.read_backend!r}")
         _require(isinstance(self.kv_int8, bool), "kv_int8", f"must be True or False, got {self.kv_int8!r}")
         for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1),
                           ("evict_slack", 0)):

@@ -255,7 +255,7 @@ class LayerStore:
             prof.add("positions and masks", now - started)
             started = now
         out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
-                                     softcap=softcap, need_mass=need_mass)
+                                     softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
         if prof is not None:
             now = profiling.clock()
             prof.add("attention read", now - started)

@@ -1,6 +1,8 @@
 """Attention read over mixed FP / INT8 KV segments.
 
 * :func:`blockwise_attention` - the PyTorch reference (CPU and GPU);
+* :func:`confkv.attention.fused_cpu.fused_attention` - PyTorch's fused CPU kernel, for
+  reads that need no mask, no mass and no INT8 (most decode steps of mass-free policies);
 * :func:`confkv.attention.triton_read.triton_attention` - a Triton kernel
   (CUDA tensors; optional ``triton`` dependency);
 * :func:`attention_read` - picks one.
@@ -16,7 +18,7 @@ from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_
 
 __all__ = ["KVSegment", "blockwise_attention", "attention_read", "DEFAULT_BLOCK_SIZE"]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "fused", "triton")
 
 
 def attention_read(
@@ -31,13 +33,23 @@ def attention_read(
     """Dispatch the read to a backend; same contract as :func:`blockwise_attention`.
 
     Args:
-        backend: "torch" (always available), "triton" (CUDA tensors and the
-            ``triton`` package required; raises otherwise), or "auto": triton
-            when the query is on CUDA and triton imports, else torch.
-            ``block_size`` only applies to the torch backend.
+        backend: "torch" (the block-wise reference, always available), "fused"
+            (PyTorch's fused CPU kernel; raises unless
+            :func:`~confkv.attention.fused_cpu.fused_read_eligible`), "triton" (CUDA
+            tensors and the ``triton`` package required; raises otherwise), or "auto":
+            triton when the query is on CUDA and triton imports, else fused where
+            eligible, else torch. ``block_size`` only applies to the torch backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("auto", "fused"):
+        from confkv.attention import fused_cpu
+
+        if fused_cpu.fused_read_eligible(query, segments, softcap, need_mass):
+            return fused_cpu.fused_attention(query, segments, scaling), None
+        if backend == "fused":
+            raise ValueError("backend 'fused' needs a CPU query, full-precision segments of its dtype, no mask, "
+                             "no softcap and need_mass=False; use backend='auto' to fall back to the block-wise read")
     if backend == "auto":
         from confkv.attention import triton_read
 

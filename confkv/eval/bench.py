@@ -63,6 +63,8 @@ def default_configs(budget: int, slack: int) -> list[BenchConfig]:
         BenchConfig("dynamic", "dynamic", note="transformers DynamicCache, sdpa"),
         BenchConfig("quantized", "quantized", note="transformers QuantizedCache (quanto int4), sdpa"),
         BenchConfig("full", "confkv", "full", note="confkv store, no eviction (our overhead)"),
+        BenchConfig("full-blockwise", "confkv", "full", store={"read_backend": "torch"},
+                    note="the same with the block-wise read instead of the fused CPU kernel (before/after)"),
         BenchConfig(f"window", "confkv", "window", {"budget": budget}),
         BenchConfig(f"streaming", "confkv", "streaming", {"budget": budget}),
         BenchConfig(f"h2o", "confkv", "h2o", {"budget": budget}),

@@ -10,7 +10,6 @@ from confkv.attention import KVSegment, attention_read
 from confkv.attention.blockwise import blockwise_attention, dense_attention_reference
 from confkv.attention.fused_cpu import fused_attention, fused_read_available, fused_read_eligible
 from confkv.config import StoreConfig
-from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from tests.test_blockwise_attention import make_segment
@@ -70,11 +69,6 @@ def test_dispatch_falls_back_and_forced_fused_refuses():
     plain = [make_segment(gen, 1, 3, 12, 8, 1, False, "none")]
     out, mass = attention_read(query, plain, 0.3, need_mass=True, backend="auto")  # mass: block-wise
     assert mass is not None and mass[0].shape == (1, 3, 12)
-
-
-def test_store_read_backend_is_validated():
-    with pytest.raises(ConfigError, match="read_backend"):
-        StoreConfig(read_backend="fused")
 
 
 @pytest.mark.parametrize("policy,params", [("full", {}), ("window", {"budget": 64})])

@@ -1,0 +1,64 @@
+"""The NIAH grid as a Markdown table, from a `confkv niah` results file (no model run).
+
+One row per protocol and policy: needles found / samples at each length, accuracy relative
+to full KV on the same samples over all lengths, and over the lengths where the fixed
+budget is smaller than the prompt (the only ones that test retention). Usage::
+
+    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --evicting-from 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+LABELS = {"full": "full", "window": "window", "streaming": "StreamingLLM", "h2o": "H2O", "tova": "TOVA",
+          "confkv": "CONF-KV", "confkv+int8": "CONF-KV+INT8"}
+
+
+def relative(records: list[dict], policy: str, protocol: str, lengths: set[int]) -> str:
+    """Found by ``policy`` / found by full, over the samples both have, at ``lengths``."""
+    full = {(r["length"], r["depth"], r["trial"]): r["correct"] for r in records
+            if r["policy"] == "full" and r["protocol"] == protocol}
+    mine = [(r["correct"], full[key]) for r in records
+            if r["policy"] == policy and r["protocol"] == protocol and r["length"] in lengths
+            and (key := (r["length"], r["depth"], r["trial"])) in full]
+    base = sum(f for _, f in mine)
+    if not mine or not base:
+        return "-"
+    return f"{sum(c for c, _ in mine) / base:.2f} ({sum(c for c, _ in mine)}/{base})"
+
+
+def table(records: list[dict], evicting_from: int) -> str:
+    lengths = sorted({r["length"] for r in records})
+    cells: dict[tuple[str, str], dict[int, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        cells[(r["protocol"], r["policy"])][r["length"]].append(bool(r["correct"]))
+    long = {n for n in lengths if n >= evicting_from}
+    head = ["protocol", "policy", *[f"{n // 1024}K" for n in lengths], "vs full, all",
+            f"vs full, >= {evicting_from // 1024}K"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = list(LABELS)
+    for protocol in ("streaming", "query-aware"):
+        for policy in sorted({p for q, p in cells if q == protocol}, key=lambda p: order.index(p) if p in order else 99):
+            row = cells[(protocol, policy)]
+            counts = [f"{sum(row[n])}/{len(row[n])}" if row[n] else "-" for n in lengths]
+            lines.append("| " + " | ".join([protocol, LABELS.get(policy, policy), *counts,
+                                            relative(records, policy, protocol, set(lengths)),
+                                            relative(records, policy, protocol, long)]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("niah_json", type=Path)
+    parser.add_argument("--evicting-from", type=int, default=4096,
+                        help="first length where the fixed budget is smaller than the prompt")
+    args = parser.parse_args()
+    print(table(json.loads(args.niah_json.read_text())["records"], args.evicting_from))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""benchmarks/niah_table.py: counts per length and accuracy relative to full on the same samples."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "niah_table.py"
+spec = importlib.util.spec_from_file_location("niah_table", SCRIPT)
+niah_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(niah_table)
+
+
+def _record(policy, length, depth, correct, protocol="streaming"):
+    return {"policy": policy, "protocol": protocol, "length": length, "depth": depth, "trial": 0, "correct": correct}
+
+
+def test_table_counts_and_relative_accuracy():
+    records = [_record("full", 1024, 0.0, True), _record("full", 4096, 0.0, True), _record("full", 4096, 0.5, False),
+               _record("window", 1024, 0.0, True), _record("window", 4096, 0.0, False),
+               _record("window", 4096, 0.5, True), _record("h2o", 1024, 0.0, True), _record("h2o", 4096, 0.0, False)]
+    text = niah_table.table(records, evicting_from=4096)
+    rows = {line.split(" | ")[1]: line for line in text.splitlines()[2:]}
+    assert rows["full"] == "| streaming | full | 1/1 | 1/2 | 1.00 (2/2) | 1.00 (1/1) |"
+    # window finds one needle full missed and misses one full found: 2 found vs full's 2 overall, 1 vs 1 at 4K
+    assert rows["window"] == "| streaming | window | 1/1 | 1/2 | 1.00 (2/2) | 1.00 (1/1) |"
+    assert rows["H2O"] == "| streaming | H2O | 1/1 | 0/1 | 0.50 (1/2) | 0.00 (0/1) |"
+    assert "query-aware" not in text
+
+
+def test_relative_is_dash_without_full_hits():
+    records = [_record("full", 4096, 0.0, False), _record("h2o", 4096, 0.0, True)]
+    assert niah_table.relative(records, "h2o", "streaming", {4096}) == "-"

@@ -5,6 +5,7 @@ to full KV on the same samples over all lengths, and over the lengths where the 
 budget is smaller than the prompt (the only ones that test retention). Usage::
 
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --evicting-from 4096
+    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --by-depth 4096,8192
 """
 
 from __future__ import annotations
@@ -51,13 +52,39 @@ def table(records: list[dict], evicting_from: int) -> str:
     return "\n".join(lines)
 
 
+def depth_table(records: list[dict], lengths: list[int]) -> str:
+    """Found / samples per needle depth at each of ``lengths``, one row per protocol, policy, length."""
+    cells: dict[tuple, list[bool]] = defaultdict(list)
+    for r in records:
+        cells[(r["protocol"], r["policy"], r["length"], float(r["depth"]))].append(bool(r["correct"]))
+    depths = sorted({key[3] for key in cells})
+    head = ["protocol", "policy", "length", *[f"depth {d:g}" for d in depths]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = list(LABELS)
+    for protocol in ("streaming", "query-aware"):
+        for length in lengths:
+            policies = sorted({k[1] for k in cells if k[0] == protocol and k[2] == length},
+                              key=lambda p: order.index(p) if p in order else 99)
+            for policy in policies:
+                found = [cells.get((protocol, policy, length, d), []) for d in depths]
+                lines.append("| " + " | ".join([protocol, LABELS.get(policy, policy), f"{length // 1024}K",
+                                                *[f"{sum(f)}/{len(f)}" if f else "-" for f in found]]) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("niah_json", type=Path)
     parser.add_argument("--evicting-from", type=int, default=4096,
                         help="first length where the fixed budget is smaller than the prompt")
+    parser.add_argument("--by-depth", type=str, default="",
+                        help="comma-separated lengths: print found / samples per depth at these instead")
     args = parser.parse_args()
-    print(table(json.loads(args.niah_json.read_text())["records"], args.evicting_from))
+    records = json.loads(args.niah_json.read_text())["records"]
+    if args.by_depth:
+        print(depth_table(records, [int(n) for n in args.by_depth.split(",")]))
+    else:
+        print(table(records, args.evicting_from))
 
 
 if __name__ == "__main__":

@@ -29,3 +29,12 @@ def test_table_counts_and_relative_accuracy():
 def test_relative_is_dash_without_full_hits():
     records = [_record("full", 4096, 0.0, False), _record("h2o", 4096, 0.0, True)]
     assert niah_table.relative(records, "h2o", "streaming", {4096}) == "-"
+
+
+def test_depth_table_counts_per_depth():
+    records = [_record("full", 4096, 0.0, False), _record("full", 4096, 0.5, True),
+               _record("window", 4096, 0.0, False), _record("window", 4096, 0.5, False)]
+    lines = niah_table.depth_table(records, [4096]).splitlines()
+    assert lines[0] == "| protocol | policy | length | depth 0 | depth 0.5 |"
+    assert lines[2] == "| streaming | full | 4K | 0/1 | 1/1 |"
+    assert lines[3] == "| streaming | window | 4K | 0/1 | 0/1 |"

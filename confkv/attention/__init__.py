@@ -14,6 +14,7 @@ from typing import Sequence
 
 from torch import Tensor
 
+from confkv.attention import fused_cpu
 from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention
 
 __all__ = ["KVSegment", "blockwise_attention", "attention_read", "DEFAULT_BLOCK_SIZE"]
@@ -43,8 +44,6 @@ def attention_read(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in ("auto", "fused"):
-        from confkv.attention import fused_cpu
-
         if fused_cpu.fused_read_eligible(query, segments, softcap, need_mass):
             return fused_cpu.fused_attention(query, segments, scaling), None
         if backend == "fused":

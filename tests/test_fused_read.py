@@ -12,7 +12,7 @@ from confkv.attention.fused_cpu import fused_attention, fused_read_available, fu
 from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from tests.test_blockwise_attention import make_segment
+from segment_cases import make_segment
 
 pytestmark = pytest.mark.skipif(not fused_read_available(), reason="this torch build has no fused CPU attention")
 

@@ -19,7 +19,7 @@ from confkv.attention import attention_read  # noqa: E402
 from confkv.attention import triton_read  # noqa: E402
 from confkv.attention.blockwise import dense_attention_reference  # noqa: E402
 
-from test_blockwise_attention import attention_cases, make_segment  # noqa: E402
+from segment_cases import attention_cases, make_segment  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not triton_read.triton_available(), reason="optional 'triton' package not installed")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

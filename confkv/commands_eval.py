@@ -24,7 +24,7 @@ def _strs(text: str) -> list[str]:
 def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
     def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), a local path or a hub id")
+        p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), 'gemma3-270m' (optional package), a local path or a hub id")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
 

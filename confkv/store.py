@@ -146,7 +146,8 @@ class LayerStore:
             raise ValueError("confkv: cannot fork a store in the middle of a forward pass")
 
         def copy(region: Region) -> Region:
-            stats = stats_of(region.stats) if stats_of is not None else region.stats
+            # a sliding-window layer keeps no statistics for any policy: nothing to map
+            stats = stats_of(region.stats) if stats_of is not None and twin.stat_names else region.stats
             missing = [name for name in twin.stat_names if name not in stats]
             if missing:
                 raise ValueError(f"confkv: cannot fork for policy {policy.name!r}: statistics {missing} were "

@@ -132,6 +132,9 @@ ROWS = [
     ("too-long-ppl", "streaming_ppl(gpt2, 1030 tokens)",
      lambda: __import__("confkv.eval.ppl", fromlist=["x"]).streaming_ppl(_model("gpt2"), _ids(1030), progress=False),
      PromptTooLongError, r"a sequence of 1030 tokens exceeds the model's 1024 positions; shorten it"),
+    ("too-long-niah", "check_niah_positions(gpt2, lengths=(1024,), max_new_tokens=10)",
+     lambda: __import__("confkv.eval.niah", fromlist=["x"]).check_niah_positions(_model("gpt2"), (1024,), 10),
+     PromptTooLongError, r"NIAH length 1024 \+ 10 answer tokens exceeds the model's 1024 positions; use --lengths up to 1014"),
     ("model-missing", "load_model('/nonexistent/model')", lambda: load_model("/nonexistent/model"),
      ModelLoadError, r"model path /nonexistent/model does not exist\. Pass an existing model directory"),
 ]

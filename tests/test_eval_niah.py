@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from confkv.data import make_niah_sample, score_niah
-from confkv.errors import ConfigError
-from confkv.eval.niah import (PROTOCOL_VERSIONS, PROTOCOLS, NiahConfig, budgets_for_bytes, full_kv_bytes, load_records, parse_spec,
+from confkv.errors import ConfigError, PromptTooLongError
+from confkv.eval.niah import (PROTOCOL_VERSIONS, PROTOCOLS, NiahConfig, budgets_for_bytes, check_niah_positions,
+                              full_kv_bytes, load_records, parse_spec,
                               plot_niah, record_key, run_key, run_niah_batch, run_niah_grid,
                               run_query_aware_shared, write_niah)
 from confkv.config import StoreConfig
@@ -212,3 +213,20 @@ def test_records_of_another_protocol_version_are_recomputed(tmp_path):
     assert len(again.records) == len(first.records)
     assert {r.protocol_version for r in again.records if r.protocol == "query-aware"} == {PROTOCOL_VERSIONS["query-aware"]}
     assert len(load_records(path)) == len(rows) + sum(r.protocol == "query-aware" for r in first.records)
+
+
+def test_lengths_past_the_model_positions_are_refused_before_any_work(tmp_path):
+    """Tiny models have 1024 positions: a longer prompt is an error naming the longest length that fits;
+    answer tokens past the end are an error with learned positions (GPT-2) and a warning with RoPE."""
+    tok = tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    config = NiahConfig(lengths=(120, 1030), depths=(0.5,), trials=1, policies=("full",), max_new_tokens=4)
+    with pytest.raises(PromptTooLongError, match=r"1030 exceeds the model's 1024 positions; use --lengths up to 1020"):
+        run_niah_grid(tiny_model("llama"), tok, config, progress=False, resume_path=path)
+    assert not path.exists()  # refused before any sample ran
+    edge = NiahConfig(lengths=(1022,), depths=(0.5,), trials=1, policies=("full",), max_new_tokens=4)
+    with pytest.raises(PromptTooLongError, match=r"1022 \+ 4 answer tokens exceeds the model's 1024 positions"):
+        run_niah_grid(tiny_model("gpt2"), tok, edge, progress=False)
+    check_niah_positions(tiny_model("gpt2"), (1020,), 4)  # fits exactly: no error
+    with pytest.warns(UserWarning, match="RoPE extrapolation"):
+        check_niah_positions(tiny_model("llama"), (1022,), 4)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import csv
 import json
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,9 +60,10 @@ import torch
 from tqdm.auto import tqdm
 
 from confkv.config import StoreConfig
-from confkv.errors import ConfigError
+from confkv.errors import ConfigError, PromptTooLongError
 from confkv.eval.jsonl import append_rows
 from confkv.data import DEFAULT_NEEDLE_TEMPLATE, DEFAULT_QUESTION_TEMPLATE, make_niah_sample, score_niah
+from confkv.models import model_max_positions
 
 PROTOCOLS = ("query-aware", "streaming")
 #: bumped when a protocol's computation changes; records of another version are not reused
@@ -352,6 +354,36 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return load_rows(path)
 
 
+def check_niah_positions(model: Any, lengths: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse lengths the model cannot hold; warn when the answer runs past its positions.
+
+    A prompt longer than the model's positions raises :class:`PromptTooLongError`. A prompt
+    that fits but whose ``max_new_tokens`` answer tokens would sit past the last position
+    raises too for learned absolute positions (GPT-2: there is no embedding for them) and
+    warns for rotary models (RoPE extrapolates a few positions; transformers only warns).
+    Models whose positions cannot be read are not checked.
+    """
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    try:
+        limit = model_max_positions(model)
+    except ValueError:
+        return
+    longest = max(lengths)
+    fits = limit - max_new_tokens
+    if longest > limit:
+        raise PromptTooLongError(f"NIAH length {longest} exceeds the model's {limit} positions; use --lengths up "
+                                 f"to {fits} ({limit} minus the {max_new_tokens} answer tokens)")
+    if longest + max_new_tokens <= limit:
+        return
+    rotary = getattr(config, "rope_parameters", None) is not None or getattr(config, "rope_theta", None) is not None
+    message = (f"NIAH length {longest} + {max_new_tokens} answer tokens exceeds the model's {limit} positions; "
+               f"use --lengths up to {fits} (or lower --max-new-tokens)")
+    if not rotary:
+        raise PromptTooLongError(message)
+    warnings.warn(f"confkv: {message}; the answer tokens past position {limit - 1} rely on RoPE extrapolation",
+                  stacklevel=2)
+
+
 def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: bool = True,
                   model_name: str = "", resume_path: str | Path | None = None, compute: bool = True) -> NiahResult:
     """Run the whole grid; see the module docstring for the protocols and budgets.
@@ -365,6 +397,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
     specs = list(config.policies)
     for spec in specs:
         parse_spec(spec)
+    if compute:
+        check_niah_positions(model, config.lengths, config.max_new_tokens)
     sample_kwargs: dict[str, Any] = {"haystack": config.haystack, "seed": config.seed}
     if config.needle_template:
         sample_kwargs["needle_template"] = config.needle_template

@@ -35,7 +35,9 @@ def _store_config(args: argparse.Namespace):
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (bundled), 'gemma3-270m' (optional package), a local path or a hub id")
+    from confkv.commands_eval import MODEL_HELP
+
+    parser.add_argument("--model", default="smollm2", help=MODEL_HELP)
     parser.add_argument("--policy", default="confkv", help="policy name (see `confkv policies`)")
     parser.add_argument("--param", action="append", metavar="KEY=VALUE",
                         help="policy parameter, repeatable (e.g. --param n_high=128 --param tau=0.6)")

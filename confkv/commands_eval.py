@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+MODEL_HELP = "'smollm2' (bundled), 'gemma3-270m' (optional package), a local path or a hub id"
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in str(text).replace(" ", "").split(",") if x]
@@ -24,7 +26,7 @@ def _strs(text: str) -> list[str]:
 def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
     def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default="smollm2", help="'smollm2' (bundled), 'gemma3-270m' (optional package), a local path or a hub id")
+        p.add_argument("--model", default="smollm2", help=MODEL_HELP)
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
         p.add_argument("--no-progress", action="store_true", help="no progress bars")
 

@@ -63,6 +63,25 @@ def test_budgets_for_bytes_int8_grows_budget():
     assert q["window"]["budget"] > 100
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_full_kv_bytes_is_what_the_full_cache_holds(arch):
+    """The NIAH budget's reference: gemma3's sliding-window layers hold only their window."""
+    from confkv.hf import ConfKVCache, prefill
+
+    model = tiny_model(arch)
+    ids = torch.randint(5, model.config.vocab_size, (1, 60))
+    cache = ConfKVCache.for_model(model, "full")
+    with torch.no_grad():
+        logits = prefill(model, cache, ids, chunk=16)
+    cache.end_step(logits[:, -1:])
+    assert cache.kv_bytes() == full_kv_bytes(model, 60)
+    if arch == "gemma3":  # windowed layers: far less than 60 tokens x every layer
+        assert full_kv_bytes(model, 60) < 0.5 * 60 * full_kv_bytes(model, 1)
+    # so a 25% budget really evicts: the window policy at that budget keeps fewer tokens than the prompt
+    budget = budgets_for_bytes(model, ["window"], 0.25 * full_kv_bytes(model, 60), 60)["window"]["budget"]
+    assert budget < 60
+
+
 def _small_config(**overrides):
     base = dict(lengths=(120, 160), depths=(0.0, 1.0), trials=2, chunk=64, max_new_tokens=3,
                 policies=("full", "window", "h2o", "tova", "confkv", "confkv+int8"),

@@ -223,11 +223,16 @@ def _policy_extra(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def full_kv_bytes(model: Any, tokens: int, store: StoreConfig | None = None) -> float:
-    """Full-precision KV bytes of one sequence of ``tokens`` tokens (all layers)."""
+    """Full-precision KV bytes of one sequence of ``tokens`` tokens (all layers), as ``full`` holds them.
+
+    A sliding-window layer (Gemma-3's local layers) holds at most ``window - 1`` past tokens
+    whatever the policy, as :func:`confkv.eval.sweep.simulate_kv_bytes` counts it.
+    """
     from confkv.eval.sweep import BytesModel
 
     bm = BytesModel.for_model(model)
-    return float(tokens * bm.fp_bytes * len(bm.sliding_windows))
+    held = sum(tokens if w is None else min(tokens, w - 1) for w in bm.sliding_windows)
+    return float(held * bm.fp_bytes)
 
 
 def parse_spec(spec: str) -> tuple[str, bool]:

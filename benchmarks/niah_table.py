@@ -19,6 +19,11 @@ LABELS = {"full": "full", "window": "window", "streaming": "StreamingLLM", "h2o"
           "confkv": "CONF-KV", "confkv+int8": "CONF-KV+INT8"}
 
 
+def length_label(tokens: int) -> str:
+    """4096 -> '4K'; a length that is not a multiple of 1024 keeps its digits (32000 -> '32,000')."""
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens:,}"
+
+
 def relative(records: list[dict], policy: str, protocol: str, lengths: set[int]) -> str:
     """Found by ``policy`` / found by full, over the samples both have, at ``lengths``."""
     full = {(r["length"], r["depth"], r["trial"]): r["correct"] for r in records
@@ -38,8 +43,8 @@ def table(records: list[dict], evicting_from: int) -> str:
     for r in records:
         cells[(r["protocol"], r["policy"])][r["length"]].append(bool(r["correct"]))
     long = {n for n in lengths if n >= evicting_from}
-    head = ["protocol", "policy", *[f"{n // 1024}K" for n in lengths], "vs full, all",
-            f"vs full, >= {evicting_from // 1024}K"]
+    head = ["protocol", "policy", *[length_label(n) for n in lengths], "vs full, all",
+            f"vs full, >= {length_label(evicting_from)}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = list(LABELS)
     for protocol in ("streaming", "query-aware"):
@@ -67,7 +72,7 @@ def depth_table(records: list[dict], lengths: list[int]) -> str:
                               key=lambda p: order.index(p) if p in order else 99)
             for policy in policies:
                 found = [cells.get((protocol, policy, length, d), []) for d in depths]
-                lines.append("| " + " | ".join([protocol, LABELS.get(policy, policy), f"{length // 1024}K",
+                lines.append("| " + " | ".join([protocol, LABELS.get(policy, policy), length_label(length),
                                                 *[f"{sum(f)}/{len(f)}" if f else "-" for f in found]]) + " |")
     return "\n".join(lines)
 

@@ -38,3 +38,7 @@ def test_depth_table_counts_per_depth():
     assert lines[0] == "| protocol | policy | length | depth 0 | depth 0.5 |"
     assert lines[2] == "| streaming | full | 4K | 0/1 | 1/1 |"
     assert lines[3] == "| streaming | window | 4K | 0/1 | 0/1 |"
+
+
+def test_length_labels():
+    assert [niah_table.length_label(n) for n in (1024, 8192, 32000)] == ["1K", "8K", "32,000"]

@@ -24,6 +24,17 @@ def length_label(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens:,}"
 
 
+def in_label_order(policies: set[str]) -> list[str]:
+    """``policies`` in the order of ``LABELS`` (unknown names last)."""
+    order = list(LABELS)
+    return sorted(policies, key=lambda p: order.index(p) if p in order else len(order))
+
+
+def header(columns: list[str]) -> list[str]:
+    """A Markdown table's header and separator lines."""
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def relative(records: list[dict], policy: str, protocol: str, lengths: set[int]) -> str:
     """Found by ``policy`` / found by full, over the samples both have, at ``lengths``."""
     full = {(r["length"], r["depth"], r["trial"]): r["correct"] for r in records
@@ -45,10 +56,9 @@ def table(records: list[dict], evicting_from: int) -> str:
     long = {n for n in lengths if n >= evicting_from}
     head = ["protocol", "policy", *[length_label(n) for n in lengths], "vs full, all",
             f"vs full, >= {length_label(evicting_from)}"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = list(LABELS)
+    lines = header(head)
     for protocol in ("streaming", "query-aware"):
-        for policy in sorted({p for q, p in cells if q == protocol}, key=lambda p: order.index(p) if p in order else 99):
+        for policy in in_label_order({p for q, p in cells if q == protocol}):
             row = cells[(protocol, policy)]
             counts = [f"{sum(row[n])}/{len(row[n])}" if row[n] else "-" for n in lengths]
             lines.append("| " + " | ".join([protocol, LABELS.get(policy, policy), *counts,
@@ -64,13 +74,10 @@ def depth_table(records: list[dict], lengths: list[int]) -> str:
         cells[(r["protocol"], r["policy"], r["length"], float(r["depth"]))].append(bool(r["correct"]))
     depths = sorted({key[3] for key in cells})
     head = ["protocol", "policy", "length", *[f"depth {d:g}" for d in depths]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    order = list(LABELS)
+    lines = header(head)
     for protocol in ("streaming", "query-aware"):
         for length in lengths:
-            policies = sorted({k[1] for k in cells if k[0] == protocol and k[2] == length},
-                              key=lambda p: order.index(p) if p in order else 99)
-            for policy in policies:
+            for policy in in_label_order({k[1] for k in cells if k[0] == protocol and k[2] == length}):
                 found = [cells.get((protocol, policy, length, d), []) for d in depths]
                 lines.append("| " + " | ".join([protocol, LABELS.get(policy, policy), length_label(length),
                                                 *[f"{sum(f)}/{len(f)}" if f else "-" for f in found]]) + " |")

@@ -368,7 +368,6 @@ def check_niah_positions(model: Any, lengths: Sequence[int], max_new_tokens: int
     warns for rotary models (RoPE extrapolates a few positions; transformers only warns).
     Models whose positions cannot be read are not checked.
     """
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     try:
         limit = model_max_positions(model)
     except ValueError:
@@ -380,6 +379,9 @@ def check_niah_positions(model: Any, lengths: Sequence[int], max_new_tokens: int
                                  f"to {fits} ({limit} minus the {max_new_tokens} answer tokens)")
     if longest + max_new_tokens <= limit:
         return
+    from confkv.hf.support import text_config
+
+    config = text_config(model.config)
     rotary = getattr(config, "rope_parameters", None) is not None or getattr(config, "rope_theta", None) is not None
     message = (f"NIAH length {longest} + {max_new_tokens} answer tokens exceeds the model's {limit} positions; "
                f"use --lengths up to {fits} (or lower --max-new-tokens)")

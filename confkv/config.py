@@ -122,3 +122,67 @@ class GateConfig:
                  f"must be in [0, 1), got {self.smoothing!r}")
         _require(self.n_high <= self.n_low, "n_high",
                  f"the tight (confident) budget n_high={self.n_high} must be <= the loose budget n_low={self.n_low}")
+
+
+#: page counts meaning "read every cold page" (the KIVI anchor)
+ALL_PAGES = 2**31
+
+
+@dataclass(frozen=True)
+class ColdConfig:
+    """The cold tier of a tiered store (issue "keep every token"): evicted tokens are demoted, not deleted.
+
+    - ``bits``: 2, 3, 4 or 8 (KIVI-style: keys per channel in groups of ``group_size`` tokens,
+      values per token in groups of ``group_size`` channels; float16 scales), or 16 = kept in
+      the model's dtype, unquantized (the Quest anchor).
+    - ``page_size``: tokens per page; each page carries a key digest (per-channel min/max,
+      Quest) that bounds ``q . k`` for any query. Demoted tokens wait in an FP "open page"
+      (read in full every step, like KIVI's residual) until a page fills.
+    - ``group_size``: quantization group (tokens for keys, channels for values); divides ``page_size``.
+    - ``k_high`` / ``k_low``: cold pages read per step when the model is confident
+      (``c >= tau``) / uncertain. Equal values give a fixed read budget; ``k_high > k_low``
+      is the inverted gate. :data:`ALL_PAGES` reads every page.
+    - ``cold_budget``: most tokens the cold tier holds per sequence (None: unbounded); the
+      coldest pages (least attention when read, then oldest) are evicted for good.
+    - ``offload``: keep sealed pages in a memory-mapped file (RAM keeps the digests);
+      ``offload_dir``: its directory (None: the system temp dir).
+    """
+
+    bits: int = 2
+    page_size: int = 32
+    group_size: int = 32
+    k_high: int = 4
+    k_low: int = 16
+    cold_budget: int | None = None
+    offload: bool = False
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
+                 f"must be one of 2, 3, 4, 8 (KIVI-style) or 16 (unquantized), got {self.bits!r}")
+        for name in ("page_size", "group_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                     f"must be a positive integer, got {value!r}")
+        _require(self.page_size % self.group_size == 0, "group_size",
+                 f"must divide page_size={self.page_size}, got {self.group_size}")
+        for name in ("k_high", "k_low"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= ALL_PAGES, name,
+                     f"must be a number of pages in [0, {ALL_PAGES}] ({ALL_PAGES} = all), got {value!r}")
+        if self.cold_budget is not None:
+            _require(isinstance(self.cold_budget, int) and not isinstance(self.cold_budget, bool)
+                     and self.cold_budget >= self.page_size, "cold_budget",
+                     f"must be None (unbounded) or a number of tokens >= page_size={self.page_size}, "
+                     f"got {self.cold_budget!r}")
+            for name in ("k_high", "k_low"):
+                value = getattr(self, name)
+                _require(value == ALL_PAGES or value * self.page_size <= self.cold_budget, name,
+                         f"reads {value} pages of {self.page_size} tokens, more than cold_budget={self.cold_budget} "
+                         f"tokens can hold; lower it or raise cold_budget ({ALL_PAGES} reads all pages)")
+        _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
+        if self.offload_dir is not None:
+            import os  # noqa: PLC0415
+
+            _require(os.path.isdir(self.offload_dir) and os.access(self.offload_dir, os.W_OK | os.X_OK),
+                     "offload_dir", f"{self.offload_dir!r} is not a writable directory; create it or pass another")

@@ -56,3 +56,28 @@ def select_kept(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tens
     order_key = torch.where(kept_valid[:, None, :], top, top + length)
     kept_index = order_key.sort(dim=-1).values % length if length else order_key
     return kept_index, kept_valid
+
+
+def dropped_slots(kept_index: torch.Tensor, kept_valid: torch.Tensor, valid: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid slots that :func:`select_kept` did not keep, in slot order (for demotion).
+
+    Args:
+        kept_index: [B, Hkv, K] from :func:`select_kept`; kept_valid: [B, K].
+        valid: [B, L] bool, the slots' validity before eviction.
+    Returns:
+        dropped_index: [B, Hkv, M] int64, ``M = max_b dropped[b]`` (every head of a sequence
+            drops the same number of valid slots), sorted ascending in the first ``dropped[b]``
+            entries (the rest point at arbitrary slots);
+        dropped_valid: [B, M] bool, ``arange(M) < dropped[b]``.
+    """
+    batch, heads, _ = kept_index.shape
+    length = valid.shape[-1]
+    kept = torch.zeros((batch, heads, length), dtype=torch.int32, device=valid.device)
+    kept.scatter_add_(2, kept_index, kept_valid[:, None, :].expand(-1, heads, -1).to(torch.int32))
+    dropped = valid[:, None, :] & (kept == 0)  # [B, Hkv, L]
+    counts = dropped[:, 0].sum(-1)  # [B]
+    width = int(counts.max()) if batch else 0
+    order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
+    dropped_valid = torch.arange(width, device=valid.device)[None, :] < counts[:, None]
+    return order, dropped_valid

@@ -13,7 +13,9 @@ New tokens are appended to ``recent``. At the end of a step (``end_step``):
    and tokens are quantised exactly once;
 2. *eviction*: if a sequence holds more than its budget, ``old`` is compacted by one
    gather to the policy's best slots (``recent`` and the policy's protected and sink
-   tokens are kept).
+   tokens are kept). With a tiered policy (:class:`~confkv.policies.tiered.TieredPolicy`)
+   the evicted slots are demoted to the layer's cold tier (:mod:`confkv.cold`) instead of
+   deleted, and every attention read adds the cold pages the policy's read budget selects.
 
 The store counts tokens seen (logical, for positions) apart from slots held
 (physical, for the attention read), and reports its exact bytes.
@@ -28,9 +30,12 @@ import torch
 from confkv import profiling
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
-from confkv.eviction import protection_mask, select_kept
+from confkv.cold import ColdTier
+from confkv.eviction import dropped_slots, protection_mask, select_kept
 from confkv.attention import KVSegment, attention_read
+from confkv.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
+from confkv.policies.tiered import TieredPolicy
 from confkv.region import Region, concat, select_batch
 
 
@@ -55,9 +60,12 @@ class LayerStore:
         sliding_window: for a sliding-window layer (Gemma-3 local layers), its window
             ``W``: queries see keys with ``query_pos - key_pos < W``, the store keeps the
             last ``W - 1`` tokens, uses full precision and ignores the policy.
+        page_file: the cache's file for offloaded cold pages (tiered policies with
+            ``cold.offload``; None: the store opens its own when it needs one).
     """
 
-    def __init__(self, policy: Policy, config: StoreConfig, *, sliding_window: int | None = None) -> None:
+    def __init__(self, policy: Policy, config: StoreConfig, *, sliding_window: int | None = None,
+                 page_file: PageFile | None = None) -> None:
         self.policy = policy
         self.config = config
         self.sliding_window = sliding_window
@@ -75,6 +83,12 @@ class LayerStore:
         self.seen_tokens = 0  # columns fed, padding included (the logical length HF sees)
         self.seen_real: torch.Tensor | None = None  # [B] int64, real (non-padding) tokens per sequence
         self.pending = 0  # tokens appended by `append` whose attention has not been read yet
+        self.cold: ColdTier | None = None
+        self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
+        if isinstance(policy, TieredPolicy) and sliding_window is None:
+            if policy.cold.offload and page_file is None:
+                page_file = PageFile(policy.cold.offload_dir)
+            self.cold = ColdTier(policy.cold, page_file if policy.cold.offload else None)
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -104,17 +118,30 @@ class LayerStore:
         return self.kept_counts().tolist()
 
     def kv_bytes(self) -> int:
-        """Exact bytes of the stored keys and values, INT8 scales included."""
+        """Exact bytes of the stored keys and values of every tier: INT8 scales, cold scales and digests included."""
         if not self.is_initialized:
             return 0
         extra = self.channel_scale.nbytes if self.channel_scale is not None else 0
-        return self.old.nbytes() + self.recent.nbytes() + extra
+        cold = self.cold.kv_bytes() if self.cold is not None else 0
+        return self.old.nbytes() + self.recent.nbytes() + extra + cold
+
+    def offloaded_bytes(self) -> int:
+        """Of :meth:`kv_bytes`, the bytes kept in the page file rather than RAM."""
+        return self.cold.offloaded_bytes() if self.cold is not None else 0
+
+    def cold_counts(self) -> torch.Tensor:
+        """[B] int64 tokens each sequence holds in the cold tier (zeros without one)."""
+        held = self.cold.token_count() if self.cold is not None else None
+        if held is None:
+            return torch.zeros_like(self.seen_real) if self.seen_real is not None else torch.zeros(0, dtype=torch.int64)
+        return held
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of positions, validity flags and policy statistics."""
         if not self.is_initialized:
             return 0
-        return self.old.bookkeeping_nbytes() + self.recent.bookkeeping_nbytes()
+        cold = self.cold.bookkeeping_bytes() if self.cold is not None else 0
+        return self.old.bookkeeping_nbytes() + self.recent.bookkeeping_nbytes() + cold
 
     def select_batch(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` [B'] (beam search reorder, sequence removal)."""
@@ -122,6 +149,10 @@ class LayerStore:
             return
         self.old, self.recent = select_batch(self.old, index), select_batch(self.recent, index)
         self.seen_real = self.seen_real.index_select(0, index.to(self.seen_real.device))
+        if self.cold is not None:
+            self.cold.select_batch(index)
+        if self.cold_read is not None:
+            self.cold_read = self.cold_read.index_select(0, index.to(self.cold_read.device))
         if self.channel_scale is not None:
             self.channel_scale = self.channel_scale.index_select(0, index.to(self.channel_scale.device))
 
@@ -139,7 +170,10 @@ class LayerStore:
         Raises:
             ValueError: a statistic ``policy`` needs is missing, or keys are pending.
         """
-        twin = LayerStore(policy, self.config, sliding_window=self.sliding_window)
+        twin = LayerStore(policy, self.config, sliding_window=self.sliding_window,
+                          page_file=self.cold.page_file if self.cold is not None else None)
+        if self.cold is not None and twin.cold is not None:
+            twin.cold = self.cold.clone()
         if not self.is_initialized:
             return twin
         if self.pending:
@@ -250,6 +284,8 @@ class LayerStore:
         regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
         segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
                     for r in regions]
+        if self.cold is not None:  # every cold token is older than every query: no causal mask
+            segments += self.cold.segments(query, self._cold_read_pages())
         need_mass = bool(self.stat_names) and self.policy.needs_attention
         if prof is not None:
             now = profiling.clock()
@@ -264,6 +300,8 @@ class LayerStore:
         if need_mass:
             for region, mass in zip(regions, masses):
                 self.policy.observe(region.stats, mass, new)
+            if self.cold is not None and len(masses) > len(regions):
+                self.cold.observe(masses[-1])
             if prof is not None:
                 prof.add("EMA / stats update", profiling.clock() - started)
         return out
@@ -274,8 +312,19 @@ class LayerStore:
                              key_channel_scale=self.channel_scale, value_token_scale=region.value_scale)
         return KVSegment(region.keys, region.values, visible)
 
-    def end_step(self, budget: torch.Tensor | None) -> None:
-        """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction)."""
+    def _cold_read_pages(self) -> torch.Tensor:
+        """[B] cold pages this read takes: the policy's choice at the last step, or its first."""
+        if self.cold_read is not None:
+            return self.cold_read
+        return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]
+
+    def end_step(self, budget: torch.Tensor | None, cold_read: torch.Tensor | None = None) -> None:
+        """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction).
+
+        ``cold_read`` [B]: cold pages the next read takes (tiered policies; None keeps the last).
+        """
+        if cold_read is not None and self.cold is not None:
+            self.cold_read = cold_read.to(torch.int64)
         if not self.is_initialized or self.pending:
             return
         prof = profiling.ACTIVE
@@ -372,9 +421,26 @@ class LayerStore:
             now = profiling.clock()
             prof.add("ranking and top-k", now - started)
             started = now
+        if self.cold is not None:
+            self._demote(old, index, valid)
         self.old = old.gather(index, valid, dense=bool(valid.all()))
         if prof is not None:
             prof.add("compaction gather", profiling.clock() - started)
+
+
+    def _demote(self, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor) -> None:
+        """Hand the slots eviction drops to the cold tier (dequantized first when INT8)."""
+        index, valid = dropped_slots(kept_index, kept_valid, old.valid)
+        if not bool(valid.any()):
+            return
+        dropped = old.gather(index, valid)
+        keys, values = dropped.keys, dropped.values
+        if dropped.is_int8:
+            from confkv import quant  # noqa: PLC0415 - the INT8 path only
+
+            keys = quant.dequantize_keys(keys, dropped.key_scale, self.channel_scale, self.recent.keys.dtype)
+            values = quant.dequantize_values(values, dropped.value_scale, self.recent.keys.dtype)
+        self.cold.demote(keys, values, dropped.positions, valid)
 
 
 def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:

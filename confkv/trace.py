@@ -17,6 +17,8 @@ class StepRecord:
         kept: [num_layers, B] int64 tokens kept per layer and sequence.
         kv_bytes: [num_layers] int64 exact KV bytes held per layer.
         seen: logical tokens fed so far (padding included).
+        cold_bytes_read: cold-tier bytes the step's attention reads took (tiered policies).
+        offloaded_bytes: of ``kv_bytes``, the bytes kept in the page file rather than RAM.
     """
 
     confidence: torch.Tensor
@@ -24,6 +26,8 @@ class StepRecord:
     kept: torch.Tensor
     kv_bytes: torch.Tensor
     seen: int
+    cold_bytes_read: int = 0
+    offloaded_bytes: int = 0
 
 
 @dataclass
@@ -95,4 +99,6 @@ class MemoryTrace:
             "budget": [s.budget.tolist() for s in self.steps],
             "kept": [s.kept.tolist() for s in self.steps],
             "kv_bytes": [s.kv_bytes.tolist() for s in self.steps],
+            "cold_bytes_read": [s.cold_bytes_read for s in self.steps],
+            "offloaded_bytes": [s.offloaded_bytes for s in self.steps],
         }

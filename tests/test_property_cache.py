@@ -18,6 +18,10 @@ sizes, then single-token steps) on tiny random models. After **every** forward p
   quantised, the frozen channel scale unchanged; slots stay in arrival order;
 - ``kv_bytes`` equals the bytes of the K/V tensors (and scales) the store holds, and the
   trace records the same;
+- tiered policies (``confkv-r``, ``quest``, ``kivi``): every real token seen sits in exactly one
+  tier (hot or cold) until a ``cold_budget`` evicts it, cold tokens keep their original
+  positions, and the cold tier's bytes equal its tensors' bytes and a page-size formula
+  written out here;
 - logits are finite;
 - the same inputs give bit-identical logits and kept positions (determinism).
 
@@ -95,6 +99,13 @@ def policy_params(draw, name: str, kv_int8: bool, fp_window: int) -> dict:
         params["seed"] = draw(st.integers(0, 3))
     if "history" in names:
         params["history"] = draw(st.integers(1, 8))
+    if "cold" in names:
+        bits = draw(st.sampled_from([2, 3, 4, 8, 16]))
+        page = draw(st.sampled_from([1, 2, 4, 8]))
+        k_high, k_low = draw(st.integers(0, 4)), draw(st.integers(0, 6))
+        most = max(k_high, k_low, 1) * page
+        params.update(bits=bits, page_size=page, group_size=draw(st.sampled_from([g for g in (1, 2, 4, 8) if page % g == 0])),
+                      k_high=k_high, k_low=k_low, cold_budget=draw(st.sampled_from([None, None, most, most + 2 * page])))
     if name == "full":
         params = {"protect": protect, "sinks": sinks}
     return params
@@ -201,6 +212,8 @@ class Checker:
             assert region.valid.shape[1] == region.keys.shape[2] == region.positions.shape[2]
         if store.channel_scale is not None:
             held += store.channel_scale.nbytes
+        if store.cold is not None and store.cold.open is not None:
+            held += _cold_bytes(store)
         assert store.kv_bytes() == held
 
     def _check_layer(self, layer_idx: int, store: LayerStore, protect: int, sinks: int, snapshot: list) -> None:
@@ -213,6 +226,8 @@ class Checker:
             real = int(store.seen_real[b])
             must = set(range(max(real - protect, 0), real)) | set(range(min(sinks, real)))
             for h in range(heads):
+                if store.cold is not None:
+                    self._check_cold(layer_idx, store, b, h, real)
                 held_positions: list[int] = []
                 for region in (store.old, store.recent):
                     slots = torch.nonzero(region.valid[b]).flatten()
@@ -241,6 +256,59 @@ class Checker:
                     assert not came_back, ("evicted token restored", sorted(came_back))
                 self.held[(layer_idx, b, h)] = set(held_positions)
                 snapshot.append((layer_idx, b, h, tuple(held_positions)))
+
+
+    def _check_cold(self, layer_idx: int, store: LayerStore, b: int, h: int, real: int) -> None:
+        """Every real token in exactly one tier (all of them without a cold budget); cold K/V at its position."""
+        hot = []
+        for region in (store.old, store.recent):
+            hot += region.positions[b, h, torch.nonzero(region.valid[b]).flatten()].tolist()
+        cold = store.cold
+        cold_positions = []
+        if cold.open is not None:
+            cold_positions += cold.open["positions"][b, h, cold.open["valid"][b]].tolist()
+            pages = cold.pages
+            if cold.num_pages:
+                valid = pages["valid"][b, h, :cold.num_pages]
+                cold_positions += pages["positions"][b, h, :cold.num_pages][valid].tolist()
+            # the open page holds its tokens in full precision: bit-identical to the model's, or
+            # within the INT8 error bound when they were INT8 in the hot tier
+            for slot in torch.nonzero(cold.open["valid"][b]).flatten().tolist():
+                pos = int(cold.open["positions"][b, h, slot])
+                key, original = cold.open["keys"][b, h, slot], self.bank[(id(store), b, pos)][0][h]
+                if store.int8:
+                    channel = store.channel_scale[b, h]
+                    bound = channel * (original.abs() / channel).max() / 254 + 1e-6
+                    assert ((key - original).abs() <= bound).all(), ("cold key off its position", pos)
+                else:
+                    assert torch.equal(key, original), ("cold key off its position", pos)
+        assert len(cold_positions) == len(set(cold_positions)), ("a token twice in the cold tier", layer_idx)
+        assert not set(hot) & set(cold_positions), ("a token in two tiers", layer_idx, b, h)
+        everything = set(hot) | set(cold_positions)
+        assert everything <= set(range(real))
+        if cold.config.cold_budget is None:
+            assert everything == set(range(real)), ("a token lost", sorted(set(range(real)) - everything))
+        else:
+            assert len(cold_positions) <= cold.config.cold_budget
+
+
+def _cold_bytes(store: LayerStore) -> int:
+    """The cold tier's KV bytes from its tensors and from the page layout, which must agree."""
+    cold, config = store.cold, store.cold.config
+    batch, heads, _, dim = cold.open["keys"].shape
+    count = cold.num_pages
+    page, group, bits = config.page_size, config.group_size, config.bits
+    size = cold.open["keys"].element_size()
+    if bits == 16:
+        per_page = 2 * heads * page * dim * size
+    else:
+        per_page = 2 * heads * page * dim * bits // 8 + 2 * heads * (page // group) * dim * 2 \
+            + 2 * heads * page * (dim // min(group, dim)) * 2
+    per_page += 2 * heads * dim * 2  # digest: per-channel min and max, float16
+    from_tensors = sum(t[:, :, :count].nbytes for name, t in cold.pages.items()
+                       if name not in ("positions", "valid", "heat"))
+    assert from_tensors == batch * count * per_page, (from_tensors, batch * count * per_page)
+    return cold.open["keys"].nbytes + cold.open["values"].nbytes + batch * count * per_page
 
 
 def _drive(scenario: dict, name: str) -> Checker:

@@ -34,7 +34,9 @@ from confkv.errors import UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.support import LayerLayout, layer_layout
 from confkv.policies import Policy, make_policy
+from confkv.page_file import PageFile
 from confkv.policies.tee import TeePolicy
+from confkv.policies.tiered import TieredPolicy
 from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
 
@@ -90,7 +92,9 @@ class ConfKVLayer(CacheLayerMixin):
         raise NotImplementedError(_NO_CROP)
 
     def reset(self) -> None:
-        self.store.__init__(self.store.policy, self.store.config, sliding_window=self.store.sliding_window)
+        page_file = self.store.cold.page_file if self.store.cold is not None else None
+        self.store.__init__(self.store.policy, self.store.config, sliding_window=self.store.sliding_window,
+                            page_file=page_file)
 
     def offload(self) -> None:
         raise NotImplementedError("confkv caches do not support offloading; keep the cache on the model's device")
@@ -127,7 +131,11 @@ class ConfKVCache(Cache):
         self.layout = layout
         self.final_logit_softcapping = final_logit_softcapping
         self._validate()
-        stores = [LayerStore(policy, self.store_config, sliding_window=w) for w in layout.sliding_windows]
+        tiered = isinstance(policy, TieredPolicy)
+        #: one file per cache for offloaded cold pages (unlinked at creation; closed with the cache)
+        self.page_file = PageFile(policy.cold.offload_dir) if tiered and policy.cold.offload else None
+        stores = [LayerStore(policy, self.store_config, sliding_window=w, page_file=self.page_file)
+                  for w in layout.sliding_windows]
         super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
         self.managed = layout.managed
         self.controller = BudgetController(policy, len(self.managed))
@@ -209,8 +217,9 @@ class ConfKVCache(Cache):
         budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
         if prof is not None:
             prof.add("budget gate", profiling.clock() - started)
+        cold_read = self.policy.cold_read_pages(self.controller.gated) if isinstance(self.policy, TieredPolicy) else None
         for layer_idx, store in enumerate(stores):
-            store.end_step(budget_of.get(layer_idx) if self.evict else None)
+            store.end_step(budget_of.get(layer_idx) if self.evict else None, cold_read)
         if prof is not None:
             started = profiling.clock()
         self._record(conf, budgets, stores)
@@ -222,12 +231,23 @@ class ConfKVCache(Cache):
             confidence=conf.cpu(), budget=budgets.float().mean(-1).round().long().cpu(),
             kept=torch.tensor([s.kept_list() for s in stores], dtype=torch.int64),
             kv_bytes=torch.tensor([s.kv_bytes() for s in stores], dtype=torch.int64),
-            seen=stores[0].seen_tokens))
+            seen=stores[0].seen_tokens,
+            cold_bytes_read=sum(s.cold.bytes_read for s in stores if s.cold is not None),
+            offloaded_bytes=sum(s.offloaded_bytes() for s in stores)))
 
     # -- reporting -------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
-        """Exact KV bytes held now, all layers."""
+        """Exact KV bytes held now, all layers and tiers (offloaded cold pages included)."""
         return sum(layer.store.kv_bytes() for layer in self.layers)
+
+    def offloaded_bytes(self) -> int:
+        """Of :meth:`kv_bytes`, the bytes in the page file (``cold.offload``); the rest is resident."""
+        return sum(layer.store.offloaded_bytes() for layer in self.layers)
+
+    def close(self) -> None:
+        """Release the page file of an offloaded cold tier (also done when the process ends)."""
+        if self.page_file is not None:
+            self.page_file.close()
 
     def kept_counts(self) -> torch.Tensor:
         """[num_layers, B] tokens kept per layer and sequence."""

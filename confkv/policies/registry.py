@@ -5,14 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from confkv.config import GateConfig, ConfidenceConfig
+from confkv.config import ColdConfig, GateConfig, ConfidenceConfig
 from confkv.errors import ConfigError
 from confkv.policies.base import Policy
 from confkv.policies.confkv import ConfKVPolicy
 from confkv.policies.confkv_fixed import ConfKVFixedPolicy
 from confkv.policies.confkv_l import ConfKVLPolicy
 from confkv.policies.full import FullPolicy
+from confkv.policies.confkv_r import ConfKVRPolicy
 from confkv.policies.h2o import H2OPolicy
+from confkv.policies.kivi import KIVIPolicy
+from confkv.policies.quest import QuestPolicy
 from confkv.policies.random_evict import RandomPolicy
 from confkv.policies.scissorhands import ScissorhandsPolicy
 from confkv.policies.streaming import StreamingPolicy
@@ -29,11 +32,13 @@ def register(policy_class: type[Policy]) -> type[Policy]:
 
 
 for _cls in (FullPolicy, WindowPolicy, StreamingPolicy, ConfKVPolicy,
-             H2OPolicy, ScissorhandsPolicy, TOVAPolicy, RandomPolicy, ConfKVFixedPolicy, ConfKVLPolicy):
+             H2OPolicy, ScissorhandsPolicy, TOVAPolicy, RandomPolicy, ConfKVFixedPolicy, ConfKVLPolicy,
+             ConfKVRPolicy, QuestPolicy, KIVIPolicy):
     register(_cls)
 
 _GATE_FIELDS = ("tau", "n_high", "n_low", "smoothing")
 _CONFIDENCE_FIELDS = ("w_entropy", "w_margin", "w_top", "margin_form")
+_COLD_FIELDS = tuple(f.name for f in dataclasses.fields(ColdConfig))
 
 
 def policy_parameters(name: str) -> dict[str, Any]:
@@ -45,6 +50,8 @@ def policy_parameters(name: str) -> dict[str, Any]:
             gate = GateConfig()
             params.update({k: getattr(gate, k) for k in _GATE_FIELDS})
             params.update({k: getattr(gate.confidence, k) for k in _CONFIDENCE_FIELDS})
+        elif f.name == "cold":
+            params.update(dataclasses.asdict(f.default_factory()))  # type: ignore[misc]
         elif f.default is not dataclasses.MISSING:
             params[f.name] = f.default
     return params
@@ -55,7 +62,9 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
 
     Gate parameters (``tau``, ``n_high``, ``n_low``) and confidence weights
     (``w_entropy``, ``w_margin``, ``w_top``, ``margin_form``) may be given flat; they are
-    folded into the policy's ``gate`` field. Unknown names or parameters raise
+    folded into the policy's ``gate`` field. Cold-tier settings of tiered policies (``bits``,
+    ``page_size``, ``group_size``, ``k_high``, ``k_low``, ``cold_budget``, ``offload``,
+    ``offload_dir``; ``k`` sets ``k_high = k_low``) are folded into its ``cold`` field. Unknown names or parameters raise
     :class:`ConfigError` listing what is known.
     """
     if isinstance(name, Policy):
@@ -75,6 +84,14 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
             confidence = ConfidenceConfig(**{**base_conf.__dict__, **conf_params})
             params["gate"] = GateConfig(**{**{k: getattr(base_gate, k) for k in _GATE_FIELDS}, **gate_params},
                                         confidence=confidence)
+    if "cold" in fields:
+        if "k" in params:  # one fixed read budget: k_high = k_low = k
+            params["k_high"] = params["k_low"] = params.pop("k")
+        cold_params = {k: params.pop(k) for k in _COLD_FIELDS if k in params}
+        if cold_params:
+            base_cold = params.pop("cold", None) or next(f for f in dataclasses.fields(policy_class)
+                                                         if f.name == "cold").default_factory()  # type: ignore[misc]
+            params["cold"] = ColdConfig(**{**dataclasses.asdict(base_cold), **cold_params})
     unknown = sorted(set(params) - fields)
     if unknown:
         raise ConfigError(f"{unknown[0]}: not a parameter of policy {name!r}; "

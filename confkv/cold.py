@@ -1,0 +1,338 @@
+"""The cold tier of one layer: evicted tokens are demoted to low-bit pages, not deleted.
+
+Layout (per layer; ``B`` sequences, ``H`` KV heads, ``P`` tokens per page, ``N`` pages)::
+
+    open page : keys/values [B, H, S, D] model dtype, S < P   read in full every step
+    pages     : codes + float16 scales/minima (KIVI, :mod:`confkv.lowbit`) [B, H, N, P, ...]
+    digest    : per-channel key min / max [B, H, N, D] float16 (Quest)
+    positions : [B, H, N, P] int64 original positions;  valid: [B, H, N, P] bool
+
+Each KV head demotes its own tokens (eviction is per head), so a page holds one head's
+tokens of one sequence: pages never mix the sequences of a batch. A decode step reads,
+per sequence and KV head, the ``k`` pages whose digest bounds ``q . k`` highest for the
+current queries (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context
+LLM Inference"): for a query ``q`` and a page with key minima ``m`` and maxima ``M``,
+``q . k <= sum_d max(q_d m_d, q_d M_d)`` for every key ``k`` of the page. With GQA the
+bound of a KV head is the largest over its query heads (and over a prefill chunk's queries).
+
+``cold_budget`` bounds the tier: when it holds more tokens, the coldest pages (the least
+attention received when read, then the oldest) are evicted for good.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from confkv import lowbit
+from confkv.attention import KVSegment
+from confkv.config import ColdConfig
+from confkv.page_file import PageFile
+
+
+class ColdTier:
+    """Low-bit pages of one layer's demoted tokens (see the module docstring).
+
+    Args:
+        config: bits, page and group size, read budgets, cold budget, offload.
+        page_file: where sealed pages live when ``config.offload`` (None: in RAM).
+    """
+
+    def __init__(self, config: ColdConfig, page_file: PageFile | None = None) -> None:
+        self.config = config
+        self.page_file = page_file
+        self.open: dict[str, Tensor] | None = None  # keys, values [B,H,S,D]; positions [B,H,S]; valid [B,S]
+        self.pages: dict[str, Tensor] = {}  # name -> [B, H, N, ...]; N = capacity
+        self.num_pages = 0
+        self.head_dim = 0
+        self.dtype: torch.dtype | None = None
+        self.bytes_read = 0  # cold bytes read by the last attention read
+        self._selected: Tensor | None = None  # [B, H, K] pages read by the last read
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def open_length(self) -> int:
+        return 0 if self.open is None else self.open["keys"].shape[2]
+
+    def token_count(self) -> Tensor | None:
+        """[B] int64 valid tokens held (open page + sealed pages), or None before the first demotion."""
+        if self.open is None:
+            return None
+        held = self.open["valid"].sum(-1)
+        if self.num_pages:
+            held = held + self.pages["valid"][:, 0, :self.num_pages].sum((-1, -2))
+        return held
+
+    def page_nbytes(self) -> int:
+        """Bytes of one sealed page of one sequence (all KV heads): data, scales, digest."""
+        heads = self.open["keys"].shape[1]
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return lowbit.page_bytes(heads, self.head_dim, self.config.page_size, self.config.bits,
+                                 self.config.group_size, size)
+
+    def kv_bytes(self) -> int:
+        """Exact bytes: the open page's keys/values plus every sealed page's data, scales and digest."""
+        if self.open is None:
+            return 0
+        batch = self.open["keys"].shape[0]
+        return self.open["keys"].nbytes + self.open["values"].nbytes + batch * self.num_pages * self.page_nbytes()
+
+    def offloaded_bytes(self) -> int:
+        """Bytes of sealed page data kept in the page file (0 in RAM); digests stay resident."""
+        if self.page_file is None or self.open is None:
+            return 0
+        heads, batch = self.open["keys"].shape[1], self.open["keys"].shape[0]
+        digest = 2 * heads * self.head_dim * 2
+        return batch * self.num_pages * (self.page_nbytes() - digest)
+
+    def bookkeeping_bytes(self) -> int:
+        """Positions, validity and page heat (not KV)."""
+        if self.open is None:
+            return 0
+        total = self.open["positions"].nbytes + self.open["valid"].nbytes
+        for name in ("positions", "valid", "heat"):
+            if name in self.pages:
+                tensor = self.pages[name]
+                total += tensor.nbytes * self.num_pages // max(tensor.shape[2], 1)
+        return total
+
+    # -- demotion --------------------------------------------------------------------------------
+    def demote(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Take evicted tokens.
+
+        Args:
+            keys, values: [B, H, M, D] float (any float dtype; stored in the tier's dtype).
+            positions: [B, H, M] int64 original positions.
+            valid: [B, M] bool; invalid slots (padding, rows that evicted fewer) are dropped.
+        """
+        if self.open is None:
+            batch, heads, _, head_dim = keys.shape
+            self.head_dim, self.dtype = head_dim, keys.dtype
+            if self.config.bits != 16:
+                lowbit.check_packable(head_dim, self.config.bits)
+                if head_dim % min(self.config.group_size, head_dim):
+                    raise ValueError(f"group_size: must divide head_dim={head_dim} (values are grouped by "
+                                     f"channels), got {self.config.group_size}")
+            self.open = _empty_open(batch, heads, head_dim, keys.dtype, keys.device)
+        incoming = {"keys": keys.to(self.dtype), "values": values.to(self.dtype), "positions": positions,
+                    "valid": valid}
+        merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
+                  for name in self.open}
+        self.open = _left_align(merged)
+        page = self.config.page_size
+        full = self.open_length // page
+        if full:
+            sealed = {name: t[..., :full * page] if name == "valid" else t[:, :, :full * page]
+                      for name, t in self.open.items()}
+            self.open = {name: (t[..., full * page:] if name == "valid" else t[:, :, full * page:]).clone()
+                         for name, t in self.open.items()}
+            self._seal(sealed, full)
+        self._enforce_budget()
+
+    def _seal(self, tokens: dict[str, Tensor], count: int) -> None:
+        """Quantize ``count`` pages from ``tokens`` (``count * P`` slots) and append them."""
+        batch, heads, _, head_dim = tokens["keys"].shape
+        page = self.config.page_size
+        keys = tokens["keys"].reshape(batch, heads, count, page, head_dim)
+        values = tokens["values"].reshape(batch, heads, count, page, head_dim)
+        valid = tokens["valid"].reshape(batch, count, page)
+        head_valid = valid[:, None].expand(batch, heads, count, page)
+        fresh = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
+                 "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device)}
+        float_keys = keys.float()
+        fresh["digest_min"] = float_keys.masked_fill(~head_valid[..., None], float("inf")).amin(-2)
+        fresh["digest_max"] = float_keys.masked_fill(~head_valid[..., None], float("-inf")).amax(-2)
+        for name in ("digest_min", "digest_max"):  # an all-invalid page (never read) gets a zero digest
+            tensor = fresh[name]
+            fresh[name] = torch.where(torch.isfinite(tensor), tensor, torch.zeros_like(tensor)).to(lowbit.SCALE_DTYPE)
+        if self.config.bits == 16:
+            fresh["keys"], fresh["values"] = keys, values
+        else:
+            bits, group = self.config.bits, self.config.group_size
+            qk = lowbit.quantize_keys(keys, head_valid, bits, group)
+            qv = lowbit.quantize_values(values, bits, group)
+            fresh.update(key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
+                         value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
+        self._append_pages(fresh, count)
+
+    def _append_pages(self, fresh: dict[str, Tensor], count: int) -> None:
+        needed = self.num_pages + count
+        capacity = self._capacity()
+        if needed > capacity:
+            grown = max(needed, 2 * capacity, 8)
+            self.pages = {name: _grow(self.pages.get(name), fresh[name], grown,
+                                      self.page_file if self._offloaded(name) else None)
+                          for name in fresh}
+        for name, tensor in fresh.items():
+            self.pages[name].narrow(2, self.num_pages, count).copy_(tensor)
+        self.num_pages = needed
+
+    def _capacity(self) -> int:
+        return 0 if not self.pages else self.pages["valid"].shape[2]
+
+    def _offloaded(self, name: str) -> bool:
+        return self.page_file is not None and name not in ("positions", "valid", "heat", "digest_min", "digest_max")
+
+    def _enforce_budget(self) -> None:
+        """Evict the coldest sealed pages while the tier holds more than ``cold_budget`` tokens."""
+        budget = self.config.cold_budget
+        if budget is None or not self.num_pages:
+            return
+        keep_pages = max((budget - self.open_length) // self.config.page_size, 0)
+        if self.num_pages <= keep_pages:
+            return
+        count = self.num_pages
+        heat = self.pages["heat"][:, :, :count]
+        age_rank = torch.arange(count, device=heat.device, dtype=torch.float32) / (count + 1)
+        # hottest first; among equal heat the newest first
+        order = (heat.double() + age_rank.double() * 1e-12).topk(keep_pages, dim=-1).indices.sort(-1).values
+        self._keep_pages(order)
+
+    def _keep_pages(self, index: Tensor) -> None:
+        """Keep pages ``index`` [B, H, K] (per head), compacted to the front."""
+        kept = index.shape[-1]
+        for tensor in self.pages.values():
+            picked = _gather_pages(tensor.narrow(2, 0, self.num_pages), index)
+            tensor.narrow(2, 0, kept).copy_(picked)
+        self.num_pages = kept
+
+    # -- reading ---------------------------------------------------------------------------------
+    def segments(self, query: Tensor, read_pages: Tensor) -> list[KVSegment]:
+        """The open page and the ``read_pages[b]`` best pages of each sequence, as read segments.
+
+        Args:
+            query: [B, Hq, Q, D] (after RoPE).
+            read_pages: [B] int64 pages to read per sequence.
+        Returns:
+            up to two :class:`KVSegment` (open page in the model dtype; selected pages
+            dequantized to float32, invisible where a sequence reads fewer pages).
+        """
+        self._selected = None
+        self.bytes_read = 0
+        if self.open is None:
+            return []
+        segments = []
+        if self.open_length:
+            valid = self.open["valid"]
+            segments.append(KVSegment(self.open["keys"], self.open["values"],
+                                      None if bool(valid.all()) else valid[:, None, None, :]))
+            self.bytes_read += self.open["keys"].nbytes + self.open["values"].nbytes
+        want = int(read_pages.max()) if read_pages.numel() else 0
+        if self.num_pages and want:
+            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages)))
+        return segments
+
+    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int) -> KVSegment:
+        batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
+        device = query.device
+        if width >= count:
+            index = torch.arange(count, device=device).expand(batch, heads, count)
+        else:
+            bound = self.digest_bound(query)  # [B, H, N]
+            index = bound.topk(width, dim=-1).indices.sort(-1).values
+            self.bytes_read += batch * count * 2 * heads * self.head_dim * 2  # every digest is read
+        self._selected = index
+        page = self.config.page_size
+        rank_ok = torch.arange(width, device=device)[None, :] < read_pages.to(device)[:, None]  # [B, K]
+        live = {name: t.narrow(2, 0, count) for name, t in self.pages.items()}
+        valid = _gather_pages(live["valid"], index)  # [B, H, K, P]
+        visible = (valid & rank_ok[:, None, :, None]).reshape(batch, heads, 1, width * page)
+        keys, values = self._dequantized(live, index)
+        self.bytes_read += batch * width * (self.page_nbytes() - 2 * heads * self.head_dim * 2)
+        return KVSegment(keys.reshape(batch, heads, width * page, self.head_dim),
+                         values.reshape(batch, heads, width * page, self.head_dim), visible)
+
+    def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
+        if self.config.bits == 16:
+            return _gather_pages(live["keys"], index), _gather_pages(live["values"], index)
+        bits, group, dim = self.config.bits, self.config.group_size, self.head_dim
+        keys = lowbit.Quantized(*(_gather_pages(live[n], index) for n in ("key_codes", "key_scale", "key_min")))
+        values = lowbit.Quantized(*(_gather_pages(live[n], index) for n in ("value_codes", "value_scale", "value_min")))
+        return (lowbit.dequantize_keys(keys, bits, dim, group), lowbit.dequantize_values(values, bits, dim, group))
+
+    def digest_bound(self, query: Tensor) -> Tensor:
+        """Quest's upper bound of ``q . k`` per page: [B, Hq, Q, D] -> [B, H, N] float32.
+
+        The largest bound over the query heads of each KV head's group and over the queries.
+        """
+        batch, q_heads, queries, head_dim = query.shape
+        heads = self.pages["heat"].shape[1]
+        grouped = query.float().reshape(batch, heads, (q_heads // heads) * queries, head_dim)
+        low = self.pages["digest_min"][:, :, :self.num_pages].float()
+        high = self.pages["digest_max"][:, :, :self.num_pages].float()
+        bound = grouped.clamp_min(0) @ high.transpose(-1, -2) + grouped.clamp_max(0) @ low.transpose(-1, -2)
+        return bound.amax(dim=2)
+
+    def observe(self, mass: Tensor) -> None:
+        """Add the attention mass [B, H, K * P] the last read's pages received to their heat."""
+        if self._selected is None:
+            return
+        index = self._selected
+        per_page = mass.reshape(*index.shape, -1).sum(-1)
+        self.pages["heat"].narrow(2, 0, self.num_pages).scatter_add_(2, index, per_page.float())
+
+    # -- batch -----------------------------------------------------------------------------------
+    def select_batch(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` [B']."""
+        if self.open is None:
+            return
+        self.open = {name: t.index_select(0, index.to(t.device)) for name, t in self.open.items()}
+        self.pages = {name: t.index_select(0, index.to(t.device)) for name, t in self.pages.items()}
+
+    def clone(self) -> "ColdTier":
+        twin = ColdTier(self.config, self.page_file)
+        twin.head_dim, twin.dtype, twin.num_pages = self.head_dim, self.dtype, self.num_pages
+        if self.open is not None:
+            twin.open = {name: t.clone() for name, t in self.open.items()}
+            twin.pages = {name: _grow(None, t, t.shape[2], self.page_file if self._offloaded(name) else None)
+                          for name, t in self.pages.items()}
+            for name, t in self.pages.items():
+                twin.pages[name].copy_(t)
+        return twin
+
+
+def _empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+    return {"keys": torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device),
+            "values": torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device),
+            "positions": torch.empty(batch, heads, 0, dtype=torch.int64, device=device),
+            "valid": torch.empty(batch, 0, dtype=torch.bool, device=device)}
+
+
+def _left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Move each sequence's valid slots to the front (in order) and drop all-invalid trailing slots."""
+    valid = tokens["valid"]
+    if bool(valid.all()):
+        return tokens
+    width = int(valid.sum(-1).max()) if valid.numel() else 0
+    order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)[:, :width]  # [B, W]
+    out = {"valid": valid.gather(1, order)}
+    heads = tokens["keys"].shape[1]
+    head_order = order[:, None, :].expand(-1, heads, -1)
+    out["positions"] = tokens["positions"].gather(2, head_order)
+    for name in ("keys", "values"):
+        tensor = tokens[name]
+        out[name] = tensor.gather(2, head_order[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+    return out
+
+
+def _gather_pages(tensor: Tensor, index: Tensor) -> Tensor:
+    """``tensor`` [B, H, N, ...] at pages ``index`` [B, H, K] -> [B, H, K, ...]."""
+    tail = tensor.shape[3:]
+    expanded = index.reshape(*index.shape, *([1] * len(tail))).expand(*index.shape, *tail)
+    return tensor.gather(2, expanded)
+
+
+def _grow(old: Tensor | None, like: Tensor, capacity: int, page_file: PageFile | None) -> Tensor:
+    """A tensor shaped like ``like`` with ``capacity`` pages (axis 2), holding ``old``'s pages first."""
+    axis = 2
+    shape = list(like.shape)
+    shape[axis] = capacity
+    if page_file is not None:
+        grown = page_file.allocate(shape, like.dtype)
+    else:
+        grown = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    if old is not None:
+        grown.narrow(axis, 0, old.shape[axis]).copy_(old)
+        if page_file is not None:
+            page_file.release(old)
+    return grown

@@ -73,10 +73,12 @@ def test_invalid_slots_do_not_widen_the_key_range():
 
 # ------------------------------------------------------------------ the tier on its own
 
-def _filled_tier(bits=16, page=4, tokens=40, heads=2, dim=16, seed=0, **extra) -> tuple[ColdTier, torch.Tensor]:
+def _filled_tier(bits=16, page=4, tokens=40, heads=2, dim=16, seed=0, loud=None, **extra) -> tuple[ColdTier, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tier = ColdTier(ColdConfig(bits=bits, page_size=page, group_size=page, k_high=2, k_low=2, **extra))
     keys = torch.randn(1, heads, tokens, dim, generator=gen)
+    if loud is not None:  # one token with a key far larger than the rest
+        keys[:, :, loud] *= 10
     values = torch.randn(1, heads, tokens, dim, generator=gen)
     positions = torch.arange(tokens).expand(1, heads, tokens).clone()
     for start in range(0, tokens, 7):  # demoted in uneven groups, as eviction does
@@ -97,7 +99,7 @@ def test_digest_bounds_every_score_of_its_page():
 
 
 def test_the_page_holding_the_best_key_is_read():
-    tier, keys = _filled_tier(tokens=40, page=4)
+    tier, keys = _filled_tier(tokens=40, page=4, loud=29)
     query = torch.zeros(1, 2, 1, 16)
     query[0, :, 0] = keys[0, :, 29] * 50  # aligned with token 29 (page 7) in both heads
     segments = tier.segments(query, torch.tensor([1]))

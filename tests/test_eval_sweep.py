@@ -31,6 +31,10 @@ def model():
     ("streaming", {"budget": 21, "sinks": 2}, True, 3),
     ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, False, 6),
     ("confkv", {"n_high": 20, "n_low": 40, "tau": 0.02, "protect": 4}, True, 6),
+    ("confkv-r", {"budget": 24, "protect": 4, "bits": 2, "page_size": 8, "group_size": 8}, False, 0),
+    ("confkv-r", {"budget": 30, "protect": 4, "bits": 3, "page_size": 8, "group_size": 4, "cold_budget": 40, "k": 3}, True, 4),
+    ("kivi", {"budget": 16, "bits": 4, "page_size": 16, "group_size": 16}, False, 0),
+    ("quest", {"budget": 20, "k": 2, "page_size": 4, "group_size": 4}, False, 0),
 ])
 def test_simulated_bytes_equal_measured_trace(model, name, params, int8, slack):
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))

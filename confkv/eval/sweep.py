@@ -42,6 +42,7 @@ import torch
 from confkv.config import StoreConfig
 from confkv.errors import ConfKVError
 from confkv.eval.jsonl import append_row, load_rows
+from confkv.policies.tiered import TieredPolicy
 from confkv.policies import POLICIES, UNLIMITED, Policy, make_policy
 
 GATED = ("confkv", "confkv-l")
@@ -57,6 +58,9 @@ class BytesModel:
     fp_bytes: int  # K+V of one full-precision token, one layer
     int8_bytes: int  # K+V of one INT8 token incl. per-token scales, one layer
     channel_scale_bytes: int  # one layer's frozen key channel scale
+    kv_heads: int = 0  # for the cold tier's page bytes (tiered policies)
+    head_dim: int = 0
+    element_size: int = 2  # bytes of one element in the model's dtype
 
     @classmethod
     def for_model(cls, model: Any) -> "BytesModel":
@@ -71,7 +75,8 @@ class BytesModel:
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         dtype = next(model.parameters()).dtype
         return cls(layout.sliding_windows, quant.fp_bytes_per_token(kv_heads, head_dim, dtype),
-                   quant.int8_bytes_per_token(kv_heads, head_dim), quant.channel_scale_bytes(kv_heads, head_dim))
+                   quant.int8_bytes_per_token(kv_heads, head_dim), quant.channel_scale_bytes(kv_heads, head_dim),
+                   kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
     @property
     def managed(self) -> int:
@@ -84,6 +89,8 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
 
     Replays :class:`confkv.store.LayerStore`'s ageing/eviction bookkeeping (``evict_slack``
     included); ``confidences`` (one per step, default 0 = uncertain) drive gated budgets.
+    A tiered policy's evicted tokens go to its cold tier: an FP open page, then sealed
+    pages of :func:`confkv.lowbit.page_bytes` each, at most ``cold.cold_budget`` tokens.
     """
     store = store or StoreConfig()
     managed = bytes_model.managed
@@ -95,6 +102,14 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
     old = np.zeros(managed, dtype=np.int64)
     scaled = np.zeros(managed, dtype=bool)
     sliding = [w for w in bytes_model.sliding_windows if w is not None]
+    cold = policy.cold if isinstance(policy, TieredPolicy) else None
+    if cold is not None:
+        from confkv import lowbit
+
+        page_bytes = lowbit.page_bytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size, cold.bits,
+                                       cold.group_size, bytes_model.element_size)
+        open_page = np.zeros(managed, dtype=np.int64)
+        pages = np.zeros(managed, dtype=np.int64)
     out = np.empty(steps, dtype=np.float64)
     if confidences is not None and len(confidences) < steps:
         raise ValueError(f"{len(confidences)} confidences for {steps} steps")
@@ -118,8 +133,17 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
         if store.evict_slack:  # a layer over budget evicts down to budget - slack (StoreConfig.evict_slack)
             keep_old = np.where(old > keep_old, np.maximum(keep_old - store.evict_slack, 0), keep_old)
         floor = min(policy.sinks, t + 1)  # sinks are never evicted
-        old = np.minimum(old, np.maximum(keep_old, np.minimum(old, floor)))
+        kept_old = np.minimum(old, np.maximum(keep_old, np.minimum(old, floor)))
+        if cold is not None:  # the evicted tokens are demoted
+            open_page += old - kept_old
+            pages += open_page // cold.page_size
+            open_page %= cold.page_size
+            if cold.cold_budget is not None:
+                pages = np.minimum(pages, np.maximum((cold.cold_budget - open_page) // cold.page_size, 0))
+        old = kept_old
         total = int((recent * bytes_model.fp_bytes + old * old_bytes).sum())
+        if cold is not None:
+            total += int((open_page * bytes_model.fp_bytes + pages * page_bytes).sum())
         total += int(scaled.sum()) * bytes_model.channel_scale_bytes
         total += sum(min(t + 1, w - 1) for w in sliding) * bytes_model.fp_bytes
         out[t] = total

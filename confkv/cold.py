@@ -68,7 +68,7 @@ class ColdTier:
         heads = self.open["keys"].shape[1]
         size = torch.empty((), dtype=self.dtype).element_size()
         return lowbit.page_bytes(heads, self.head_dim, self.config.page_size, self.config.bits,
-                                 self.config.group_size, size)
+                                 self.config.group_size, size, digest=self.config.needs_digest)
 
     def kv_bytes(self) -> int:
         """Exact bytes: the open page's keys/values plus every sealed page's data, scales and digest."""
@@ -82,8 +82,11 @@ class ColdTier:
         if self.page_file is None or self.open is None:
             return 0
         heads, batch = self.open["keys"].shape[1], self.open["keys"].shape[0]
-        digest = 2 * heads * self.head_dim * 2
-        return batch * self.num_pages * (self.page_nbytes() - digest)
+        return batch * self.num_pages * (self.page_nbytes() - self._digest_nbytes())
+
+    def _digest_nbytes(self) -> int:
+        """Bytes of one page's digest, all KV heads (0 when pages carry none)."""
+        return 2 * self.open["keys"].shape[1] * self.head_dim * 2 if self.config.needs_digest else 0
 
     def bookkeeping_bytes(self) -> int:
         """Positions, validity and page heat (not KV)."""
@@ -139,12 +142,13 @@ class ColdTier:
         head_valid = valid[:, None].expand(batch, heads, count, page)
         fresh = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
                  "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device)}
-        float_keys = keys.float()
-        fresh["digest_min"] = float_keys.masked_fill(~head_valid[..., None], float("inf")).amin(-2)
-        fresh["digest_max"] = float_keys.masked_fill(~head_valid[..., None], float("-inf")).amax(-2)
-        for name in ("digest_min", "digest_max"):  # an all-invalid page (never read) gets a zero digest
-            tensor = fresh[name]
-            fresh[name] = torch.where(torch.isfinite(tensor), tensor, torch.zeros_like(tensor)).to(lowbit.SCALE_DTYPE)
+        if self.config.needs_digest:
+            float_keys = keys.float()
+            fresh["digest_min"] = float_keys.masked_fill(~head_valid[..., None], float("inf")).amin(-2)
+            fresh["digest_max"] = float_keys.masked_fill(~head_valid[..., None], float("-inf")).amax(-2)
+            for name in ("digest_min", "digest_max"):  # an all-invalid page (never read) gets a zero digest
+                tensor = fresh[name]
+                fresh[name] = torch.where(torch.isfinite(tensor), tensor, torch.zeros_like(tensor)).to(lowbit.SCALE_DTYPE)
         if self.config.bits == 16:
             fresh["keys"], fresh["values"] = keys, values
         else:
@@ -230,7 +234,7 @@ class ColdTier:
         else:
             bound = self.digest_bound(query)  # [B, H, N]
             index = bound.topk(width, dim=-1).indices.sort(-1).values
-            self.bytes_read += batch * count * 2 * heads * self.head_dim * 2  # every digest is read
+            self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
         page = self.config.page_size
         rank_ok = torch.arange(width, device=device)[None, :] < read_pages.to(device)[:, None]  # [B, K]
@@ -238,7 +242,7 @@ class ColdTier:
         valid = _gather_pages(live["valid"], index)  # [B, H, K, P]
         visible = (valid & rank_ok[:, None, :, None]).reshape(batch, heads, 1, width * page)
         keys, values = self._dequantized(live, index)
-        self.bytes_read += batch * width * (self.page_nbytes() - 2 * heads * self.head_dim * 2)
+        self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
         return KVSegment(keys.reshape(batch, heads, width * page, self.head_dim),
                          values.reshape(batch, heads, width * page, self.head_dim), visible)
 

@@ -90,6 +90,8 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     sweep.add_argument("--tokens", type=int, default=2048)
     sweep.add_argument("--offset", type=int, default=0)
     sweep.add_argument("--fp-window", type=int, default=128)
+    sweep.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="model dtype (rows record it when it is not float32)")
     sweep.add_argument("--ratio", type=float, default=0.5, help="n_high / n_low for the gated policies")
     sweep.add_argument("--confidence-trace", type=Path, default=None,
                        help="a ppl/probe JSON with a confidence trace (for mean matching of gated policies)")
@@ -228,11 +230,11 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     config = SweepConfig(policies=tuple(args.policies), reference_windows=tuple(args.reference_windows),
                          match=args.match, int8=int8, corpus=args.corpus, tokens=args.tokens, offset=args.offset,
                          model=args.model, store=StoreConfig(fp_window=args.fp_window), ratio=args.ratio,
-                         policy_params=per_policy, confidence_trace=args.confidence_trace)
+                         policy_params=per_policy, confidence_trace=args.confidence_trace, dtype=args.dtype)
     if args.dry_run:
         from confkv.models import load_model
 
-        model, _ = load_model(args.model)
+        model, _ = load_model(args.model, dtype=getattr(__import__("torch"), args.dtype))
         for run in plan_sweep(model, config):
             print(json.dumps(run.key_dict()), f"predicted {run.predicted:.0f} B")
         return 0

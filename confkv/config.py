@@ -186,3 +186,8 @@ class ColdConfig:
 
             _require(os.path.isdir(self.offload_dir) and os.access(self.offload_dir, os.W_OK | os.X_OK),
                      "offload_dir", f"{self.offload_dir!r} is not a writable directory; create it or pass another")
+
+    @property
+    def needs_digest(self) -> bool:
+        """Whether pages carry a key digest: not when every read takes every page (KIVI)."""
+        return not (self.k_high == ALL_PAGES and self.k_low == ALL_PAGES)

@@ -160,14 +160,14 @@ def dequantize_values(q: Quantized, bits: int, head_dim: int, group_size: int) -
 
 
 def page_bytes(kv_heads: int, head_dim: int, page_size: int, bits: int, group_size: int,
-               fp_element_size: int = 2) -> int:
+               fp_element_size: int = 2, digest: bool = True) -> int:
     """Exact bytes of one sealed page of one sequence and layer: codes + scales + minima + digest.
 
     With ``bits=16`` the page holds keys and values in the model's dtype
     (``fp_element_size`` bytes per element) and no scales. The digest (per-channel key
-    min and max, float16) is counted here too.
+    min and max, float16) is counted when the page has one (``digest``).
     """
-    digest = 2 * kv_heads * head_dim * 2
+    digest = 2 * kv_heads * head_dim * 2 if digest else 0
     if bits == 16:
         return 2 * kv_heads * page_size * head_dim * fp_element_size + digest
     codes = 2 * kv_heads * page_size * packed_width(head_dim, bits)

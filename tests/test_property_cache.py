@@ -103,7 +103,9 @@ def policy_params(draw, name: str, kv_int8: bool, fp_window: int) -> dict:
         bits = draw(st.sampled_from([2, 3, 4, 8, 16]))
         page = draw(st.sampled_from([1, 2, 4, 8]))
         k_high, k_low = draw(st.integers(0, 4)), draw(st.integers(0, 6))
-        most = max(k_high, k_low, 1) * page
+        if draw(st.booleans()):  # read every page, every step (KIVI): pages carry no digest
+            k_high = k_low = 2**31
+        most = max(k_high if k_high < 2**31 else 1, k_low if k_low < 2**31 else 1, 1) * page
         params.update(bits=bits, page_size=page, group_size=draw(st.sampled_from([g for g in (1, 2, 4, 8) if page % g == 0])),
                       k_high=k_high, k_low=k_low, cold_budget=draw(st.sampled_from([None, None, most, most + 2 * page])))
     if name == "full":
@@ -304,7 +306,8 @@ def _cold_bytes(store: LayerStore) -> int:
     else:
         per_page = 2 * heads * page * dim * bits // 8 + 2 * heads * (page // group) * dim * 2 \
             + 2 * heads * page * (dim // min(group, dim)) * 2
-    per_page += 2 * heads * dim * 2  # digest: per-channel min and max, float16
+    if not (config.k_high == config.k_low == 2**31):  # digest (per-channel key min/max, float16) unless all pages are always read
+        per_page += 2 * heads * dim * 2
     from_tensors = sum(t[:, :, :count].nbytes for name, t in cold.pages.items()
                        if name not in ("positions", "valid", "heat"))
     assert from_tensors == batch * count * per_page, (from_tensors, batch * count * per_page)

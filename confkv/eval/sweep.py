@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -107,7 +108,7 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
         from confkv import lowbit
 
         page_bytes = lowbit.page_bytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size, cold.bits,
-                                       cold.group_size, bytes_model.element_size)
+                                       cold.group_size, bytes_model.element_size, digest=cold.needs_digest)
         open_page = np.zeros(managed, dtype=np.int64)
         pages = np.zeros(managed, dtype=np.int64)
     out = np.empty(steps, dtype=np.float64)
@@ -231,7 +232,7 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
 def row_key(row: dict[str, Any]) -> str:
     """The identity of a run: equal keys are the same run."""
     fields = ("task", "model", "corpus", "tokens", "offset", "policy", "params", "kv_int8", "fp_window")
-    return json.dumps({f: row.get(f) for f in fields}, sort_keys=True)
+    return json.dumps({**{f: row.get(f) for f in fields}, "dtype": row.get("dtype") or "float32"}, sort_keys=True)
 
 
 def gap_closed(ppl: float, baseline: float, full: float) -> float:
@@ -282,6 +283,7 @@ class SweepConfig:
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     confidence_trace: Path | None = None
     task: str = "ppl"
+    dtype: str = "float32"  # the model's dtype ("bfloat16": what users run; rows say which)
 
 
 @dataclass
@@ -296,9 +298,12 @@ class PlannedRun:
 
     def key_dict(self) -> dict[str, Any]:
         c = self.config
-        return {"task": c.task, "model": c.model, "corpus": c.corpus, "tokens": c.tokens, "offset": c.offset,
-                "policy": self.policy, "params": self.params, "kv_int8": self.kv_int8,
-                "fp_window": c.store.fp_window if self.kv_int8 else None}
+        key = {"task": c.task, "model": c.model, "corpus": c.corpus, "tokens": c.tokens, "offset": c.offset,
+               "policy": self.policy, "params": self.params, "kv_int8": self.kv_int8,
+               "fp_window": c.store.fp_window if self.kv_int8 else None}
+        if c.dtype != "float32":  # float32 rows predate the field: their keys stay as they were
+            key["dtype"] = c.dtype
+        return key
 
 
 def _confidences_from_json(path: Path) -> list[float]:
@@ -328,8 +333,13 @@ def plan_sweep(model: Any, config: SweepConfig, confidences: Sequence[float] | N
                     window_key = 0
                 else:
                     conf = confidences if (config.match == "mean" and name in GATED) else None
-                    params, predicted = match_budget(name, target, bytes_model, steps, stat=config.match, store=store,
-                                                     ratio=config.ratio, confidences=conf, extra=extra)
+                    try:
+                        params, predicted = match_budget(name, target, bytes_model, steps, stat=config.match,
+                                                         store=store, ratio=config.ratio, confidences=conf, extra=extra)
+                    except ConfKVError as error:  # e.g. quest keeps everything in full precision
+                        print(f"confkv sweep: skipped {name} at the {window}-token window's {config.match} bytes: "
+                              f"{error}", file=sys.stderr)
+                        continue
                     window_key = window
                 runs.append(PlannedRun(name, params, kv_int8, window_key, target if name != "full" else float("nan"),
                                        predicted, config))
@@ -354,7 +364,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
     if model is None:
         from confkv.models import load_model
 
-        model, tokenizer = load_model(config.model)
+        model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
     ids = corpus_tokens(tokenizer, config.corpus, config.tokens, offset=config.offset)
     done = {row_key(r): r for r in load_rows(out)}
     confidences = None
@@ -377,7 +387,8 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
             if confidences is None and config.match == "mean":
                 full_rows = [r for r in done.values() if r["policy"] == "full" and r.get("confidence")
                              and r["model"] == config.model and r["corpus"] == config.corpus
-                             and r["tokens"] == config.tokens and r["offset"] == config.offset]
+                             and r["tokens"] == config.tokens and r["offset"] == config.offset
+                             and (r.get("dtype") or "float32") == config.dtype]
                 if full_rows:
                     confidences = full_rows[0]["confidence"]
             for run in plan_sweep(model, replace(sub, policies=group), confidences):
@@ -404,7 +415,9 @@ def _execute(run: PlannedRun, model, ids, out, done, progress, traces_dir) -> di
            "target_bytes": run.target, "predicted_bytes": run.predicted, "ppl": result.ppl,
            "peak_kv_bytes": peak, "mean_kv_bytes": mean,
            "match_error": (measured / run.target - 1) if run.target == run.target and run.target else None,
-           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))), "seconds": result.seconds,
+           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))),
+           "mean_cold_bytes_read": float(np.mean([step.cold_bytes_read for step in trace.steps])),
+           "seconds": result.seconds,
            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started + result.seconds))}
     if run.policy == "full":
         row["confidence"] = [round(c, 5) for c in trace.confidences(0)]

@@ -41,6 +41,10 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     probe.add_argument("--block", type=int, default=256, help="tokens per forward block")
     probe.add_argument("--n-boot", type=int, default=2000)
     probe.add_argument("--block-len", type=int, default=1, help="moving-block bootstrap block length (1 = iid)")
+    probe.add_argument("--keep-recent", action="store_true",
+                       help="the other reading: keep only --sinks first tokens and the k most recent ones "
+                            "(drop everything older), as a recall gate decides; k = R, e.g. 64,128,256")
+    probe.add_argument("--sinks", type=int, default=4, help="first tokens kept with --keep-recent")
     probe.add_argument("--out-dir", type=Path, default=Path("results/probe"))
 
     niah = sub.add_parser("niah", help="needle-in-a-haystack grid (query-aware and streaming protocols)")
@@ -134,10 +138,12 @@ def run_probe(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
     results = probe_confidence_kl(model, ids, k=args.k, start=args.start, stride=args.stride, block=args.block,
-                                  n_boot=args.n_boot, block_len=args.block_len, progress=not args.no_progress)
+                                  n_boot=args.n_boot, block_len=args.block_len, progress=not args.no_progress,
+                                  keep_recent=args.keep_recent, sinks=args.sinks)
     out = args.out_dir
     meta = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "offset": args.offset,
-            "stride": args.stride}
+            "stride": args.stride, "mode": "keep-recent" if args.keep_recent else "drop-recent",
+            "sinks": args.sinks if args.keep_recent else 0}
     _write_json(out / "probe.json", {"meta": meta, "results": [r.to_dict() for r in results]})
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "probe.csv", "w", newline="") as handle:
@@ -154,6 +160,9 @@ def run_probe(args: argparse.Namespace) -> int:
               f"{s['pearson_ci95'][1]:+.3f}]  r(logKL)={s['pearson_r_log_kl']:+.3f}  rho={s['spearman_rho']:+.3f}  "
               f"mean KL {s['mean_kl']:.4f}  ppl full {s['ppl_full']:.2f} evict {s['ppl_evict']:.2f}  "
               f"{s['seconds']:.0f}s")
+        for i, q in enumerate(s["kl_by_confidence_quintile"], 1):
+            print(f"    confidence quintile {i} (c {q['confidence_min']:.2f}-{q['confidence_max']:.2f}): "
+                  f"median KL {q['median_kl']:.4f}  mean KL {q['mean_kl']:.4f}  ({q['steps']} steps)")
     print(f"wrote {out / 'probe.json'}, {out / 'probe.csv'}, {out / 'probe.png'}")
     return 0
 

@@ -63,3 +63,49 @@ def test_probe_rejects_bad_arguments():
         probe_confidence_kl(model, ids, k=0, progress=False)
     with pytest.raises(ValueError):
         probe_confidence_kl(model, ids, k=8, start=3, progress=False)
+
+
+def _keep_recent_reference(model, ids, t: int, recent: int, sinks: int) -> torch.Tensor:
+    """Literal: full KV of 0..t-1, keep slots < sinks and t-recent..t-1 only, feed token t at position t."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = DynamicCache()
+        model(input_ids=ids[:, :t], cache=full, use_cache=True)
+        keep = sorted(set(range(min(sinks, t))) | set(range(max(t - recent, 0), t)))
+        kept = DynamicCache()
+        for i, layer in enumerate(full.layers):
+            kept.update(layer.keys[:, :, keep], layer.values[:, :, keep], i)
+        mask = torch.ones(1, 1, 1, len(keep) + 1, dtype=torch.bool)
+        out = model(input_ids=ids[:, t:t + 1], cache=kept, use_cache=True, position_ids=torch.tensor([[t]]),
+                    attention_mask=mask)
+    return out.logits[0, -1].float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_keep_recent_reading_matches_literal_eviction(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(3))
+    (result,) = probe_confidence_kl(model, ids, k=10, start=30, block=32, n_boot=50, progress=False,
+                                    keep_recent=True, sinks=3)
+    assert result.mode == "keep-recent" and result.summary()["sinks"] == 3
+    for t in (30, 45, 64, 88):
+        i = int((result.positions == t).nonzero()[0, 0])
+        ev = torch.log_softmax(_keep_recent_reference(model, ids, t, 10, 3), -1)
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids[:, : t + 1]).logits[0, -1].float(), -1)
+        kl = float((full.exp() * (full - ev)).sum())
+        assert abs(kl - float(result.kl[i])) < 1e-4, (t, kl, float(result.kl[i]))
+
+
+def test_kl_by_confidence_quintile():
+    from confkv.eval.probe import quintile_table
+
+    conf = np.arange(10, dtype=float) / 10  # 0.0 .. 0.9
+    kl = np.array([5, 1, 4, 4, 3, 3, 2, 2, 100, 0], dtype=float)
+    rows = quintile_table(conf[::-1].copy(), kl[::-1].copy())  # input order must not matter
+    assert [r["steps"] for r in rows] == [2] * 5
+    assert [r["median_kl"] for r in rows] == [3.0, 4.0, 3.0, 2.0, 50.0]
+    assert [r["mean_kl"] for r in rows] == [3.0, 4.0, 3.0, 2.0, 50.0]
+    assert rows[0]["confidence_max"] == pytest.approx(0.1) and rows[-1]["confidence_min"] == pytest.approx(0.8)

@@ -30,6 +30,11 @@ every step in the block at once: the whole probe costs about two forward passes 
 the text (plus one per extra ``k``), attention over at most twice the keys. ``stride``
 evaluates every ``stride``-th step only (default 1: every step).
 
+A second reading matches what a gate over a recall budget decides (``keep_recent``):
+``p_evict`` keeps only the ``sinks`` first tokens and the ``R`` most recent ones before the
+current token (positions ``< sinks`` and ``t-R .. t-1``), i.e. everything older than the
+recent window is dropped. Its summary adds the KL by confidence quintile (median and mean).
+
 The exactness of the batched pass against a literal evict-then-step reference is
 checked in ``tests/test_eval_probe.py``.
 """
@@ -53,7 +58,7 @@ from confkv.config import ConfidenceConfig
 class ProbeResult:
     """Per-step probe values for one ``k`` (all [S] tensors, S = probed steps)."""
 
-    k: int
+    k: int  # tokens evicted before t ("drop-recent"), or recent tokens kept ("keep-recent": R)
     positions: torch.Tensor  # int64, step t (the query token's position)
     confidence: torch.Tensor  # float32, c of the full-KV distribution at t
     kl: torch.Tensor  # float64, KL(p_full || p_evict) in nats
@@ -62,9 +67,11 @@ class ProbeResult:
     confidence_evict: torch.Tensor  # float32, c of the evicted distribution
     seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
+    mode: str = "drop-recent"  # or "keep-recent" (sinks + R most recent kept, older context dropped)
+    sinks: int = 0
 
     def summary(self) -> dict[str, Any]:
-        return {"k": self.k, "steps": int(self.positions.numel()),
+        return {"mode": self.mode, "k": self.k, "sinks": self.sinks, "steps": int(self.positions.numel()),
                 "first_step": int(self.positions[0]) if self.positions.numel() else None,
                 "last_step": int(self.positions[-1]) if self.positions.numel() else None,
                 "mean_confidence": float(self.confidence.mean()), "mean_kl": float(self.kl.mean()),
@@ -138,7 +145,23 @@ def correlation_stats(conf: np.ndarray, kl: np.ndarray, *, n_boot: int = 2000, b
     lo_log, hi_log = bootstrap_ci(conf, log_kl, n_boot=n_boot, block_len=block_len, seed=seed)
     return {"pearson_r": pearson(conf, kl), "pearson_ci95": [lo, hi],
             "pearson_r_log_kl": pearson(conf, log_kl), "pearson_log_kl_ci95": [lo_log, hi_log],
-            "spearman_rho": spearman(conf, kl), "n_boot": n_boot, "block_len": block_len}
+            "spearman_rho": spearman(conf, kl), "n_boot": n_boot, "block_len": block_len,
+            "kl_by_confidence_quintile": quintile_table(conf, kl)}
+
+
+def quintile_table(conf: np.ndarray, kl: np.ndarray) -> list[dict[str, float]]:
+    """Steps sorted by confidence, cut into five equal groups (least confident first):
+    each group's confidence range, mean confidence, and median / mean KL."""
+    conf, kl = np.asarray(conf, dtype=np.float64), np.asarray(kl, dtype=np.float64)
+    order = np.argsort(conf, kind="mergesort")
+    rows = []
+    for part in np.array_split(order, 5):
+        if part.size == 0:
+            continue
+        rows.append({"confidence_min": float(conf[part].min()), "confidence_max": float(conf[part].max()),
+                     "mean_confidence": float(conf[part].mean()), "median_kl": float(np.median(kl[part])),
+                     "mean_kl": float(kl[part].mean()), "steps": int(part.size)})
+    return rows
 
 
 # --------------------------------------------------------------------------- the probe
@@ -153,10 +176,17 @@ def _kv_copy(cache: Any, end: int) -> Any:
     return copy
 
 
-def _evicted_mask(steps: torch.Tensor, past: int, k: int) -> torch.Tensor:
-    """[1, 1, S, past + S] bool: query ``steps[i]`` sees past slots ``j <= t-k-1`` and re-fed query i only."""
+def _evicted_mask(steps: torch.Tensor, past: int, k: int, keep_recent: bool = False, sinks: int = 0) -> torch.Tensor:
+    """[1, 1, S, past + S] bool: which slots query ``steps[i] = t`` sees, and re-fed query i only.
+
+    drop-recent: past slots ``j <= t-k-1``; keep-recent: ``j < sinks`` or ``t-k <= j <= t-1``.
+    """
     j = torch.arange(past)
-    old = j[None, :] <= (steps[:, None] - k - 1)
+    if keep_recent:
+        t = steps[:, None]
+        old = ((j[None, :] < sinks) | (j[None, :] >= t - k)) & (j[None, :] < t)
+    else:
+        old = j[None, :] <= (steps[:, None] - k - 1)
     own = torch.eye(steps.numel(), dtype=torch.bool)
     return torch.cat([old, own], dim=1)[None, None]
 
@@ -165,11 +195,14 @@ def _evicted_mask(steps: torch.Tensor, past: int, k: int) -> torch.Tensor:
 def probe_confidence_kl(model: torch.nn.Module, input_ids: torch.Tensor, *, k: int | Sequence[int] = 32,
                         start: int | None = None, stride: int = 1, block: int = 256,
                         confidence_config: ConfidenceConfig | None = None, n_boot: int = 2000,
-                        block_len: int = 1, seed: int = 0, progress: bool = True) -> list[ProbeResult]:
+                        block_len: int = 1, seed: int = 0, progress: bool = True,
+                        keep_recent: bool = False, sinks: int = 4) -> list[ProbeResult]:
     """Run the probe over ``input_ids`` [1, N] for each eviction size in ``k``.
 
     Args:
-        k: tokens evicted just before the current one (one result per value).
+        k: tokens evicted just before the current one (one result per value); with
+            ``keep_recent``, the recent tokens kept (R) while everything older but the
+            ``sinks`` first tokens is dropped.
         start: first probed step (default ``max(64, 2 * max(k))``: enough context left after
             eviction that early-position artefacts do not dominate); steps go to ``N - 2``
             (the last step with a next token to score).
@@ -215,7 +248,7 @@ def probe_confidence_kl(model: torch.nn.Module, input_ids: torch.Tensor, *, k: i
             c_full = confidence_of(full_logits, config)
             for v in ks:
                 past = _kv_copy(full, b)
-                mask = _evicted_mask(steps.cpu(), b, v).to(device)
+                mask = _evicted_mask(steps.cpu(), b, v, keep_recent, sinks).to(device)
                 ev_logits = model(input_ids=input_ids[:, steps], cache=past, use_cache=True,
                                   position_ids=steps[None], attention_mask=mask).logits[0].float()
                 ev_logp = torch.log_softmax(ev_logits, -1)
@@ -236,7 +269,8 @@ def probe_confidence_kl(model: torch.nn.Module, input_ids: torch.Tensor, *, k: i
         s = acc[v]
         result = ProbeResult(k=v, positions=torch.cat(s["pos"]), confidence=torch.cat(s["c"]),
                              kl=torch.cat(s["kl"]), nll_full=torch.cat(s["nf"]), nll_evict=torch.cat(s["ne"]),
-                             confidence_evict=torch.cat(s["ce"]), seconds=seconds)
+                             confidence_evict=torch.cat(s["ce"]), seconds=seconds,
+                             mode="keep-recent" if keep_recent else "drop-recent", sinks=sinks if keep_recent else 0)
         result.stats = correlation_stats(result.confidence.numpy(), result.kl.numpy(), n_boot=n_boot,
                                          block_len=block_len, seed=seed)
         results.append(result)
@@ -285,7 +319,8 @@ def plot_probe(results: list[ProbeResult], path: Any, title: str = "") -> Any:
         ax.scatter(r.confidence.numpy(), r.kl.numpy(), s=3, alpha=0.35, color="tab:blue")
         ax.set_yscale("log")
         ax.set_xlabel("confidence c (full KV)")
-        ax.set_ylabel(f"KL(full || evict {r.k} recent) [nats]")
+        what = f"keep {r.sinks} sinks + {r.k} recent" if r.mode == "keep-recent" else f"evict {r.k} recent"
+        ax.set_ylabel(f"KL(full || {what}) [nats]")
         ci = s.get("pearson_ci95", [float("nan")] * 2)
         ax.set_title(f"k={r.k}: r={s.get('pearson_r', float('nan')):.3f} [{ci[0]:.3f}, {ci[1]:.3f}]\n"
                      f"r(log KL)={s.get('pearson_r_log_kl', float('nan')):.3f}  "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from confkv import lowbit
+from confkv import lowbit, profiling
 from confkv.attention import KVSegment
 from confkv.config import ColdConfig
 from confkv.page_file import PageFile
@@ -229,13 +229,18 @@ class ColdTier:
     def _page_segment(self, query: Tensor, read_pages: Tensor, width: int) -> KVSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
+        prof = profiling.ACTIVE
         if width >= count:
             index = torch.arange(count, device=device).expand(batch, heads, count)
         else:
+            started = profiling.clock() if prof is not None else 0.0
             bound = self.digest_bound(query)  # [B, H, N]
             index = bound.topk(width, dim=-1).indices.sort(-1).values
+            if prof is not None:
+                prof.add("cold page selection (digest bound + top-k)", profiling.clock() - started)
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
+        started = profiling.clock() if prof is not None else 0.0
         page = self.config.page_size
         rank_ok = torch.arange(width, device=device)[None, :] < read_pages.to(device)[:, None]  # [B, K]
         live = {name: t.narrow(2, 0, count) for name, t in self.pages.items()}
@@ -243,6 +248,8 @@ class ColdTier:
         visible = (valid & rank_ok[:, None, :, None]).reshape(batch, heads, 1, width * page)
         keys, values = self._dequantized(live, index)
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
+        if prof is not None:
+            prof.add("cold pages (gather + dequantize)", profiling.clock() - started)
         return KVSegment(keys.reshape(batch, heads, width * page, self.head_dim),
                          values.reshape(batch, heads, width * page, self.head_dim), visible)
 

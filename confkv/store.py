@@ -430,6 +430,9 @@ class LayerStore:
 
     def _demote(self, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor) -> None:
         """Hand the slots eviction drops to the cold tier (dequantized first when INT8)."""
+        prof = profiling.ACTIVE
+        if prof is not None:
+            started = profiling.clock()
         index, valid = dropped_slots(kept_index, kept_valid, old.valid)
         if not bool(valid.any()):
             return
@@ -441,6 +444,8 @@ class LayerStore:
             keys = quant.dequantize_keys(keys, dropped.key_scale, self.channel_scale, self.recent.keys.dtype)
             values = quant.dequantize_values(values, dropped.value_scale, self.recent.keys.dtype)
         self.cold.demote(keys, values, dropped.positions, valid)
+        if prof is not None:
+            prof.add("cold demotion (quantize + seal)", profiling.clock() - started)
 
 
 def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:

@@ -78,6 +78,15 @@ def default_configs(budget: int, slack: int) -> list[BenchConfig]:
             BenchConfig(f"confkv-int8+slack{slack}", "confkv", "confkv", dict(gate),
                         {**int8, "evict_slack": slack}),
         ]
+    # the tiered store at the same hot budget: 2-bit cold pages, 4 / 16 pages read when confident / not
+    tiered = {"budget": budget, "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16}
+    configs += [BenchConfig("confkv-r", "confkv", "confkv-r", dict(tiered), note="hot budget + 2-bit cold tier")]
+    if slack:
+        configs += [
+            BenchConfig(f"confkv-r+slack{slack}", "confkv", "confkv-r", dict(tiered), {"evict_slack": slack}),
+            BenchConfig(f"confkv-r-offload+slack{slack}", "confkv", "confkv-r", {**tiered, "offload": True},
+                        {"evict_slack": slack}, note="cold pages in a memory-mapped file"),
+        ]
     return configs
 
 
@@ -324,7 +333,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     target = next((r for r in runners_ok if r.config.name == "confkv"), None)
     if target is not None and breakdown_steps:
         for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
-                     f"window+slack{slack}", "full"):
+                     f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
+                     f"confkv-r-offload+slack{slack}"):
             runner = next((r for r in runners_ok if r.config.name == name), None)
             if runner is not None:
                 result["breakdown"][name] = step_breakdown(runner, ids, breakdown_steps)

@@ -14,6 +14,9 @@ from confkv.textplot import sparkline
 DEFAULT_PROMPT = ("Explain, step by step and in detail, how a hash table works: hashing, collisions, "
                   "open addressing versus chaining, resizing, and the cost of each operation.")
 DEMO_POLICY = {"n_high": 48, "n_low": 112, "tau": 0.8, "protect": 16, "sinks": 4}
+#: the tiered store at CONF-KV's tight budget: everything evicted stays in 2-bit pages of 16 tokens
+DEMO_TIERED = {"budget": 48, "protect": 16, "sinks": 4, "tau": 0.8, "bits": 2, "page_size": 16, "group_size": 16,
+               "k_high": 2, "k_low": 6}
 
 
 def _generate(model, tokenizer, input_ids, cache, max_new_tokens):
@@ -25,6 +28,20 @@ def _generate(model, tokenizer, input_ids, cache, max_new_tokens):
     seconds = time.perf_counter() - start
     new = out[0, input_ids.shape[1]:]
     return tokenizer.decode(new, skip_special_tokens=True), new.numel(), seconds
+
+
+def _print_traces(cache: ConfKVCache) -> None:
+    trace = cache.trace
+    kept = trace.kept_tokens(0)
+    kv = trace.total_kv_bytes()
+    print("per decoding step (after the prompt), one column per step group:")
+    print(f"  confidence   {sparkline(trace.confidences(0), low=0.0, high=1.0)}  (0..1)")
+    print(f"  hot tokens   {sparkline(kept)}  ({min(kept):.0f}..{max(kept):.0f})")
+    print(f"  KV bytes     {sparkline([float(b) for b in kv])}  ({min(kv) / 1e6:.2f}..{max(kv) / 1e6:.2f} MB, all tiers)")
+    read = [step.cold_bytes_read for step in trace.steps]
+    if any(read):
+        print(f"  cold read    {sparkline([float(b) for b in read])}  ({min(read) / 1e3:.0f}..{max(read) / 1e3:.0f} KB per step)")
+    print()
 
 
 def run_demo(model_name: str = "smollm2", prompt: str | None = None, max_new_tokens: int = 160,
@@ -41,35 +58,28 @@ def run_demo(model_name: str = "smollm2", prompt: str | None = None, max_new_tok
     else:
         text = prompt
     input_ids = tokenizer(text, return_tensors="pt").input_ids
-    print(f"prompt: {input_ids.shape[1]} tokens; generating {max_new_tokens} greedy tokens twice\n")
+    print(f"prompt: {input_ids.shape[1]} tokens; generating {max_new_tokens} greedy tokens with each cache\n")
 
     full_cache = DynamicCache(config=model.config)
     full_text, full_n, full_s = _generate(model, tokenizer, input_ids, full_cache, max_new_tokens)
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full_cache.layers)
 
-    cache = ConfKVCache.for_model(model, "confkv", store=store, **DEMO_POLICY)
-    conf_text, conf_n, conf_s = _generate(model, tokenizer, input_ids, cache, max_new_tokens)
-
     print("=== full KV cache (transformers DynamicCache) ===")
     print(full_text.strip(), "\n")
-    print(f"=== CONF-KV  n_high={DEMO_POLICY['n_high']} n_low={DEMO_POLICY['n_low']} tau={DEMO_POLICY['tau']} "
-          f"protect={DEMO_POLICY['protect']} sinks={DEMO_POLICY['sinks']}"
-          f"{' INT8' if store and store.kv_int8 else ''} ===")
-    print(conf_text.strip(), "\n")
-
-    trace = cache.trace
-    kept = trace.kept_tokens(0)
-    kv = trace.total_kv_bytes()
-    conf = trace.confidences(0)
-    print("per decoding step (after the prompt), one column per step group:")
-    print(f"  confidence   {sparkline(conf, low=0.0, high=1.0)}  (0..1)")
-    print(f"  kept tokens  {sparkline(kept)}  ({min(kept):.0f}..{max(kept):.0f})")
-    print(f"  KV bytes     {sparkline([float(b) for b in kv])}  ({min(kv) / 1e6:.2f}..{max(kv) / 1e6:.2f} MB)")
-    print(f"  kept tokens, last 24 steps: {[int(k) for k in kept[-24:]]}")
-    print()
-    print(f"{'':14s}{'tokens/s':>10s}{'KV bytes at end':>18s}{'peak KV bytes':>16s}")
-    print(f"{'full KV':14s}{full_n / full_s:10.1f}{full_bytes:18,d}{full_bytes:16,d}")
-    print(f"{'CONF-KV':14s}{conf_n / conf_s:10.1f}{kv[-1]:18,d}{trace.peak_kv_bytes():16,d}")
-    same = sum(a == b for a, b in zip(full_text.split(), conf_text.split()))
-    print(f"\nwords identical at the same position: {same}/{max(len(full_text.split()), 1)}")
+    rows = [("full KV", full_n / full_s, full_bytes, full_bytes, "")]
+    for label, name, params in (("CONF-KV", "confkv", DEMO_POLICY), ("CONF-KV-R", "confkv-r", DEMO_TIERED)):
+        cache = ConfKVCache.for_model(model, name, store=store, **params)
+        text_out, n_out, seconds = _generate(model, tokenizer, input_ids, cache, max_new_tokens)
+        settings = " ".join(f"{k}={v}" for k, v in params.items())
+        print(f"=== {label} ({name}: {settings}){' INT8' if store and store.kv_int8 else ''} ===")
+        print(text_out.strip(), "\n")
+        _print_traces(cache)
+        same = sum(a == b for a, b in zip(full_text.split(), text_out.split()))
+        rows.append((label, n_out / seconds, cache.trace.total_kv_bytes()[-1], cache.trace.peak_kv_bytes(),
+                     f"{same}/{max(len(full_text.split()), 1)}"))
+    print(f"{'':12s}{'tokens/s':>10s}{'KV bytes at end':>18s}{'peak KV bytes':>16s}{'words as full KV':>18s}")
+    for label, speed, end_bytes, peak, same in rows:
+        print(f"{label:12s}{speed:10.1f}{end_bytes:18,d}{peak:16,d}{same:>18s}")
+    print("\nCONF-KV evicts for good; CONF-KV-R demotes what it evicts to 2-bit pages and reads back the pages\n"
+          "whose key digest matches the query best (fewer when the model is confident).")
     return 0

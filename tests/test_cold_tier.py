@@ -268,3 +268,39 @@ def test_head_dim_that_three_bit_codes_cannot_pack_is_refused():
     keys = torch.randn(1, 1, 4, 12)
     with pytest.raises(ValueError, match="bits"):
         tier.demote(keys, keys, torch.arange(4).reshape(1, 1, 4), torch.ones(1, 4, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ through the NIAH harness
+
+@pytest.mark.parametrize("protocol", ["query-aware", "streaming"])
+def test_niah_protocols_with_all_pages_read_unquantized_answer_as_full(protocol):
+    from confkv.config import StoreConfig
+    from confkv.data import make_niah_sample
+    from confkv.eval.niah import run_niah_batch
+    from confkv.models import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    samples = [make_niah_sample(tok, context_tokens=150, depth=d, trial=0) for d in (0.2, 0.8)]
+    tiered = {"budget": 24, "protect": 4, "bits": 16, "page_size": 8, "group_size": 8, "k": ALL_PAGES}
+    full = run_niah_batch(model, tok, samples, "full", {}, protocol, store=StoreConfig(), chunk=48, max_new_tokens=4)
+    recalled = run_niah_batch(model, tok, samples, "confkv-r", tiered, protocol, store=StoreConfig(), chunk=48,
+                              max_new_tokens=4)
+    assert [o[0] for o in recalled] == [o[0] for o in full]
+
+
+def test_niah_grid_matches_tiered_budgets_to_the_bytes():
+    from confkv.eval.niah import NiahConfig, run_niah_grid
+    from confkv.models import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    config = NiahConfig(lengths=(160,), depths=(0.5,), trials=1, policies=("full", "confkv-r", "kivi"),
+                        chunk=64, max_new_tokens=3, budget_fraction=0.5,
+                        extra_params={"protect": 4, "page_size": 8, "group_size": 8, "bits": 2})
+    result = run_niah_grid(model, tok, config, progress=False)
+    assert {(r.policy, r.protocol) for r in result.records} == {
+        (p, q) for p in ("full", "confkv-r", "kivi") for q in ("query-aware", "streaming")}
+    hot = result.budgets["confkv-r@160"]["budget"]
+    assert 4 < hot < 160  # some tokens hot, the rest in 2-bit pages
+    for r in result.records:
+        if r.policy != "full":
+            assert r.kept_at_answer <= result.budgets[f"{r.policy}@160"]["budget"] + 1

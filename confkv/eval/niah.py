@@ -211,14 +211,11 @@ def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, 
 
 def _policy_extra(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
     """Extra parameters that ``name`` accepts (one ``--param`` list for several policies)."""
-    from confkv.policies import POLICIES
-    from confkv.policies.registry import _CONFIDENCE_FIELDS, _GATE_FIELDS
+    from confkv.policies.registry import accepted_parameters
 
     if not extra:
         return {}
-    fields = set(POLICIES[name].__dataclass_fields__)
-    if "gate" in fields:
-        fields |= set(_GATE_FIELDS) | set(_CONFIDENCE_FIELDS)
+    fields = accepted_parameters(name)
     return {k: v for k, v in extra.items() if k in fields}
 
 

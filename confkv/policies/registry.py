@@ -57,6 +57,16 @@ def policy_parameters(name: str) -> dict[str, Any]:
     return params
 
 
+def accepted_parameters(name: str) -> set[str]:
+    """Every flat parameter name ``make_policy(name, ...)`` accepts (gate, confidence and cold fields folded in)."""
+    fields = {f.name for f in dataclasses.fields(POLICIES[name])}
+    if "gate" in fields:
+        fields |= set(_GATE_FIELDS) | set(_CONFIDENCE_FIELDS)
+    if "cold" in fields:
+        fields |= set(_COLD_FIELDS) | {"k"}
+    return fields
+
+
 def make_policy(name: str | Policy, **params: Any) -> Policy:
     """Build a policy from its name and flat parameters.
 

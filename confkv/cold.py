@@ -274,6 +274,40 @@ class ColdTier:
         bound = grouped.clamp_min(0) @ high.transpose(-1, -2) + grouped.clamp_max(0) @ low.transpose(-1, -2)
         return bound.amax(dim=2)
 
+    def take_best_read_page(self, mass: Tensor, threshold: float) -> dict[str, Tensor] | None:
+        """Remove and return, in every head, the read page that took the most attention.
+
+        Only when some head's best page took at least ``threshold`` of the attention and every
+        head's chosen page has the same valid slots per sequence (so the hot tier stays dense).
+
+        Args:
+            mass: [B, H, K * P] attention mass of the last read's page segment.
+        Returns:
+            None, or keys/values [B, H, P, D] float32, positions [B, H, P], valid [B, P], and
+            mass [B, H, P] (the attention each taken slot received).
+        """
+        if self._selected is None:
+            return None
+        index = self._selected
+        per_page = mass.reshape(*index.shape, -1).sum(-1)  # [B, H, K]
+        best_mass, best = per_page.max(-1)
+        if not bool((best_mass >= threshold).any()):
+            return None
+        page = _gather_pages(index, best[..., None])  # [B, H, 1] page numbers
+        live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
+        valid = _gather_pages(live["valid"], page)[:, :, 0]  # [B, H, P]
+        if not bool((valid == valid[:, :1]).all()):
+            return None
+        keys, values = self._dequantized(live, page)
+        slot_mass = _gather_pages(mass.reshape(*index.shape, -1), best[..., None])[:, :, 0]
+        taken = {"keys": keys[:, :, 0], "values": values[:, :, 0], "mass": slot_mass.float(),
+                 "positions": _gather_pages(live["positions"], page)[:, :, 0], "valid": valid[:, 0]}
+        others = torch.ones_like(live["heat"], dtype=torch.bool).scatter_(2, page, False)
+        rest = others.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :self.num_pages - 1]
+        self._keep_pages(rest)
+        self._selected = None
+        return taken
+
     def observe(self, mass: Tensor) -> None:
         """Add the attention mass [B, H, K * P] the last read's pages received to their heat."""
         if self._selected is None:

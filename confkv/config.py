@@ -146,6 +146,11 @@ class ColdConfig:
       coldest pages (least attention when read, then oldest) are evicted for good.
     - ``offload``: keep sealed pages in a memory-mapped file (RAM keeps the digests);
       ``offload_dir``: its directory (None: the system temp dir).
+    - ``promote`` (None: off): when, at a decode step, a read page's tokens received at least
+      this share of the attention (summed over the page, averaged over a KV group's query
+      heads) in some head, every head moves its most-attended read page back to the hot tier;
+      the hot tier then demotes its lowest-ranked tokens at the step's end. Tokens can come
+      back. Needs a policy that reads attention mass (``confkv-r``).
     """
 
     bits: int = 2
@@ -156,6 +161,7 @@ class ColdConfig:
     cold_budget: int | None = None
     offload: bool = False
     offload_dir: str | None = None
+    promote: float | None = None
 
     def __post_init__(self) -> None:
         _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
@@ -181,6 +187,9 @@ class ColdConfig:
                          f"reads {value} pages of {self.page_size} tokens, more than cold_budget={self.cold_budget} "
                          f"tokens can hold; lower it or raise cold_budget ({ALL_PAGES} reads all pages)")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
+        _require(self.promote is None or (isinstance(self.promote, (int, float)) and not isinstance(self.promote, bool)
+                                          and 0.0 < self.promote <= 1.0), "promote",
+                 f"must be None (off) or an attention share in (0, 1], got {self.promote!r}")
         if self.offload_dir is not None:
             import os  # noqa: PLC0415
 

@@ -86,6 +86,9 @@ class LayerStore:
         self.cold: ColdTier | None = None
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
         if isinstance(policy, TieredPolicy) and sliding_window is None:
+            if policy.cold.promote is not None and not policy.needs_attention:
+                raise ConfigError(f"promote: policy {policy.name!r} reads no attention mass, so no page can earn "
+                                  "promotion; use confkv-r or leave promote unset")
             if policy.cold.offload and page_file is None:
                 page_file = PageFile(policy.cold.offload_dir)
             self.cold = ColdTier(policy.cold, page_file if policy.cold.offload else None)
@@ -302,6 +305,8 @@ class LayerStore:
                 self.policy.observe(region.stats, mass, new)
             if self.cold is not None and len(masses) > len(regions):
                 self.cold.observe(masses[-1])
+                if self.cold.config.promote is not None and new == 1:
+                    self._promote(masses[-1])
             if prof is not None:
                 prof.add("EMA / stats update", profiling.clock() - started)
         return out
@@ -427,6 +432,30 @@ class LayerStore:
         if prof is not None:
             prof.add("compaction gather", profiling.clock() - started)
 
+
+    def _promote(self, page_mass: torch.Tensor) -> None:
+        """Move each head's most-attended read page back into the older hot region (in position order).
+
+        The hot tier is then over budget by a page; :meth:`end_step` demotes its lowest-ranked tokens.
+        """
+        taken = self.cold.take_best_read_page(page_mass, self.cold.config.promote)
+        if taken is None:
+            return
+        dtype = self.recent.keys.dtype
+        stats = {name: torch.zeros(taken["positions"].shape, dtype=torch.float32, device=taken["keys"].device)
+                 for name in self.stat_names}
+        self.policy.observe(stats, taken["mass"], 1)  # the statistics start from this step's attention
+        back = Region(keys=taken["keys"].to(dtype), values=taken["values"].to(dtype), positions=taken["positions"],
+                      valid=taken["valid"], stats=stats, dense=bool(taken["valid"].all()))
+        if self.int8:
+            back = self._quantize(back)
+        merged = concat(self.old, back)
+        # position order per head; invalid slots first in every head, so validity stays one row per sequence
+        key = torch.where(merged.valid[:, None, :], merged.positions, torch.full_like(merged.positions, -1))
+        order = key.argsort(dim=-1, stable=True)
+        invalid = (~merged.valid).sum(-1)  # [B]
+        valid = torch.arange(merged.length, device=invalid.device)[None, :] >= invalid[:, None]
+        self.old = merged.gather(order, valid, dense=bool(valid.all()))
 
     def _demote(self, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor) -> None:
         """Hand the slots eviction drops to the cold tier (dequantized first when INT8)."""

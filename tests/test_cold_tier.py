@@ -304,3 +304,54 @@ def test_niah_grid_matches_tiered_budgets_to_the_bytes():
     for r in result.records:
         if r.policy != "full":
             assert r.kept_at_answer <= result.budgets[f"{r.policy}@160"]["budget"] + 1
+
+
+# ------------------------------------------------------------------ promotion
+
+def test_a_page_that_takes_the_attention_comes_back_to_the_hot_tier():
+    model = tiny_model("llama", seed=3)
+    ids, mask = _prompt(1, 90, seed=8)
+    cache = ConfKVCache.for_model(model, "confkv-r", budget=24, protect=8, bits=16, page_size=8, group_size=8,
+                                  k=2, promote=0.01)
+    stores = [cache.layers[i].store for i in cache.managed]
+    promoted = []
+    original = type(stores[0])._promote
+
+    def spy(self, page_mass):
+        before = {int(p) for p in self.old.positions[0, 0]}
+        original(self, page_mass)
+        after = {int(p) for p in self.old.positions[0, 0]}
+        promoted.append(after - before)
+
+    from unittest import mock
+    bank = {}
+    place = type(stores[0])._place_new_tokens
+
+    def record(self, padding):  # the keys each layer received, by position
+        positions = place(self, padding)
+        for i, pos in enumerate(positions[0].tolist()):
+            bank[(id(self), pos)] = self.recent.keys[0, :, -positions.shape[1] + i].clone()
+        return positions
+
+    with mock.patch.object(type(stores[0]), "_promote", spy), \
+            mock.patch.object(type(stores[0]), "_place_new_tokens", record), torch.no_grad():
+        _run(model, cache, ids, mask)
+    came_back = [p for p in promoted if p]
+    assert came_back, "no page was promoted at a 1% attention threshold"
+    assert all(len(p) == 8 for p in came_back)  # a whole page, in head 0
+    for store in stores:  # still every token in exactly one tier, the hot tier within its budget
+        hot = set(store.old.positions[0, 0].tolist()) | set(store.recent.positions[0, 0].tolist())
+        cold = set(store.cold.open["positions"][0, 0].tolist())
+        cold |= set(store.cold.pages["positions"][0, 0, :store.cold.num_pages].flatten().tolist())
+        assert not hot & cold and hot | cold == set(range(int(store.seen_real[0])))
+        assert store.kept_list()[0] <= 24
+        for slot, pos in enumerate(store.old.positions[0, 0].tolist()):  # bits=16: promoted keys exact
+            assert torch.equal(store.old.keys[0, 0, slot], bank[(id(store), pos)][0])
+
+
+def test_promotion_needs_a_policy_that_reads_attention():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="^promote:"):
+        ConfKVCache.for_model(model, "quest", promote=0.2)
+    with pytest.raises(ConfigError, match="^promote:"):
+        make_policy("confkv-r", promote=1.5)

@@ -6,6 +6,8 @@ budget is smaller than the prompt (the only ones that test retention). Usage::
 
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --evicting-from 4096
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --by-depth 4096,8192
+    # several results files join into one table (e.g. a new policy's grid next to full KV's):
+    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json results/niah_tiered/niah.json
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 LABELS = {"full": "full", "window": "window", "streaming": "StreamingLLM", "h2o": "H2O", "tova": "TOVA",
-          "confkv": "CONF-KV", "confkv+int8": "CONF-KV+INT8"}
+          "confkv": "CONF-KV", "confkv+int8": "CONF-KV+INT8", "kivi": "KIVI", "quest": "Quest",
+          "confkv-r": "CONF-KV-R"}
 
 
 def length_label(tokens: int) -> str:
@@ -86,13 +89,13 @@ def depth_table(records: list[dict], lengths: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("niah_json", type=Path)
+    parser.add_argument("niah_json", type=Path, nargs="+", help="one or more niah.json files (records joined)")
     parser.add_argument("--evicting-from", type=int, default=4096,
                         help="first length where the fixed budget is smaller than the prompt")
     parser.add_argument("--by-depth", type=str, default="",
                         help="comma-separated lengths: print found / samples per depth at these instead")
     args = parser.parse_args()
-    records = json.loads(args.niah_json.read_text())["records"]
+    records = [r for path in args.niah_json for r in json.loads(path.read_text())["records"]]
     if args.by_depth:
         print(depth_table(records, [int(n) for n in args.by_depth.split(",")]))
     else:

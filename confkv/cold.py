@@ -81,7 +81,7 @@ class ColdTier:
         """Bytes of sealed page data kept in the page file (0 in RAM); digests stay resident."""
         if self.page_file is None or self.open is None:
             return 0
-        heads, batch = self.open["keys"].shape[1], self.open["keys"].shape[0]
+        batch = self.open["keys"].shape[0]
         return batch * self.num_pages * (self.page_nbytes() - self._digest_nbytes())
 
     def _digest_nbytes(self) -> int:
@@ -230,12 +230,13 @@ class ColdTier:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
         prof = profiling.ACTIVE
-        if width >= count:
+        if int(read_pages.min()) >= count:  # every sequence reads every page: no ranking needed
             index = torch.arange(count, device=device).expand(batch, heads, count)
         else:
             started = profiling.clock() if prof is not None else 0.0
             bound = self.digest_bound(query)  # [B, H, N]
-            index = bound.topk(width, dim=-1).indices.sort(-1).values
+            # best first: a sequence that reads k pages reads the first k of the width
+            index = bound.topk(width, dim=-1, sorted=True).indices
             if prof is not None:
                 prof.add("cold page selection (digest bound + top-k)", profiling.clock() - started)
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read

@@ -355,3 +355,19 @@ def test_promotion_needs_a_policy_that_reads_attention():
         ConfKVCache.for_model(model, "quest", promote=0.2)
     with pytest.raises(ConfigError, match="^promote:"):
         make_policy("confkv-r", promote=1.5)
+
+
+def test_sequences_reading_fewer_pages_read_their_best_ones():
+    """Batch rows with different read budgets: each row reads its own top pages by the digest bound."""
+    tier, keys = _filled_tier(tokens=40, page=4, loud=29)
+    # two sequences holding the same tokens
+    tier.open = {n: t.expand(2, *t.shape[1:]).clone() for n, t in tier.open.items()}
+    tier.pages = {n: t.expand(2, *t.shape[1:]).clone() for n, t in tier.pages.items()}
+    query = torch.zeros(2, 2, 1, 16)
+    query[:, :, 0] = keys[0, :, 29] * 50
+    for reads in ([1, 10], [1, 3]):
+        (segment,) = tier.segments(query, torch.tensor(reads))
+        visible = segment.visible.reshape(2, 2, -1, 4)[..., 0]  # [B, H, K]: which read pages count
+        assert visible.sum(-1).tolist() == [[1, 1], [reads[1]] * 2]
+        first = visible[0, 0].nonzero()[0, 0]
+        torch.testing.assert_close(segment.keys[0, 0, 4 * first + 1], keys[0, 0, 29])  # row 0's one page: the best

@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             from confkv.eval import bench as bench_mod
+            from confkv.eval.bench_output import write_outputs
 
             lines: list[str] = []
             def log(line: str) -> None:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
                 configs=args.configs, log=log)
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
-            bench_mod.write_outputs(result, args.out, "\n".join(lines) + "\n")
+            write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0
         if args.command == "demo":
             from confkv.demo import run_demo

@@ -15,3 +15,7 @@ class UnsupportedModelError(ConfKVError, ValueError):
 
 class PromptTooLongError(ConfKVError, ValueError):
     """The prompt plus the tokens to generate exceed the model's positions."""
+
+
+class ModelLoadError(ConfKVError, RuntimeError):
+    """A model could not be loaded; the message names the problem and the fix."""

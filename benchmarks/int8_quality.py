@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from confkv import StoreConfig
 from confkv.data import corpus_tokens
 from confkv.hf import ConfKVCache
 from confkv.models import load_model
+from confkv.progress import progress
 from confkv.quant import channel_scale_bytes, fp_bytes_per_token, int8_bytes_per_token
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     kl = []
     start = time.perf_counter()
     with torch.no_grad():
-        for t in tqdm(range(ids.shape[1] - 1), desc="fp vs int8"):
+        for t in progress(range(ids.shape[1] - 1), desc="fp vs int8"):
             step = ids[:, t:t + 1]
             logp_fp = model(step, cache=fp_cache, use_cache=True).logits[0, -1].float().log_softmax(-1)
             logp_q = model(step, cache=int8_cache, use_cache=True).logits[0, -1].float().log_softmax(-1)

@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from confkv.config import StoreConfig
     from confkv.data import corpus_tokens
+    from confkv.display import budget_text
     from confkv.eval.sweep import BytesModel
     from confkv.hf import ConfKVCache
     from confkv.models import load_model, model_max_positions
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
         with open(csv_path, "a", newline="") as handle:
             writer = csv.writer(handle)
             for t in range(written, done):
-                writer.writerow([t + 1, t, f"{conf[t]:.5f}", budget[t], f"{kept[t]:.2f}", kv[t], f"{nll[t]:.5f}"])
+                writer.writerow([t + 1, t, f"{conf[t]:.5f}", budget_text(budget[t]), f"{kept[t]:.2f}", kv[t], f"{nll[t]:.5f}"])
         written = done
         if not final:
             return 0
@@ -263,10 +264,12 @@ def plot(path, samples, kv, kept, budget, bound, warmup, summary) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from confkv.display import budget_for_plot
+
     fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
     steps = np.arange(1, len(kv) + 1)
     axes[0].plot(steps, kept, lw=0.5, label="kept tokens (mean over layers)")
-    axes[0].plot(steps, budget, lw=0.5, alpha=0.6, label="budget")
+    axes[0].plot(steps, [budget_for_plot(b) for b in budget], lw=0.5, alpha=0.6, label="budget")
     axes[0].legend(loc="upper right", fontsize=8)
     axes[0].set_ylabel("tokens")
     axes[1].plot(steps, kv / 1e6, lw=0.5, label="KV bytes held")

@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ppl.add_argument("--offset", type=int, default=0)
     ppl.add_argument("--out", type=Path, default=None, help="write the summary and trace as JSON here")
     ppl.add_argument("--plot", type=Path, default=None, help="write the kept-tokens / KV-bytes / confidence plot here")
+    ppl.add_argument("--no-progress", action="store_true",
+                     help="no progress output (default: a bar on a terminal, a few plain lines otherwise)")
 
     sub.add_parser("policies", help="list the registered policies and their parameters")
 

@@ -28,7 +28,8 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default="smollm2", help=MODEL_HELP)
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-        p.add_argument("--no-progress", action="store_true", help="no progress bars")
+        p.add_argument("--no-progress", action="store_true",
+                       help="no progress output (default: a bar on a terminal, a few plain lines otherwise)")
 
     probe = sub.add_parser("probe", help="confidence vs KL shift from evicting the most recent tokens")
     model_args(probe)

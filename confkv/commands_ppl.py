@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from confkv.config import StoreConfig
+from confkv.display import budgets_text
 from confkv.textplot import sparkline
 
 
@@ -28,7 +29,7 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
     try:
-        result = streaming_ppl(model, ids, args.policy, store=store, **params)
+        result = streaming_ppl(model, ids, args.policy, store=store, progress=not args.no_progress, **params)
     except RunInterrupted as interrupt:
         result = interrupt.partial
         print(f"interrupted (Ctrl-C) after {result.tokens} of {ids.shape[1] - 1} tokens", file=sys.stderr)
@@ -46,8 +47,7 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     print(f"confidence  {sparkline(conf, low=0.0, high=1.0)}")
     print(f"kept tokens {sparkline(kept)}  ({min(kept):.0f}..{max(kept):.0f})")
     switches = sum(1 for a, b in zip(budgets, budgets[1:]) if a != b)
-    distinct = sorted(set(int(b) for b in budgets))
-    print(f"budget switches: {switches}; budgets used: {distinct[:6]}{' ...' if len(distinct) > 6 else ''}")
+    print(f"budget switches: {switches}; budgets used: {budgets_text(budgets)}")
     print(f"kept tokens, steps 1000-1039: {[int(k) for k in kept[1000:1040]]}" if len(kept) > 1040 else "")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

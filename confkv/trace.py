@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from confkv.display import budget_to_json
+
 
 @dataclass
 class StepRecord:
@@ -92,11 +94,11 @@ class MemoryTrace:
         return [float(s.confidence[sequence]) for s in self.steps]
 
     def to_dict(self) -> dict:
-        """Plain lists, ready for JSON."""
+        """Plain lists, ready for JSON (an unlimited budget is written ``"unlimited"``)."""
         return {
             "seen": [s.seen for s in self.steps],
             "confidence": [s.confidence.tolist() for s in self.steps],
-            "budget": [s.budget.tolist() for s in self.steps],
+            "budget": [budget_to_json(s.budget.tolist()) for s in self.steps],
             "kept": [s.kept.tolist() for s in self.steps],
             "kv_bytes": [s.kv_bytes.tolist() for s in self.steps],
             "cold_bytes_read": [s.cold_bytes_read for s in self.steps],

@@ -29,6 +29,19 @@ def test_ppl_builtin_file_and_unreachable_hub(model_dir, tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+
+def test_ppl_log_has_no_bar_spam_and_says_unlimited(model_dir, tmp_path, capsys):
+    """stderr is not a terminal under capsys: no carriage-return redraws (ours or transformers'
+    loading bar), a few plain lines; the full cache's budget reads 'unlimited', never 2**62."""
+    out, plot = tmp_path / "full.json", tmp_path / "full.png"
+    assert main(["ppl", "--model", model_dir, "--policy", "full", "--tokens", "300", "--out", str(out),
+                 "--plot", str(plot)]) == 0
+    printed = capsys.readouterr()
+    assert "\r" not in printed.err and len(printed.err.splitlines()) <= 6, printed.err
+    assert "budgets used: [unlimited]" in printed.out
+    assert "4611686018427387904" not in printed.out + printed.err + out.read_text()
+    assert json.loads(out.read_text())["trace"]["budget"][0] == ["unlimited"]
+
 def test_probe_cli(model_dir, tmp_path):
     assert main(["probe", "--model", model_dir, "--tokens", "70", "--k", "4,8", "--start", "20", "--n-boot", "50",
                  "--out-dir", str(tmp_path), "--no-progress"]) == 0

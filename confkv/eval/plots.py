@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from confkv.display import budget_for_plot, budget_from_json, is_unlimited  # noqa: E402
 from confkv.trace import MemoryTrace  # noqa: E402
 
 
@@ -22,8 +23,11 @@ def plot_trace(trace: MemoryTrace, path: str | Path, title: str = "", sequence: 
     axes[0].set_ylabel("confidence c")
     axes[0].set_ylim(0, 1)
     axes[1].plot(steps, trace.kept_tokens(sequence), lw=0.8, color="tab:blue", label="kept (mean over layers)")
-    axes[1].plot(steps, [float(s.budget[sequence]) for s in trace.steps], lw=0.6, color="tab:orange", ls="--",
-                 label="budget")
+    budgets = [s.budget[sequence] for s in trace.steps]
+    unlimited = any(is_unlimited(b) for b in budgets)  # not drawn (it would stretch the axis to 4.6e18)
+    axes[1].plot(steps, [budget_for_plot(b) for b in budgets], lw=0.6, color="tab:orange", ls="--",
+                 label="budget: unlimited" if unlimited and all(is_unlimited(b) for b in budgets)
+                 else "budget" + (" (not drawn where unlimited)" if unlimited else ""))
     axes[1].set_ylabel("tokens")
     axes[1].legend(loc="upper left", fontsize=8)
     axes[2].plot(steps, [b / 1e6 for b in trace.total_kv_bytes()], lw=0.8, color="tab:green")
@@ -47,7 +51,7 @@ def trace_from_dict(data: dict) -> MemoryTrace:
     for seen, conf, budget, kept, kv in zip(data["seen"], data["confidence"], data["budget"], data["kept"],
                                             data["kv_bytes"]):
         trace.record(StepRecord(confidence=torch.tensor(conf, dtype=torch.float32),
-                                budget=torch.tensor(budget, dtype=torch.int64),
+                                budget=torch.tensor(budget_from_json(budget), dtype=torch.int64),
                                 kept=torch.tensor(kept, dtype=torch.int64),
                                 kv_bytes=torch.tensor(kv, dtype=torch.int64), seen=int(seen)))
     return trace

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from confkv.config import StoreConfig
 from confkv.hf.cache import ConfKVCache
 from confkv.hf.generate import check_prompt_length
 from confkv.policies import Policy
+from confkv.progress import progress as show_progress
 from confkv.trace import MemoryTrace
 
 
@@ -89,7 +89,7 @@ def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str |
     start = time.perf_counter()
     done = 0
     try:
-        for t in tqdm(range(steps), desc=f"ppl {cache.policy.name}", disable=not progress, leave=False):
+        for t in show_progress(range(steps), desc=f"ppl {cache.policy.name}", enabled=progress):
             logits = model(input_ids=input_ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
             nll[t] = float(torch.logsumexp(logits, -1) - logits[input_ids[0, t + 1]])
             done = t + 1

@@ -48,10 +48,10 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig
+from confkv.progress import progress as show_progress
 
 
 @dataclass
@@ -233,7 +233,7 @@ def probe_confidence_kl(model: torch.nn.Module, input_ids: torch.Tensor, *, k: i
     started = time.perf_counter()
     try:
         full = DynamicCache()
-        for a in tqdm(range(0, n - 1, block), desc="probe", disable=not progress, leave=False):
+        for a in show_progress(range(0, n - 1, block), desc="probe", enabled=progress):
             b = min(a + block, n - 1)  # queries a..b-1 (each has a next token)
             positions = torch.arange(a, b, device=device)
             logits = model(input_ids=input_ids[:, a:b], cache=full, use_cache=True,

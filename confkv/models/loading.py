@@ -11,6 +11,7 @@ import torch
 from confkv.errors import ModelLoadError
 from confkv.models.bundled import BUNDLED_MODELS, _load_bundled, bundled_model_name
 from confkv.models.files import _finish, _from_directory, _from_gguf_file
+from confkv.progress import quiet_library_bars
 
 
 def _offline() -> bool:
@@ -103,10 +104,14 @@ def load_model(
     Returns:
         ``(model, tokenizer)``; ``attn_implementation`` is left at the transformers default.
 
+    When stderr is not a terminal (a log file, CI), transformers' own progress bars are
+    turned off (:func:`confkv.progress.quiet_library_bars`), so a log gets no carriage-return spam.
+
     Raises:
         ModelLoadError: the model is not installed / not found / unreadable; the message
             says what to do.
     """
+    quiet_library_bars()
     key = bundled_model_name(name)
     if key is not None:
         return _load_bundled(key, dtype, device, cache_dir)

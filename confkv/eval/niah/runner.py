@@ -24,8 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from tqdm.auto import tqdm
-
 from confkv.errors import PromptTooLongError
 from confkv.eval.jsonl import append_rows
 from confkv.data import make_niah_sample, score_niah
@@ -34,6 +32,7 @@ from confkv.eval.niah.config import PROTOCOL_VERSIONS, NiahConfig, _store_for, p
 from confkv.eval.niah.protocols import run_niah_batch, run_query_aware_shared
 from confkv.eval.niah.records import NiahRecord, NiahResult, load_records, record_key
 from confkv.models import model_max_positions
+from confkv.progress import progress as show_progress
 
 
 def run_key(config: NiahConfig, model_name: str) -> str:
@@ -141,7 +140,7 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         for length, parts in batches.items():
             for protocol in config.protocols:
                 units.extend((length, protocol, group, parts[index]) for group in _groups(specs, protocol, config))
-    for length, protocol, group, part in tqdm(units, desc="niah", disable=not progress):
+    for length, protocol, group, part in show_progress(units, desc="niah", enabled=progress, leave=True):
         todo = [spec for spec in group if any((run, spec, proto, length, float(s.depth), s.trial) not in done
                                               for proto in _reported_under(spec, protocol, config) for s in part)]
         if not todo:

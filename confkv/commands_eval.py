@@ -77,6 +77,8 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
                       help="model dtype (bfloat16: faster prefill on CPUs with AMX/AVX512-BF16)")
     niah.add_argument("--collect-only", action="store_true",
                       help="run nothing: write niah.json/csv/heatmap from the records in <out-dir>/niah.jsonl")
+    niah.add_argument("--replot", action="store_true",
+                      help="run nothing, load no model: redraw <out-dir>/niah_heatmap.png from <out-dir>/niah.json")
     niah.add_argument("--fresh", action="store_true",
                       help="ignore the records already in <out-dir>/niah.jsonl (default: resume from them)")
     niah.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
@@ -182,6 +184,20 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     return params
 
 
+def _replot_niah(out_dir: Path) -> int:
+    """``confkv niah --replot``: the heatmap again from ``niah.json`` (after a change to the plot)."""
+    from confkv.errors import ConfKVError
+    from confkv.eval.niah import plot_niah
+
+    source = out_dir / "niah.json"
+    try:
+        data = json.loads(source.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfKVError(f"--replot needs {source} (written by a finished `confkv niah` run): {error}") from error
+    print(f"wrote {plot_niah(data, out_dir / 'niah_heatmap.png')}")
+    return 0
+
+
 def run_niah(args: argparse.Namespace) -> int:
     import torch
 
@@ -189,6 +205,8 @@ def run_niah(args: argparse.Namespace) -> int:
     from confkv.models import load_model
     from confkv.outputs import check_writable
 
+    if args.replot:
+        return _replot_niah(args.out_dir)
     check_writable(args.out_dir, folder=True, what="--out-dir")
     _setup(args)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))

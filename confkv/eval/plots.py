@@ -57,38 +57,69 @@ def trace_from_dict(data: dict) -> MemoryTrace:
     return trace
 
 
-def plot_pareto(rows: list[dict], path: str | Path, title: str = "", memory: str = "mean_kv_bytes") -> Path:
-    """Perplexity against KV memory (MB), one marker per run, one colour per policy, Pareto front drawn.
+def plot_ppl_at_memory(rows: list[dict], path: str | Path, title: str = "", memory: str = "mean_kv_bytes") -> Path:
+    """Perplexity of every policy at matched KV memory: one panel per memory size, policies side by side.
 
-    ``rows`` are sweep rows (``policy``, ``kv_int8``, ``ppl`` and ``memory`` keys).
+    Memory-matched runs all sit at (almost) the same memory, and full KV needs several times
+    more, so a perplexity-vs-memory scatter puts every policy on one vertical line. Here each
+    panel is one memory size (``reference_window`` and ``match`` of the sweep rows): one row
+    per run, sorted by perplexity (best on top), labelled with its PPL and its ``memory``
+    (MB, all layers); full KV is the dashed line, with its own memory. Panels are stacked. The perplexity axis is
+    linear and starts at full KV; a run whose excess over full KV is more than 3x the panel's
+    median excess (the plain sliding window, typically) is drawn at the right edge with its value,
+    so it cannot squeeze the differences the tables discuss into a few pixels.
+
+    ``rows`` are sweep rows (``policy``, ``kv_int8``, ``ppl``, ``memory``, ``reference_window``,
+    ``match`` keys).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7.5, 5))
+    full = [r for r in rows if r["policy"] == "full" and not r.get("kv_int8")]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r not in full:
+            groups.setdefault((r.get("reference_window") or 0, r.get("match") or ""), []).append(r)
+    keys = sorted(groups, key=lambda k: (-k[0], k[1]))
     names = sorted({r["policy"] for r in rows})
     cmap = plt.get_cmap("tab10")
-    for i, name in enumerate(names):
-        for int8, marker in ((False, "o"), (True, "^")):
-            pts = sorted((r[memory] / 1e6, r["ppl"]) for r in rows if r["policy"] == name and bool(r.get("kv_int8")) == int8)
-            if pts:
-                xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker=marker, ls="-" if len(pts) > 1 else "", color=cmap(i % 10), ms=6,
-                        label=f"{name}{' +INT8' if int8 else ''}")
-    front, best = [], float("inf")
-    for x, y in sorted((r[memory] / 1e6, r["ppl"]) for r in rows):
-        if y < best:
-            front.append((x, y))
-            best = y
-    if len(front) > 1:
-        xs, ys = zip(*front)
-        ax.step(xs, ys, where="post", color="black", lw=0.8, ls=":", label="Pareto front")
-    ax.set_xlabel(f"{'mean' if memory.startswith('mean') else 'peak'} KV memory (MB, all layers)")
-    ax.set_ylabel("streaming perplexity")
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+    sizes = [max(2, len(groups[k])) for k in keys] or [2]
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(7.5, 0.8 + sum(0.3 * n + 0.75 for n in sizes)), squeeze=False,
+                             gridspec_kw={"height_ratios": sizes})
+    for ax, key in zip(axes[:, 0], keys):
+        _ppl_panel(ax, sorted(groups[key], key=lambda r: -r["ppl"]), full[0] if full else None, memory, names, cmap)
+        window, match = key
+        ax.set_title(f"memory of a {window}-token FP window ({match}-matched)" if window else "runs", fontsize=9)
+    if not keys:
+        axes[0][0].set_axis_off()
     if title:
-        ax.set_title(title, fontsize=10)
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _ppl_panel(ax, rows: list[dict], full: dict | None, memory: str, names: list[str], cmap) -> None:
+    """One memory size: a dot per run at its perplexity, the worst at the bottom; off-scale runs clipped."""
+    base = full["ppl"] if full else min(r["ppl"] for r in rows)
+    excess = sorted(r["ppl"] - base for r in rows)
+    median = excess[(len(excess) - 1) // 2]  # the lower median
+    cap = base + 3 * median if median > 0 else max(r["ppl"] for r in rows)
+    shown = [min(r["ppl"], cap) for r in rows]
+    right = max(shown) + 0.12 * (max(shown) - base or 1)
+    for y, (r, x) in enumerate(zip(rows, shown)):
+        int8 = bool(r.get("kv_int8"))
+        ax.plot([base, x], [y, y], color="0.85", lw=1, zorder=1)
+        ax.plot([x], [y], marker=">" if r["ppl"] > cap else ("^" if int8 else "o"), ms=7, zorder=2,
+                color=cmap(names.index(r["policy"]) % 10))
+        ax.annotate(f"{r['ppl']:.2f}" + (" (off scale)" if r["ppl"] > cap else ""), (x, y), xytext=(6, 0),
+                    textcoords="offset points", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), [f"{r['policy']}{' +INT8' if r.get('kv_int8') else ''}  "
+                                     f"{r[memory] / 1e6:.1f} MB" for r in rows], fontsize=8)
+    if full:
+        ax.axvline(base, color="black", ls="--", lw=0.8, label=f"full KV {base:.2f} ({full[memory] / 1e6:.1f} MB)")
+        ax.legend(loc="upper right", fontsize=7)
+    ax.set_xlim(base - 0.05 * (right - base), right + 0.18 * (right - base))
+    ax.set_xlabel(f"streaming perplexity (label: {'mean' if memory.startswith('mean') else 'peak'} KV MB, all layers)",
+                  fontsize=8)
+    ax.grid(axis="x", alpha=0.3)

@@ -3,7 +3,7 @@
 Collected recursively under the folder:
 
 - sweep rows (``*.jsonl`` with ``ppl`` rows from :mod:`confkv.eval.sweep`): a table per file,
-  perplexity vs KV memory (Pareto, mean and peak) plots, and the sawtooth trace of the
+  perplexity at matched KV memory plots (one panel per memory size; mean and peak labels), and the sawtooth trace of the
   gated runs whose trace was saved (``trace_file``);
 - ``confkv ppl --out`` JSON files (``summary`` + ``trace``): a table and a trace plot each;
 - ``niah.json`` (:mod:`confkv.eval.niah`): accuracy per policy and protocol, the heatmap;
@@ -44,7 +44,7 @@ def _load_json(path: Path) -> Any:
 
 
 def _sweep_section(path: Path, base: Path, assets: Path) -> list[str]:
-    from confkv.eval.plots import plot_pareto, plot_trace, trace_from_dict
+    from confkv.eval.plots import plot_ppl_at_memory, plot_trace, trace_from_dict
     from confkv.eval.sweep import gap_table, load_rows
 
     rows = [r for r in load_rows(path) if "ppl" in r and "policy" in r]
@@ -78,9 +78,10 @@ def _sweep_section(path: Path, base: Path, assets: Path) -> list[str]:
                           g["drop_vs_window"], f"{100 * g['window_gap_closed']:.1f}%",
                           f"{100 * g['streaming_gap_closed']:.1f}%"] for g in gaps])
     for memory in ("mean_kv_bytes", "peak_kv_bytes"):
-        png = plot_pareto(rows, assets / f"{slug}_pareto_{memory.split('_')[0]}.png",
-                          title=f"{first.get('model')}: perplexity vs {memory.split('_')[0]} KV memory", memory=memory)
-        lines += [f"![perplexity vs {memory}]({_rel(png, base)})", ""]
+        png = plot_ppl_at_memory(rows, assets / f"{slug}_ppl_at_{memory.split('_')[0]}_memory.png",
+                                 title=f"{first.get('model')}: perplexity at matched KV memory "
+                                       f"(labels: {memory.split('_')[0]} KV)", memory=memory)
+        lines += [f"![perplexity at matched KV memory, {memory.split('_')[0]} KV labels]({_rel(png, base)})", ""]
     for r in rows:
         if r["policy"] in ("confkv", "confkv-l") and r.get("trace_file"):
             trace_path = Path(r["trace_file"])

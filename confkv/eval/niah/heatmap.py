@@ -9,7 +9,11 @@ from confkv.eval.niah.records import NiahResult
 
 
 def plot_niah(result: NiahResult | dict[str, Any], path: str | Path) -> Path:
-    """Heatmaps: rows = protocols, columns = policies; depth (y) x context length (x), accuracy colour."""
+    """Heatmaps in a grid: one row per policy, one column per protocol, so a policy's protocols sit side by side.
+
+    Each panel: needle depth (y) x context length (x), accuracy as colour and number; its
+    title gives the protocol and the policy's accuracy over the panel. One colour bar.
+    """
     from confkv.eval.plots import plt
 
     data = result.to_dict() if isinstance(result, NiahResult) else result
@@ -18,26 +22,30 @@ def plot_niah(result: NiahResult | dict[str, Any], path: str | Path) -> Path:
     lengths, depths = config["lengths"], config["depths"]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(len(protocols), len(policies), squeeze=False,
-                             figsize=(1.2 + 0.9 * len(lengths) * len(policies), 0.9 + 0.55 * len(depths) * len(protocols)))
-    for i, protocol in enumerate(protocols):
-        for j, policy in enumerate(policies):
+    panel_w, panel_h = 0.75 * len(lengths) + 0.9, 0.32 * len(depths) + 0.75
+    fig, axes = plt.subplots(len(policies), len(protocols), squeeze=False,
+                             figsize=(0.9 + panel_w * len(protocols), 0.5 + panel_h * len(policies)))
+    image = None
+    for i, policy in enumerate(policies):
+        for j, protocol in enumerate(protocols):
             ax = axes[i][j]
             grid = data["grids"][f"{policy}/{protocol}"]
-            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             for y, row in enumerate(grid):
                 for x, value in enumerate(row):
                     ax.text(x, y, "-" if value != value else f"{value:.2f}", ha="center", va="center", fontsize=7)
-            ax.set_xticks(range(len(lengths)), [str(v) for v in lengths], fontsize=7)
-            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+            ax.set_xticks(range(len(lengths)), [str(v) for v in lengths] if i == len(policies) - 1 else [],
+                          fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths] if j == 0 else [], fontsize=7)
             acc = data["summary"][f"{policy}/{protocol}"]
-            ax.set_title(f"{policy} / {protocol}\nacc {acc:.2f}", fontsize=8)
+            ax.set_title(f"{protocol}: not run" if acc != acc else f"{protocol}: acc {acc:.2f}", fontsize=8)
             if j == 0:
-                ax.set_ylabel("needle depth")
-            if i == len(protocols) - 1:
-                ax.set_xlabel("context tokens")
+                ax.set_ylabel(f"{policy}\nneedle depth", fontsize=9)
+            if i == len(policies) - 1:
+                ax.set_xlabel("context tokens", fontsize=8)
     fig.tight_layout()
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.6, label="accuracy", pad=0.02)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-

@@ -2,7 +2,7 @@
 
 ``results/reference/guard.json`` holds, per case, the token ids, the configuration and the
 recorded perplexities (and the exact command that recorded them:
-``benchmarks/record_guard.py``). A refactor that changes quality fails here, loudly. If the
+``python -m confkv.eval.guard``). A refactor that changes quality fails here, loudly. If the
 change is intended, re-record with the command in the file and say so in the commit.
 
 The tiny cases (default suite) use a tiny random Llama: a deterministic fingerprint with a

@@ -3,7 +3,8 @@
 A refactor of the cache (store, eviction, attention read, quantisation, gate) that changes
 which tokens are kept or how they are read changes the streaming perplexity; this module
 runs fixed cases and :func:`compare` checks them against ``results/reference/guard.json``
-(written by ``benchmarks/record_guard.py``, whose exact command is stored in the file).
+(written by ``python -m confkv.eval.guard``, see :func:`main`; the exact command is stored
+with each case).
 
 Cases:
 
@@ -24,8 +25,15 @@ if *that* moved, the model or transformers changed, not the cache.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
+import os
+import platform
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,3 +109,58 @@ def compare(recorded: dict[str, Any], measured: dict[str, Any], rel_tol: float) 
             problems.append(f"{key}: recorded {want:.6f}, measured {got:.6f} ({got / want - 1:+.3%}, "
                             f"tolerance {rel_tol:.2%}): {what}")
     return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Record (or re-record) the reference: ``results/reference/guard.json``.
+
+    Usage::
+
+        OMP_NUM_THREADS=1 .venv/bin/python -m confkv.eval.guard                 # tiny cases only
+        OMP_NUM_THREADS=1 .venv/bin/python -m confkv.eval.guard --cases tiny-fp tiny-int8 smollm2
+
+    Only the cases named are re-recorded; the others are kept as they are in the file.
+    Re-record only after a change whose effect on quality is intended and understood, and
+    say so in the commit. The exact command, versions and date are stored with each case.
+    """
+    parser = argparse.ArgumentParser(prog="python -m confkv.eval.guard", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=["tiny-fp", "tiny-int8"], choices=sorted(CASES))
+    parser.add_argument("--out", type=Path, default=Path("results") / "reference" / "guard.json")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import transformers
+
+    data = json.loads(args.out.read_text()) if args.out.exists() else {"cases": {}}
+    arguments = sys.argv[1:] if argv is None else argv
+    command = (f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} .venv/bin/python "
+               f"-m confkv.eval.guard {' '.join(arguments)}").strip()
+    for name in args.cases:
+        case = CASES[name]
+        model, tokenizer = load_case_model(case)
+        ids = case_ids(tokenizer)
+        started = time.perf_counter()
+        measured = run_case(case, model, ids)
+        entry = {"model": case.model, "policy": case.policy, "params": case.params, "store": case.store,
+                 "rel_tol": case.rel_tol, **measured, "seconds": round(time.perf_counter() - started, 1),
+                 "corpus": "pydoc-topics (first 512 tokens)", "ids": " ".join(map(str, ids[0].tolist())),
+                 "command": command, "recorded_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                              "python": platform.python_version()}}
+        if case.model == "tiny-llama":
+            entry["tiny_model"] = TINY_MODEL
+        data["cases"][name] = entry
+        print(f"{name:10s} ppl {measured['ppl']:.6f}  full-KV ppl {measured['ppl_full_kv']:.6f}  "
+              f"peak KV {measured['peak_kv_bytes']}  mean kept {measured['mean_kept_tokens']:.1f}  "
+              f"switches {measured['budget_switches']}  {entry['seconds']}s", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    data["regenerate"] = "OMP_NUM_THREADS=1 .venv/bin/python -m confkv.eval.guard --cases <names>"
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

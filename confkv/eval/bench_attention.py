@@ -13,7 +13,7 @@ Times, at 1K / 4K / 8K kept tokens, B=1 Q=1, SmolLM2-135M's attention shape
 Reports median and spread (p10-p90) over repeats after a warm-up, and each
 median's ratio to SDPA's median from the same run.
 
-    .venv/bin/python benchmarks/attention_read.py [--lengths 1024 4096 8192]
+    .venv/bin/python -m confkv.eval.bench_attention [--lengths 1024 4096 8192]
         [--repeats 200] [--block-size N] [--batch 1] [--out results/attention_read_bench.txt]
 """
 
@@ -28,10 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention  # noqa: E402
-from confkv.quant import key_channel_scale, quantize_keys, quantize_values  # noqa: E402
+from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention
+from confkv.quant import key_channel_scale, quantize_keys, quantize_values
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -72,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lines = [
-        "command: .venv/bin/python " + " ".join(sys.argv),
+        "command: .venv/bin/python -m confkv.eval.bench_attention " + " ".join(sys.argv[1:]),
         f"torch {torch.__version__}, threads={torch.get_num_threads()}, B={args.batch}, Q=1, Hq={Q_HEADS}, "
         f"Hkv={KV_HEADS}, D={HEAD_DIM}, float32 CPU, block_size={args.block_size}, "
         f"repeats={args.repeats} (warm-up {args.warmup})",

@@ -29,7 +29,7 @@ this script copies each step's numbers into preallocated NumPy arrays and clears
 
 Usage (the recorded run, ``results/soak/``)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/soak.py --tokens 20000 --threads 1 \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m confkv.eval.soak --tokens 20000 --threads 1 \\
         --policy confkv --param n_high=256 --param n_low=512 --param tau=0.6 --param smoothing=0.95 \\
         --int8 --fp-window 128 --out results/soak
 
@@ -87,17 +87,6 @@ def kv_bound_bytes(policy, store, bytes_model) -> int:
     return bytes_model.managed * per_layer + sliding
 
 
-def parse_params(items):
-    params = {}
-    for item in items or []:
-        key, _, raw = item.partition("=")
-        try:
-            params[key.replace("-", "_")] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key.replace("-", "_")] = raw
-    return params
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -121,6 +110,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    from confkv.commands_eval import parse_params
     from confkv.config import StoreConfig
     from confkv.data import corpus_tokens
     from confkv.display import budget_text
@@ -129,8 +119,8 @@ def main(argv=None) -> int:
     from confkv.models import load_model, model_max_positions
 
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "OMP_NUM_THREADS={} {} {}".format(os.environ.get("OMP_NUM_THREADS", "?"),
-                                               Path(sys.executable).name, " ".join(sys.argv))
+    command = "OMP_NUM_THREADS={} {} -m confkv.eval.soak {}".format(os.environ.get("OMP_NUM_THREADS", "?"),
+                                                                  Path(sys.executable).name, " ".join(sys.argv[1:]))
     params = parse_params(args.param)
     store = StoreConfig(kv_int8=args.int8, fp_window=args.fp_window, move_block=args.move_block)
     model, tokenizer = load_model(args.model)

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     from confkv.config import StoreConfig
     from confkv.data import corpus_tokens
     from confkv.display import budget_text
-    from confkv.eval.sweep import BytesModel
+    from confkv.eval.memory_match import BytesModel
     from confkv.hf import ConfKVCache
     from confkv.models import load_model, model_max_positions
 

@@ -21,9 +21,9 @@ def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, 
                       extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Each policy's budget parameters whose peak KV bytes (one sequence) are the largest <= ``target_bytes``.
 
-    ``full`` gets no budget. Uses the analytic bytes model of :mod:`confkv.eval.sweep`.
+    ``full`` gets no budget. Uses the analytic bytes model of :mod:`confkv.eval.memory_match`.
     """
-    from confkv.eval.sweep import BytesModel, match_budget
+    from confkv.eval.memory_match import BytesModel, match_budget
 
     bytes_model = BytesModel.for_model(model)
     out = {}
@@ -51,9 +51,9 @@ def full_kv_bytes(model: Any, tokens: int, store: StoreConfig | None = None) -> 
     """Full-precision KV bytes of one sequence of ``tokens`` tokens (all layers), as ``full`` holds them.
 
     A sliding-window layer (Gemma-3's local layers) holds at most ``window - 1`` past tokens
-    whatever the policy, as :func:`confkv.eval.sweep.simulate_kv_bytes` counts it.
+    whatever the policy, as :func:`confkv.eval.memory_match.simulate_kv_bytes` counts it.
     """
-    from confkv.eval.sweep import BytesModel
+    from confkv.eval.memory_match import BytesModel
 
     bm = BytesModel.for_model(model)
     held = sum(tokens if w is None else min(tokens, w - 1) for w in bm.sliding_windows)

@@ -154,10 +154,14 @@ def _niah_section(path: Path, data: dict, base: Path, assets: Path) -> list[str]
 
 def _probe_section(path: Path, data: dict, base: Path, assets: Path) -> list[str]:
     meta = data.get("meta", {})
+    if meta.get("mode") == "keep-recent":
+        evicted = (f"everything but the first {meta.get('sinks')} tokens and the k tokens just before the current "
+                   "one is evicted (the keep-recent reading)")
+    else:
+        evicted = "the k tokens just before the current one are evicted"
     lines = [f"### Probe `{_rel(path, base)}`", "",
              f"Model `{meta.get('model')}`, corpus `{meta.get('corpus')}`, {meta.get('tokens')} tokens. Per step: "
-             "confidence c of the full-KV next-token distribution vs KL(full || evicted) when the k tokens just "
-             "before the current one are evicted.", ""]
+             f"confidence c of the full-KV next-token distribution vs KL(full || evicted) when {evicted}.", ""]
     table = []
     for r in data["results"]:
         s = r["summary"]
@@ -166,6 +170,11 @@ def _probe_section(path: Path, data: dict, base: Path, assets: Path) -> list[str
                       s.get("spearman_rho"), s["mean_kl"], s["ppl_full"], s["ppl_evict"]])
     lines += _table(["k", "steps", "Pearson r", "95% CI", "r (log KL)", "Spearman", "mean KL", "PPL full",
                      "PPL evicted"], table)
+    quintiles = [(r["summary"]["k"], r["summary"].get("kl_by_confidence_quintile")) for r in data["results"]]
+    if all(q for _, q in quintiles):
+        lines += ["KL by confidence quintile (least confident first), median / mean:", ""]
+        lines += _table(["k", *[f"Q{i}" for i in range(1, 6)]],
+                        [[k, *[f"{row['median_kl']:.4f} / {row['mean_kl']:.4f}" for row in q]] for k, q in quintiles])
     png = path.parent / "probe.png"
     if not png.exists():
         from confkv.eval.probe import ProbeResult, plot_probe

@@ -27,11 +27,11 @@ from typing import Callable
 
 import torch
 
-from confkv import profiling
+from confkv import profiling, tier_moves
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.cold import ColdTier
-from confkv.eviction import dropped_slots, protection_mask, select_kept
+from confkv.eviction import protection_mask, select_kept
 from confkv.attention import KVSegment, attention_read
 from confkv.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
@@ -173,33 +173,9 @@ class LayerStore:
         Raises:
             ValueError: a statistic ``policy`` needs is missing, or keys are pending.
         """
-        twin = LayerStore(policy, self.config, sliding_window=self.sliding_window,
-                          page_file=self.cold.page_file if self.cold is not None else None)
-        if self.cold is not None and twin.cold is not None:
-            twin.cold = self.cold.clone()
-        if not self.is_initialized:
-            return twin
-        if self.pending:
-            raise ValueError("confkv: cannot fork a store in the middle of a forward pass")
+        from confkv.store_fork import fork_store  # noqa: PLC0415 - keeps this module to the store itself
 
-        def copy(region: Region) -> Region:
-            # a sliding-window layer keeps no statistics for any policy: nothing to map
-            stats = stats_of(region.stats) if stats_of is not None and twin.stat_names else region.stats
-            missing = [name for name in twin.stat_names if name not in stats]
-            if missing:
-                raise ValueError(f"confkv: cannot fork for policy {policy.name!r}: statistics {missing} were "
-                                 "never collected (prefill with a TeePolicy that includes it)")
-            return Region(keys=region.keys.clone(), values=region.values.clone(),
-                          positions=region.positions.clone(), valid=region.valid.clone(),
-                          stats={name: stats[name].clone() for name in twin.stat_names},
-                          key_scale=_clone(region.key_scale), value_scale=_clone(region.value_scale),
-                          dense=region.dense)
-
-        twin.old, twin.recent = copy(self.old), copy(self.recent)
-        twin.channel_scale = _clone(self.channel_scale)
-        twin.seen_tokens = self.seen_tokens
-        twin.seen_real = self.seen_real.clone()
-        return twin
+        return fork_store(self, policy, stats_of)
 
     # -- the step --------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -427,7 +403,7 @@ class LayerStore:
             prof.add("ranking and top-k", now - started)
             started = now
         if self.cold is not None:
-            self._demote(old, index, valid)
+            tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype)
         self.old = old.gather(index, valid, dense=bool(valid.all()))
         if prof is not None:
             prof.add("compaction gather", profiling.clock() - started)
@@ -441,41 +417,7 @@ class LayerStore:
         taken = self.cold.take_best_read_page(page_mass, self.cold.config.promote)
         if taken is None:
             return
-        dtype = self.recent.keys.dtype
-        stats = {name: torch.zeros(taken["positions"].shape, dtype=torch.float32, device=taken["keys"].device)
-                 for name in self.stat_names}
-        self.policy.observe(stats, taken["mass"], 1)  # the statistics start from this step's attention
-        back = Region(keys=taken["keys"].to(dtype), values=taken["values"].to(dtype), positions=taken["positions"],
-                      valid=taken["valid"], stats=stats, dense=bool(taken["valid"].all()))
+        back = tier_moves.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
         if self.int8:
             back = self._quantize(back)
-        merged = concat(self.old, back)
-        # position order per head; invalid slots first in every head, so validity stays one row per sequence
-        key = torch.where(merged.valid[:, None, :], merged.positions, torch.full_like(merged.positions, -1))
-        order = key.argsort(dim=-1, stable=True)
-        invalid = (~merged.valid).sum(-1)  # [B]
-        valid = torch.arange(merged.length, device=invalid.device)[None, :] >= invalid[:, None]
-        self.old = merged.gather(order, valid, dense=bool(valid.all()))
-
-    def _demote(self, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor) -> None:
-        """Hand the slots eviction drops to the cold tier (dequantized first when INT8)."""
-        prof = profiling.ACTIVE
-        if prof is not None:
-            started = profiling.clock()
-        index, valid = dropped_slots(kept_index, kept_valid, old.valid)
-        if not bool(valid.any()):
-            return
-        dropped = old.gather(index, valid)
-        keys, values = dropped.keys, dropped.values
-        if dropped.is_int8:
-            from confkv import quant  # noqa: PLC0415 - the INT8 path only
-
-            keys = quant.dequantize_keys(keys, dropped.key_scale, self.channel_scale, self.recent.keys.dtype)
-            values = quant.dequantize_values(values, dropped.value_scale, self.recent.keys.dtype)
-        self.cold.demote(keys, values, dropped.positions, valid)
-        if prof is not None:
-            prof.add("cold demotion (quantize + seal)", profiling.clock() - started)
-
-
-def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.clone()
+        self.old = tier_moves.merge_in_position_order(self.old, back)

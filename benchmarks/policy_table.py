@@ -26,6 +26,9 @@ Memory matching (exact bytes from the cache's trace, all layers):
 Usage (rows are appended to the JSON as they finish; ``--resume`` skips finished rows)::
 
     .venv/bin/python benchmarks/policy_table.py --tokens 2048 --window 512 --out results/policies_512 --resume
+
+``--render-only`` rewrites the ``.md`` from the ``.json`` without running any row (it loads
+the model's config only to fill in a description the JSON lacks).
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from confkv.config import StoreConfig
 from confkv.policies import make_policy
 from confkv.store import LayerStore
 
-COMMAND = ".venv/bin/python benchmarks/policy_table.py --tokens 2048 --window 512 --out results/policies_512 --resume"
+DEFAULTS = {"model": "smollm2", "corpus": "pydoc-topics"}
+
+
+def run_command(record: dict[str, Any], out: str) -> str:
+    """The command that (re)runs the table of ``record`` (finished rows are kept by ``--resume``)."""
+    extra = [f"--{k} {record[k]}" for k, default in DEFAULTS.items() if record.get(k, default) != default]
+    return " ".join([".venv/bin/python benchmarks/policy_table.py", *extra, f"--tokens {record['tokens']}",
+                     f"--window {record['window']}", f"--out {out}", "--resume"])
 
 
 # -- memory calibration ----------------------------------------------------------------------------
@@ -107,25 +117,28 @@ def render(record: dict[str, Any]) -> str:
     by_label = {r["label"]: r for r in rows}
     window = by_label.get("window")
     full = by_label.get("full")
+    model = record.get("description") or f"`{record['model']}`"
+    layers = record.get("layers", "?")
+    int8_window = record.get("int8_fp_window", "?")
     lines = [
         f"# Policies at the KV memory of a {record['window']}-token full-precision window",
         "",
-        f"Command: `{COMMAND}`",
+        f"Command: `{record['command']}`",
         "",
-        f"SmolLM2-135M (bundled Q4_1 GGUF, dequantized to fp32), streaming perplexity token by token over the "
-        f"first {record['tokens']} tokens of `{record['corpus']}` (no BOS), CPU, one run per row "
-        f"(commit {record['commit']}). KV bytes are exact (keys + values + INT8 scales, all 30 layers, "
+        f"{model}, streaming perplexity token by token over the "
+        f"first {record['tokens']} tokens of `{record['corpus']}` (no BOS), one run per row "
+        f"(commit {record['commit']}). KV bytes are exact (keys + values + INT8 scales, all {layers} layers, "
         "from the cache's trace after every step; bookkeeping such as positions and policy statistics excluded). "
         "`peak`/`mean` are over the steps; ratios are to the window row. "
-        "Gap closed = (PPL(window) - PPL) / (PPL(window) - PPL(full)).",
+        "Gap closed = (PPL(window) - PPL) / (PPL(window) - PPL(full)). "
+        "Confident steps: fraction of steps with c >= tau in the row's own run.",
         "",
-        "Matching: fixed-budget rows keep 512 tokens per layer, so peak and mean equal the window's exactly. "
-        "Gated rows (`confkv`, `confkv-l`) are matched on MEAN bytes: tau = median confidence of the full-KV run, "
-        "n_low = 2 n_high, n_high the largest value whose simulated mean does not exceed the window's; their "
+        f"Matching: fixed-budget rows keep {record['window']} tokens per layer, so peak and mean equal the window's "
+        "exactly. Gated rows (`confkv`, `confkv-l`) are matched on MEAN bytes: tau = median confidence of the full-KV "
+        "run, n_low = 2 n_high, n_high the largest value whose simulated mean does not exceed the window's; their "
         "peak is reported. `confkv-l` uses the same gate as `confkv` (same steady-state total, less during "
-        "warm-up). INT8 rows (`StoreConfig(kv_int8=True)`, FP window 128 tokens) cannot be matched on the mean "
-        "over 2,048 tokens (keeping every token, INT8 beyond the FP window, already averages less than the "
-        "window's mean), so they are matched on PEAK, worst case: n_low is the largest budget whose steady-state "
+        f"warm-up). INT8 rows (`StoreConfig(kv_int8=True)`, FP window {int8_window} tokens) are matched on PEAK, "
+        "worst case: n_low is the largest budget whose steady-state "
         "bytes do not exceed the window's peak, n_high = n_low / 2, same tau; `full+int8` (no eviction) is "
         "the INT8-only reference. That bound is loose (the gated cache rarely grows to n_low), so the "
         "`@gated peak` rows instead take the largest n_high whose simulated GATED run (full-KV confidences) "
@@ -147,10 +160,8 @@ def render(record: dict[str, Any]) -> str:
             f"{r['mean_kv_bytes'] / 1e6:.2f} | {peak_ratio} | {mean_ratio} | {r['matched']} | "
             f"{r['mean_kept_tokens']:.0f} | {'-' if r['confident_fraction'] is None else format(r['confident_fraction'], '.2f')} | "
             f"{r['seconds']:.0f} |")
-    if record.get("notes"):
-        lines += ["", "Notes:", ""] + [f"- {note}" for note in record["notes"]]
     if record.get("calibration"):
-        lines += ["", "Gate calibration (simulated on a one-layer store, x30 layers):", ""]
+        lines += ["", f"Gate calibration (simulated on a one-layer store, x{layers} layers):", ""]
         for name, cal in record["calibration"].items():
             lines.append(f"- {name}: {json.dumps(cal)}")
     return "\n".join(lines) + "\n"
@@ -171,6 +182,7 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true", help="keep finished rows of an existing JSON")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 is fastest on a shared 2-core machine: no oversubscription)")
+    parser.add_argument("--render-only", action="store_true", help="rewrite OUT.md from OUT.json (no row is run)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -180,17 +192,30 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     record: dict[str, Any] = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens,
                               "window": args.window, "commit": commit, "rows": [], "calibration": {}}
-    if args.resume and json_path.exists():
-        record = {**json.loads(json_path.read_text()), "commit": commit}
+    if (args.resume or args.render_only) and json_path.exists():
+        record = json.loads(json_path.read_text())  # keeps the commit its rows ran at
+        for r in record["rows"]:
+            r.setdefault("commit", record["commit"])
     done = {r["label"] for r in record["rows"]}
+    fp, int8 = StoreConfig(), StoreConfig(kv_int8=True)
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(record["model"])
     config = model.config
     num_layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    ids = corpus_tokens(tokenizer, args.corpus, args.tokens)
-    n = args.window
-    fp, int8 = StoreConfig(), StoreConfig(kv_int8=True)
+    parameter = next(model.parameters())
+    record.setdefault("command", run_command(record, args.out))
+    record.setdefault("description", f"Model `{record['model']}` ({type(model).__name__}, {num_layers} layers, "
+                                     f"{str(parameter.dtype).removeprefix('torch.')} on {parameter.device.type})")
+    record.setdefault("layers", num_layers)
+    record.setdefault("int8_fp_window", int8.fp_window)
+    if args.render_only:
+        json_path.write_text(json.dumps(record, indent=1) + "\n")
+        md_path.write_text(render(record))
+        print(render(record), end="")
+        return
+    ids = corpus_tokens(tokenizer, record["corpus"], record["tokens"])
+    n = record["window"]
 
     def row(label: str) -> dict[str, Any] | None:
         return next((r for r in record["rows"] if r["label"] == label), None)
@@ -210,10 +235,12 @@ def main() -> None:
                  "ppl": result.ppl, "peak_kv_bytes": trace.peak_kv_bytes(), "mean_kv_bytes": trace.mean_kv_bytes(),
                  "mean_kept_tokens": sum(trace.kept_tokens()) / len(trace), "confident_fraction": confident,
                  "matched": matched, "seconds": result.seconds,
-                 "per_layer_kept_last_step": trace.steps[-1].kept[:, 0].tolist()}
+                 "per_layer_kept_last_step": trace.steps[-1].kept[:, 0].tolist(), "commit": commit}
         if policy == "full":
             entry["confidences"] = [round(c, 5) for c in confs]
         record["rows"].append(entry)
+        commits = list(dict.fromkeys(r.get("commit", record["commit"]) for r in record["rows"]))
+        record["commit"] = commits[0] if len(commits) == 1 else f"{commits[0]}..{commits[-1]}"
         done.add(label)
         json_path.write_text(json.dumps(record, indent=1) + "\n")
         md_path.write_text(render(record))

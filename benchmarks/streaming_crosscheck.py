@@ -1,15 +1,19 @@
 """Cross-check of the streaming loop: ``window``/``streaming`` streaming PPL vs one banded-mask pass.
 
-A sliding window of N tokens kept after every step means the next token sees itself and
-the previous N tokens; StreamingLLM with S sinks sees itself, the previous N - S tokens
-and the first S. One forward pass with that banded causal mask (a custom 4D float mask,
-SDPA, on a fresh model load) gives the same perplexity exactly; the streaming loop
-through ``ConfKVCache`` must match it (the check uses 0.5%).
+The budget convention is stated once, in the README ("What a budget counts"): a budget of
+N is what a layer holds at the end of every step, so the next token sees itself and the
+previous N tokens (``0 <= i - j <= N``); StreamingLLM with S sinks sees itself, the
+previous N - S tokens and the first S. One forward pass with that banded causal mask (a
+custom 4D float mask, SDPA, on a fresh model load) gives the same perplexity up to float
+summation order; the streaming loop through ``ConfKVCache`` must match it (the tests use a
+relative 1e-5, which a window one token off fails).
 
-Usage (the recorded run, ~6 min on 2 CPU cores)::
+Usage (the recorded run, ~11 min on 2 CPU cores)::
 
     .venv/bin/python benchmarks/streaming_crosscheck.py --tokens 2048 --budget 512 \\
         --out results/streaming_crosscheck
+
+``--render-only`` rewrites the ``.md`` from the ``.json`` without running the model.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +31,11 @@ import torch
 
 
 def banded_mask(n: int, band: int, sinks: int = 0) -> torch.Tensor:
-    """[1, 1, n, n] float mask: query i sees key j iff j <= i and (i - j <= band or j < sinks)."""
+    """[1, 1, n, n] float mask: query i sees key j iff j <= i and (i - j <= band or j < sinks).
+
+    ``window`` with budget N is ``band=N``; ``streaming`` with budget N and S sinks is
+    ``band=N - S, sinks=S`` (README, "What a budget counts").
+    """
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     visible = (j <= i) & ((i - j <= band) | (j < sinks))
@@ -60,10 +70,31 @@ def crosscheck(reference_model, streaming_model, ids: torch.Tensor, budget: int,
     return rows
 
 
-def main() -> None:
-    from confkv.data import corpus_tokens  # noqa: PLC0415
-    from confkv.models import load_model  # noqa: PLC0415
+def render(record: dict) -> str:
+    """The Markdown page of one cross-check ``record`` (as written to the ``.json``)."""
+    model = record["model"]
+    described = ", ".join(str(record[k]) for k in ("architecture", "dtype", "device") if record.get(k))
+    lines = [
+        "# Streaming loop vs banded-mask forward pass",
+        "",
+        f"Command: `{record['command']}` (commit {record['commit']}).",
+        "",
+        f"Model `{model}`" + (f" ({described})" if described else "") + f", first {record['tokens']} tokens of "
+        f"`{record['corpus']}`, {record.get('torch_threads', '?')} torch thread(s). Convention (README, \"What a budget "
+        "counts\"): a budget of N is what a layer holds at the end of every step. Reference: one forward pass on a "
+        "fresh model load (SDPA) with a 4D float mask in which token i sees token j iff 0 <= i - j <= N - S or "
+        "j < S (S = 0 for `window`); streaming: token-by-token through `ConfKVCache`.",
+        "",
+        "| policy | N | sinks S | banded reference PPL | streaming PPL | relative difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in record["rows"]:
+        lines.append(f"| {r['policy']} | {r['params']['budget']} | {r['params'].get('sinks', 0)} | "
+                     f"{r['banded_reference_ppl']:.4f} | {r['streaming_ppl']:.4f} | {r['relative_difference']:.2e} |")
+    return "\n".join(lines) + "\n"
 
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--corpus", default="pydoc-topics")
@@ -73,7 +104,19 @@ def main() -> None:
     parser.add_argument("--out", default="results/streaming_crosscheck")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 is fastest on a shared 2-core machine: no oversubscription)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="rewrite OUT.md from OUT.json (no model run)")
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.render_only:
+        page = render(json.loads(out.with_suffix(".json").read_text()))
+        out.with_suffix(".md").write_text(page)
+        print(page, end="")
+        return
+
+    from confkv.data import corpus_tokens  # noqa: PLC0415
+    from confkv.models import load_model  # noqa: PLC0415
+
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     reference_model, tokenizer = load_model(args.model)  # fresh load, default (sdpa) attention
@@ -82,29 +125,20 @@ def main() -> None:
     start = time.time()
     rows = crosscheck(reference_model, streaming_model, ids, args.budget, args.sinks, progress=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "budget": args.budget,
+    config = reference_model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    parameter = next(reference_model.parameters())
+    record = {"command": " ".join([".venv/bin/python benchmarks/streaming_crosscheck.py",
+                                   *(shlex.quote(a) for a in sys.argv[1:])]),
+              "model": args.model, "architecture": f"{type(reference_model).__name__}, {layers} layers",
+              "dtype": str(parameter.dtype).removeprefix("torch."), "device": parameter.device.type,
+              "corpus": args.corpus, "tokens": int(ids.shape[1]), "budget": args.budget, "sinks": args.sinks,
               "commit": commit, "torch_threads": torch.get_num_threads(), "seconds": time.time() - start, "rows": rows}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    lines = [
-        "# Streaming loop vs banded-mask forward pass",
-        "",
-        f"Command: `.venv/bin/python benchmarks/streaming_crosscheck.py --tokens {args.tokens} --budget {args.budget} "
-        f"--out {args.out}` (commit {commit}).",
-        "",
-        f"SmolLM2-135M ({args.model}), first {args.tokens} tokens of `{args.corpus}`, fp32, CPU. Reference: one forward "
-        "pass on a fresh model load (SDPA) with a 4D float mask in which token i sees token j iff j <= i and "
-        "(i - j <= N - S or j < S); streaming: token-by-token through `ConfKVCache`.",
-        "",
-        "| policy | N | sinks S | banded reference PPL | streaming PPL | relative difference |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['policy']} | {r['params']['budget']} | {r['params'].get('sinks', 0)} | "
-                     f"{r['banded_reference_ppl']:.4f} | {r['streaming_ppl']:.4f} | {r['relative_difference']:.2e} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    page = render(record)
+    out.with_suffix(".md").write_text(page)
+    print(page, end="")
 
 
 if __name__ == "__main__":

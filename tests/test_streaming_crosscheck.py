@@ -32,6 +32,7 @@ def test_window_and_streaming_match_banded_forward():
     ids = corpus_tokens(tokenizer, "pydoc-topics", TOKENS)
     rows = check.crosscheck(reference_model, streaming_model, ids, BUDGET, sinks=4)
     for row in rows:
-        assert row["relative_difference"] < 5e-3, row
+        # correct code agrees to ~1e-7 (results/streaming_crosscheck.md); a window one token off differs by ~1e-3
+        assert row["relative_difference"] < 1e-5, row
     # the band really matters: with sinks the perplexity is lower than without
     assert rows[1]["banded_reference_ppl"] < rows[0]["banded_reference_ppl"]

@@ -12,7 +12,10 @@ from confkv.policies.fixed_budget import FixedBudgetPolicy
 @dataclass(frozen=True)
 class WindowPolicy(FixedBudgetPolicy):
     """Sliding window: keep the ``budget`` most recent tokens (Beltagy et al. 2020, Longformer's
-    local attention; the baseline of every KV-eviction paper)."""
+    local attention; the baseline of every KV-eviction paper).
+
+    ``budget`` counts the tokens held at the end of each step, so the token fed at the next
+    step attends to itself and the ``budget`` tokens before it (README, "What a budget counts")."""
 
     name = "window"
     protect: int = 0

@@ -70,6 +70,15 @@ def crosscheck(reference_model, streaming_model, ids: torch.Tensor, budget: int,
     return rows
 
 
+def describe(model) -> dict:
+    """The model facts the page states: class and layer count, dtype, device."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    parameter = next(model.parameters())
+    return {"architecture": f"{type(model).__name__}, {layers} layers",
+            "dtype": str(parameter.dtype).removeprefix("torch."), "device": parameter.device.type}
+
+
 def render(record: dict) -> str:
     """The Markdown page of one cross-check ``record`` (as written to the ``.json``)."""
     model = record["model"]
@@ -108,14 +117,23 @@ def main() -> None:
                         help="rewrite OUT.md from OUT.json (no model run)")
     args = parser.parse_args()
     out = Path(args.out)
+    from confkv.data import corpus_tokens  # noqa: PLC0415
+    from confkv.models import load_model  # noqa: PLC0415
+
     if args.render_only:
-        page = render(json.loads(out.with_suffix(".json").read_text()))
+        record = json.loads(out.with_suffix(".json").read_text())
+        if "command" not in record:  # a record from before these fields: the command its values say
+            options = [f"--{k} {record[k]}" for k, default in (("model", "smollm2"), ("corpus", "pydoc-topics"))
+                       if record[k] != default]
+            record["command"] = " ".join([".venv/bin/python benchmarks/streaming_crosscheck.py", *options,
+                                          f"--tokens {record['tokens']} --budget {record['budget']} --out {args.out}"])
+        if "architecture" not in record:
+            record = {**record, **describe(load_model(record["model"])[0])}
+        out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+        page = render(record)
         out.with_suffix(".md").write_text(page)
         print(page, end="")
         return
-
-    from confkv.data import corpus_tokens  # noqa: PLC0415
-    from confkv.models import load_model  # noqa: PLC0415
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -125,13 +143,9 @@ def main() -> None:
     start = time.time()
     rows = crosscheck(reference_model, streaming_model, ids, args.budget, args.sinks, progress=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    config = reference_model.config
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
-    parameter = next(reference_model.parameters())
     record = {"command": " ".join([".venv/bin/python benchmarks/streaming_crosscheck.py",
                                    *(shlex.quote(a) for a in sys.argv[1:])]),
-              "model": args.model, "architecture": f"{type(reference_model).__name__}, {layers} layers",
-              "dtype": str(parameter.dtype).removeprefix("torch."), "device": parameter.device.type,
+              "model": args.model, **describe(reference_model),
               "corpus": args.corpus, "tokens": int(ids.shape[1]), "budget": args.budget, "sinks": args.sinks,
               "commit": commit, "torch_threads": torch.get_num_threads(), "seconds": time.time() - start, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -301,15 +301,32 @@ def test_nan_logits_warn_low_confidence_no_crash():
 
 
 def test_inf_logits_are_a_point_mass():
+    """+inf logits: the distribution is uniform over the +inf tokens, whatever the finite ones say.
+
+    Expected confidences from the formula (weights 0.4 / 0.3 / 0.3, centered margin), by hand:
+    one +inf token -> entropy 0, margin +inf, p1 = 1 -> c = 1; a whole row of +inf (vocab V) ->
+    uniform: 1 - H/log V = 0, margin 0, p1 = 1/V -> c = 0.3 / V.
+    """
     model = tiny_model("llama", seed=7)
-    cache = ConfKVCache.for_model(model, "confkv", n_high=8, n_low=16, protect=2, sinks=1)
-    handle = _nan_for_row(model, 0, float("inf"))
+    vocab = model.config.vocab_size
+
+    def hook(module, inputs, output):
+        output = output.clone()
+        output[0, :, 5] = float("inf")  # one +inf token among the model's finite logits
+        output[1] = float("inf")  # every token +inf
+        return output
+
+    cache = ConfKVCache.for_model(model, "confkv", n_high=8, n_low=16, protect=2, sinks=1, tau=0.5)
+    handle = model.get_output_embeddings().register_forward_hook(hook, prepend=True)
     try:
         with torch.no_grad():
             model(_ids(4, batch=2), cache=cache, use_cache=True)
     finally:
         handle.remove()
-    assert math.isfinite(float(cache.trace.steps[-1].confidence[0]))
+    record = cache.trace.steps[-1]
+    assert float(record.confidence[0]) == pytest.approx(1.0, abs=1e-6)
+    assert float(record.confidence[1]) == pytest.approx(0.3 / vocab, abs=1e-6)
+    assert record.budget.tolist() == [8, 16]  # the one-hot row is confident, the uniform one is not
 
 
 # --------------------------------------------------------------------------- output paths (fail fast)

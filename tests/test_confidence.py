@@ -54,6 +54,15 @@ def test_inf_logits_do_not_crash():
     assert torch.isfinite(c).all() and c[0].item() > 0.99
 
 
+def test_inf_logits_share_the_mass_equally():
+    """k tokens at +inf among finite ones: uniform over those k, computed by hand."""
+    vocab, k = 50, 3
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 5
+    logits[0, [4, 9, 30]] = math.inf
+    expected = 0.4 * (1 - math.log(k) / math.log(vocab)) + 0.3 * 0.0 + 0.3 / k  # margin log p1 - log p2 = 0
+    assert confidence(logits).item() == pytest.approx(expected, abs=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"w_entropy": -0.1}, "w_entropy"),
     ({"w_entropy": 0.0, "w_margin": 0.0, "w_top": 0.0}, "all zero"),

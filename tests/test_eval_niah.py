@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from confkv.data import make_niah_sample, score_niah
+from confkv.data import make_niah_sample
 from confkv.errors import ConfigError, PromptTooLongError
 from confkv.eval.niah import (PROTOCOL_VERSIONS, PROTOCOLS, NiahConfig, budgets_for_bytes, check_niah_positions,
                               full_kv_bytes, load_records, parse_spec,
@@ -20,8 +20,8 @@ def test_grid_both_protocols_scores_and_heatmap(tmp_path):
     result = run_niah_grid(model, tok, config, progress=False)
     assert len(result.records) == 2 * 2 * 1 * 3 * 2
     assert {r.protocol for r in result.records} == {"query-aware", "streaming"}
-    for r in result.records:
-        assert r.correct == score_niah(r.generated, r.answer)
+    for r in result.records:  # 3 byte tokens cannot hold the answer (>= 4 digits): never correct
+        assert len(r.answer) > 3 and r.correct is False
     # budget: 25% of the longest context's full KV bytes, converted per policy
     assert result.budget_bytes[120] == 0.25 * full_kv_bytes(model, 160)
     assert result.budgets["streaming@120"]["budget"] == 40
@@ -38,6 +38,33 @@ def test_grid_both_protocols_scores_and_heatmap(tmp_path):
     png = plot_niah(result, tmp_path / "niah_heatmap.png")
     assert all(p.exists() for p in paths) and png.stat().st_size > 1000
     assert len((tmp_path / "niah.csv").read_text().splitlines()) == len(result.records) + 1
+
+
+def test_record_correct_is_the_expected_answer_not_a_rescoring(monkeypatch):
+    """A record's ``correct`` against answers fixed here, not against ``score_niah`` itself.
+
+    The generation is replaced by known texts: the answer itself with words around it (correct),
+    the answer with an extra digit, a different number before the answer, and no number (all
+    wrong). ``run_niah_grid`` looks ``run_niah_batch`` up in its own module's globals, patched here.
+    """
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    depths = (0.0, 0.25, 0.5, 1.0)
+    texts = {0.0: "The special magic number is {a}.", 0.25: "{a}7", 0.5: "It is 12 then {a}", 1.0: "I forgot it."}
+    expected = {0.0: True, 0.25: False, 0.5: False, 1.0: False}
+
+    def fake_batch(model, tokenizer, samples, policy, params, protocol, **kwargs):
+        return [(texts[s.depth].format(a=s.answer), 7, 1000.0) for s in samples]
+
+    grid_globals = run_niah_grid.__globals__
+    assert "run_niah_batch" in grid_globals
+    monkeypatch.setitem(grid_globals, "run_niah_batch", fake_batch)
+    config = NiahConfig(lengths=(120,), depths=depths, trials=1, policies=("full",), chunk=64, max_new_tokens=3)
+    result = run_niah_grid(model, tok, config, progress=False)
+    assert len(result.records) == len(depths) * 2  # both protocols
+    for r in result.records:
+        assert r.answer.isdigit() and len(r.answer) >= 4
+        assert r.generated == texts[r.depth].format(a=r.answer)
+        assert r.correct is expected[r.depth], (r.depth, r.generated, r.answer)
 
 
 def test_full_cache_both_protocols_equal_plain_generate():

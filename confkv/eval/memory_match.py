@@ -6,6 +6,8 @@ frozen channel scale per layer, the cold tier's pages, eviction to the policy's 
 budgets) from bytes per token (:class:`BytesModel`). :func:`match_budget` searches a policy's
 budget whose predicted peak or mean bytes are the largest not exceeding a target; the sweeps
 (:mod:`confkv.eval.sweep`) and the NIAH budgets (:mod:`confkv.eval.niah.budgets`) use it.
+Bytes are counted at the end of each step, when a layer holds its budget (README, "What a
+budget counts").
 """
 
 from __future__ import annotations

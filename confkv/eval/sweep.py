@@ -4,9 +4,9 @@ Memory matching
 ---------------
 The reference is a full-precision sliding window of ``W`` tokens (the paper's "memory of a
 512-token window"): ``W`` tokens held per layer at the end of every step, as the README's
-"What a budget counts" states for every budget. For each policy we look for the budget whose KV bytes (``peak`` or
-``mean`` over the run, all layers, as the cache's trace measures them) are the largest not
-exceeding the reference's.
+"What a budget counts" states for every budget. For each policy we look for the budget whose
+KV bytes (``peak`` or ``mean`` over the run, all layers, as the cache's trace measures them)
+are the largest not exceeding the reference's.
 
 The bytes are predicted *analytically* by :func:`simulate_kv_bytes`, which replays the
 store's bookkeeping step by step (tokens appended, FP window ageing in ``move_block``

@@ -5,7 +5,7 @@ full-precision sliding window): PPL, PPL drop vs ``window`` at W, and the share 
 window-to-full and StreamingLLM-to-full perplexity gaps it closes
 (:func:`confkv.eval.sweep.gap_closed`: 100% = full KV, 0% = no better than the baseline).
 
-Sources: ``results/policies_512.json`` (benchmarks/policy_table.py; its ``label`` names the
+Sources: ``results/policies_512.json`` (confkv/eval/policy_table.py; its ``label`` names the
 row) and every sweep JSONL given (``confkv sweep``). Usage (writes results/gap_closure.md)::
 
     .venv/bin/python benchmarks/gap_closure.py --policy-table results/policies_512.json \\

@@ -1,12 +1,10 @@
 """Real-model cross-check of the streaming loop against one banded-mask forward pass.
 
-The 2,048-token version (N=512) is recorded by ``benchmarks/streaming_crosscheck.py`` in
+The 2,048-token version (N=512) is recorded by ``python -m confkv.eval.streaming_crosscheck`` in
 ``results/streaming_crosscheck.md``; here the same check runs on fewer tokens (still
 N=512, so the window really slides) to stay around a minute per policy on 2 CPU cores.
 """
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -14,10 +12,7 @@ TOKENS, BUDGET = 768, 512
 
 
 def _crosscheck_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "streaming_crosscheck.py"
-    spec = importlib.util.spec_from_file_location("streaming_crosscheck", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from confkv.eval import streaming_crosscheck as module
     return module
 
 

@@ -10,7 +10,7 @@ relative 1e-5, which a window one token off fails).
 
 Usage (the recorded run, ~11 min on 2 CPU cores)::
 
-    .venv/bin/python benchmarks/streaming_crosscheck.py --tokens 2048 --budget 512 \\
+    .venv/bin/python -m confkv.eval.streaming_crosscheck --tokens 2048 --budget 512 \\
         --out results/streaming_crosscheck
 
 ``--render-only`` rewrites the ``.md`` from the ``.json`` without running the model.
@@ -125,7 +125,7 @@ def main() -> None:
         if "command" not in record:  # a record from before these fields: the command its values say
             options = [f"--{k} {record[k]}" for k, default in (("model", "smollm2"), ("corpus", "pydoc-topics"))
                        if record[k] != default]
-            record["command"] = " ".join([".venv/bin/python benchmarks/streaming_crosscheck.py", *options,
+            record["command"] = " ".join([".venv/bin/python -m confkv.eval.streaming_crosscheck", *options,
                                           f"--tokens {record['tokens']} --budget {record['budget']} --out {args.out}"])
         if "architecture" not in record:
             record = {**record, **describe(load_model(record["model"])[0])}
@@ -143,7 +143,7 @@ def main() -> None:
     start = time.time()
     rows = crosscheck(reference_model, streaming_model, ids, args.budget, args.sinks, progress=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"command": " ".join([".venv/bin/python benchmarks/streaming_crosscheck.py",
+    record = {"command": " ".join([".venv/bin/python -m confkv.eval.streaming_crosscheck",
                                    *(shlex.quote(a) for a in sys.argv[1:])]),
               "model": args.model, **describe(reference_model),
               "corpus": args.corpus, "tokens": int(ids.shape[1]), "budget": args.budget, "sinks": args.sinks,

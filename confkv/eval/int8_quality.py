@@ -4,7 +4,7 @@ Runs the full-precision confkv cache and the INT8 one (FP window W) side by side
 token by token over the same text, and reports streaming perplexity of both, the
 mean per-token KL(full || int8) of the next-token distributions, and the KV bytes.
 
-    .venv/bin/python benchmarks/int8_quality.py --tokens 2048 --fp-window 128 --out results/int8_quality
+    .venv/bin/python -m confkv.eval.int8_quality --tokens 2048 --fp-window 128 --out results/int8_quality
 
 ``--render-only`` rewrites the ``.md`` from the ``.json`` without running the model.
 """
@@ -84,7 +84,7 @@ def main() -> None:
     managed = stores[int8_cache.managed[0]]
     ppl_fp, ppl_q = math.exp(sum(nll["fp"]) / n), math.exp(sum(nll["int8"]) / n)
     result = {
-        "command": " ".join([".venv/bin/python benchmarks/int8_quality.py", *(shlex.quote(a) for a in sys.argv[1:])]),
+        "command": " ".join([".venv/bin/python -m confkv.eval.int8_quality", *(shlex.quote(a) for a in sys.argv[1:])]),
         "model": args.model, **describe(model), "corpus": args.corpus, "tokens": n, "fp_window": args.fp_window,
         "ppl_fp": ppl_fp, "ppl_int8": ppl_q, "ppl_rise_percent": 100 * (ppl_q / ppl_fp - 1),
         "mean_kl_full_int8": sum(kl) / n, "max_kl_full_int8": max(kl),

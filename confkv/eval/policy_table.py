@@ -25,7 +25,7 @@ Memory matching (exact bytes from the cache's trace, all layers):
 
 Usage (rows are appended to the JSON as they finish; ``--resume`` skips finished rows)::
 
-    .venv/bin/python benchmarks/policy_table.py --tokens 2048 --window 512 --out results/policies_512 --resume
+    .venv/bin/python -m confkv.eval.policy_table --tokens 2048 --window 512 --out results/policies_512 --resume
 
 ``--render-only`` rewrites the ``.md`` from the ``.json`` without running any row (it loads
 the model's config only to fill in a description the JSON lacks).
@@ -54,7 +54,7 @@ DEFAULTS = {"model": "smollm2", "corpus": "pydoc-topics"}
 def run_command(record: dict[str, Any], out: str) -> str:
     """The command that (re)runs the table of ``record`` (finished rows are kept by ``--resume``)."""
     extra = [f"--{k} {record[k]}" for k, default in DEFAULTS.items() if record.get(k, default) != default]
-    return " ".join([".venv/bin/python benchmarks/policy_table.py", *extra, f"--tokens {record['tokens']}",
+    return " ".join([".venv/bin/python -m confkv.eval.policy_table", *extra, f"--tokens {record['tokens']}",
                      f"--window {record['window']}", f"--out {out}", "--resume"])
 
 

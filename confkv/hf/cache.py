@@ -181,6 +181,19 @@ class ConfKVCache(Cache):
         twin.trace.steps = list(self.trace.steps)
         return twin
 
+    def clone(self) -> "ConfKVCache":
+        """An independent deep copy: cloned tensors, policy statistics, gate state and trace.
+
+        For a look-ahead that must not touch this cache (e.g. a teacher-forced agent
+        step: the model's own action is generated on a clone, then the expert's action
+        is fed to this cache). Forward passes on the clone close their steps on the
+        clone (its layers point back to it, not to this cache).
+        """
+        twin = copy.deepcopy(self)
+        for layer in twin.layers:
+            layer._owner = weakref.ref(twin)
+        return twin
+
     def _validate(self) -> None:
         check_store_fits(self.policy, self.store_config)
 

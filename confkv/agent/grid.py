@@ -1,0 +1,209 @@
+"""The agent grid: tasks x protocols x policies x memory ratios, resumable, with a progress bar.
+
+Memory matching (as ``confkv niah`` does it, reusing its helpers): for each task the
+reference is full KV's peak, ``full_kv_bytes(model, T)`` with ``T`` the tokens of the
+expert's whole history (rounded up to 256 tokens); each policy at compression ``c`` gets the budget parameters whose
+predicted peak KV bytes are the largest <= reference / c
+(:func:`confkv.eval.niah.budgets_for_bytes`). Peak bytes are the trace's (after each
+forward pass's eviction); during a prefill chunk every policy holds up to ``chunk`` more.
+
+Resuming: each finished episode appends one record to ``<out-dir>/agent.jsonl``
+(:mod:`confkv.eval.jsonl`); records of the same run already there are skipped. ``full``
+runs first for each task, so every record can carry its agreement with full KV
+(``agree_full``); :func:`summarize` recomputes it from the stored predictions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from confkv.agent.harness import PROTOCOLS, expert_history_tokens, run_episode
+from confkv.agent.prompt import ChatFormat
+from confkv.agent.tasks import Task, build_tasks
+from confkv.agent.world import make_world
+from confkv.config import StoreConfig
+from confkv.eval.jsonl import append_row, load_rows
+
+_ROUND = 256
+DEFAULT_POLICIES = ("full", "window", "streaming", "h2o", "tova", "confkv", "confkv+int8")
+
+
+@dataclass
+class AgentConfig:
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    protocols: tuple[str, ...] = PROTOCOLS
+    compressions: tuple[float, ...] = (2.8, 4.0)  # full peak KV bytes / policy peak KV bytes
+    tasks: tuple[str, ...] = ()  # task ids or template names (empty: all)
+    limit: int | None = None  # the first N selected tasks
+    seed: int = 0
+    chunk: int = 128
+    max_new_tokens: int = 24
+    max_steps: int | None = None  # cap on steps per episode (None: the whole trajectory)
+    extra_steps: int = 5  # closed loop: expert length + this many steps
+    fp_window: int = 128
+    ratio: float = 0.5  # n_high / n_low of the gated policies
+    extra_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from confkv.eval.niah import parse_spec
+
+        bad = [p for p in self.protocols if p not in PROTOCOLS]
+        if bad:
+            raise ValueError(f"protocols: unknown {bad[0]!r}; choose from {PROTOCOLS}")
+        for spec in self.policies:
+            parse_spec(spec)
+        if any(c < 1 for c in self.compressions):
+            raise ValueError(f"compressions must be >= 1 (full bytes / policy bytes), got {self.compressions}")
+        if self.chunk < 1 or self.max_new_tokens < 1:
+            raise ValueError("chunk and max_new_tokens must be positive")
+
+
+def select_tasks(config: AgentConfig) -> list[Task]:
+    """The configured tasks (by id or template name), in suite order, at most ``limit``."""
+    tasks = build_tasks(make_world(config.seed))
+    if config.tasks:
+        known = {t.tid for t in tasks} | {t.template for t in tasks}
+        unknown = [x for x in config.tasks if x not in known]
+        if unknown:
+            raise ValueError(f"tasks: unknown {unknown[0]!r}; use a task id like 'shop_cheapest-0' or a template "
+                             f"name ({', '.join(sorted({t.template for t in tasks}))})")
+        tasks = [t for t in tasks if t.tid in config.tasks or t.template in config.tasks]
+    return tasks[:config.limit] if config.limit is not None else tasks
+
+
+def run_key(config: AgentConfig, model_name: str) -> str:
+    """Settings shared by every record of one grid (another run never resumes into it)."""
+    parts = {"model": model_name, "seed": config.seed, "chunk": config.chunk, "max_new_tokens": config.max_new_tokens,
+             "max_steps": config.max_steps, "extra_steps": config.extra_steps, "fp_window": config.fp_window,
+             "ratio": config.ratio, "extra": config.extra_params}
+    return json.dumps(parts, sort_keys=True)
+
+
+def _store(spec: str, config: AgentConfig) -> StoreConfig:
+    from confkv.eval.niah import parse_spec
+
+    return StoreConfig(kv_int8=parse_spec(spec)[1], fp_window=config.fp_window, prefill_chunk=config.chunk)
+
+
+def _units(config: AgentConfig, tasks: list[Task]) -> list[tuple[Task, str, str, float]]:
+    """(task, protocol, policy, compression): full first (compression 1), task-major."""
+    units = []
+    for task in tasks:
+        for protocol in config.protocols:
+            if "full" in config.policies:
+                units.append((task, protocol, "full", 1.0))
+            units += [(task, protocol, spec, c) for c in config.compressions for spec in config.policies
+                      if spec != "full"]
+    return units
+
+
+def _agreement(a: list[str], b: list[str]) -> float | None:
+    n = min(len(a), len(b))
+    return sum(x == y for x, y in zip(a[:n], b[:n])) / n if n else None
+
+
+def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: str | Path, *, model_name: str = "",
+                   progress: bool = True, compute: bool = True) -> list[dict[str, Any]]:
+    """Run (or, with ``compute=False``, only collect) the grid; returns this run's records."""
+    from confkv.eval.niah import budgets_for_bytes, full_kv_bytes, parse_spec
+
+    run = run_key(config, model_name)
+    tasks = select_tasks(config)
+    world = make_world(config.seed)
+    records: dict[tuple, dict[str, Any]] = {}
+    for row in load_rows(out_path):
+        if row.get("run") == run:
+            records.setdefault((row["task"], row["protocol"], row["policy"], float(row["compression"])), row)
+    fmt = ChatFormat.for_tokenizer(tokenizer)
+    history: dict[str, int] = {}
+    budgets: dict[tuple, dict[str, Any]] = {}
+    for task, protocol, spec, compression in tqdm(_units(config, tasks) if compute else [], desc="agent",
+                                                  disable=not progress):
+        key = (task.tid, protocol, spec, float(compression))
+        if key in records:
+            continue
+        if task.tid not in history:
+            history[task.tid] = expert_history_tokens(tokenizer, world, task, fmt, config.max_steps)
+        tokens = -(-history[task.tid] // _ROUND) * _ROUND  # budgets per 256-token bucket (matching is slow)
+        reference = full_kv_bytes(model, tokens)
+        name, _ = parse_spec(spec)
+        store = _store(spec, config)
+        if (spec, compression, tokens) not in budgets:
+            budgets[(spec, compression, tokens)] = {} if spec == "full" else budgets_for_bytes(
+                model, [name], reference / compression, tokens, store=store, ratio=config.ratio,
+                extra=config.extra_params)[name]
+        params = budgets[(spec, compression, tokens)]
+        episode = run_episode(model, tokenizer, world, task, protocol, name, params, store=store, chunk=config.chunk,
+                              max_new_tokens=config.max_new_tokens, max_steps=config.max_steps,
+                              extra_steps=config.extra_steps, fmt=fmt)
+        row = {"run": run, "task": task.tid, "template": task.template, "info_early": task.info_early,
+               "protocol": protocol, "policy": spec, "compression": float(compression), "params": params,
+               "full_peak_reference": reference, "expert_tokens": history[task.tid], **episode.to_dict()}
+        predicted = [s["predicted"] for s in episode.steps]
+        if protocol == "teacher-forced":
+            row["agree_expert"] = sum(s["agree"] for s in episode.steps) / max(1, len(episode.steps))
+            full = records.get((task.tid, protocol, "full", 1.0))
+            row["agree_full"] = _agreement(predicted, [s["predicted"] for s in full["steps"]]) if full else None
+        append_row(out_path, row)
+        records[key] = row
+    return [r for (tid, protocol, spec, _), r in records.items()
+            if spec in config.policies and protocol in config.protocols and tid in {t.tid for t in tasks}]
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (protocol, policy, compression): scores, relative to full, KV bytes."""
+    full = {(r["task"], r["protocol"]): r for r in records if r["policy"] == "full"}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["protocol"], r["policy"], r["compression"]), []).append(r)
+    rows = []
+    for (protocol, policy, compression), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        pairs = [(r, full.get((r["task"], protocol))) for r in rs]
+        row: dict[str, Any] = {"protocol": protocol, "policy": policy, "compression": compression, "tasks": len(rs),
+                               "peak_kv_bytes": sum(r["peak_kv_bytes"] for r in rs) / len(rs),
+                               "mean_kv_bytes": sum(r["mean_kv_bytes"] for r in rs) / len(rs),
+                               "peak_vs_full": _mean([f["peak_kv_bytes"] / r["peak_kv_bytes"] for r, f in pairs if f]),
+                               "seconds": sum(r["seconds"] for r in rs) / len(rs)}
+        if protocol == "teacher-forced":
+            row["agree_expert"] = _mean([r["agree_expert"] for r in rs])
+            full_agree = _mean([f["agree_expert"] for r, f in pairs if f])
+            mine = _mean([r["agree_expert"] for r, f in pairs if f])
+            row["agree_expert_vs_full"] = mine / full_agree if full_agree else None
+            row["agree_full"] = _mean([_agreement([s["predicted"] for s in r["steps"]],
+                                                  [s["predicted"] for s in f["steps"]]) for r, f in pairs if f])
+        else:
+            row["success"] = _mean([float(r["success"]) for r in rs])
+            full_success = _mean([float(f["success"]) for r, f in pairs if f])
+            mine = _mean([float(r["success"]) for r, f in pairs if f])
+            row["success_vs_full"] = mine / full_success if full_success else None
+        rows.append(row)
+    return rows
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    lines = []
+    for r in rows:
+        score = (f"agree(expert) {f(r['agree_expert'])}  vs full {f(r['agree_expert_vs_full'])}  "
+                 f"agree(full) {f(r['agree_full'])}") if r["protocol"] == "teacher-forced" else \
+            f"success {f(r['success'])}  vs full {f(r['success_vs_full'])}"
+        lines.append(f"{r['protocol']:14s} {r['policy']:12s} x{r['compression']:<4g} n={r['tasks']:3d}  {score}  "
+                     f"peak {r['peak_kv_bytes'] / 1e6:.2f} MB (full/peak {f(r['peak_vs_full'])})  "
+                     f"mean {r['mean_kv_bytes'] / 1e6:.2f} MB  {r['seconds']:.0f}s/task")
+    return lines
+
+
+__all__ = ["AgentConfig", "DEFAULT_POLICIES", "run_agent_grid", "run_key", "select_tasks", "summarize",
+           "summary_lines"]

@@ -4,6 +4,7 @@ Subcommands:
     demo   CONF-KV next to the full cache on the bundled SmolLM2: text, traces, speed.
     ppl    token-by-token streaming perplexity of one policy, with the memory trace.
     niah   needle-in-a-haystack grid, query-aware and streaming protocols.
+    agent  agent tasks on a deterministic text web, teacher-forced and closed loop (resumable JSONL).
     probe  confidence vs the KL shift caused by evicting the most recent tokens.
     sweep  policies x memory-matched budgets (x INT8) on streaming perplexity (resumable JSONL).
     report one Markdown/HTML page from a results folder.

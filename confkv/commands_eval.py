@@ -108,6 +108,10 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     sweep.add_argument("--traces-dir", type=Path, default=None, help="also save each run's trace JSON here")
     sweep.add_argument("--dry-run", action="store_true", help="print the planned runs and budgets only")
 
+    from confkv.commands_agent import add_agent_subcommand
+
+    add_agent_subcommand(sub, model_args, _strs, _floats)
+
     report = sub.add_parser("report", help="Markdown (+ HTML) page from a results folder")
     report.add_argument("results", type=Path, nargs="?", default=Path("results"))
     report.add_argument("--out", type=Path, default=None, help="default <results>/REPORT.md")
@@ -292,4 +296,11 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"probe": run_probe, "niah": run_niah, "sweep": run_sweep_cmd, "report": run_report}
+def run_agent_cmd(args: argparse.Namespace) -> int:
+    from confkv.commands_agent import run_agent
+
+    return run_agent(args)
+
+
+COMMANDS = {"probe": run_probe, "niah": run_niah, "sweep": run_sweep_cmd, "report": run_report,
+            "agent": run_agent_cmd}

@@ -189,10 +189,10 @@ def event_register(world: World, i: int, rng: random.Random) -> Task:
     user = world.user
     goal = (f"Register for the {t1.facts['event']} and for the {t2.facts['event']} (one Event registration form "
             f"each) using the ticket codes from your emails, with name {user['name']} and email {user['email']}. "
-            f"Ask for a vegetarian meal at both.")
+            f"Ask for a vegetarian meal at the {t1.facts['event']} only.")
     plan: list[tuple] = [_inbox_link(world, t1.mid), ("see", "ticket code"), ("back",), _inbox_link(world, t2.mid),
                          ("see", "ticket code"), ("click", "link", "Forms")]
-    for n, (t, veg) in enumerate(((t1, True), (t2, True))):
+    for n, (t, veg) in enumerate(((t1, True), (t2, False))):
         if n:
             plan.append(("click", "link", "All forms"))
         plan += [("click", "link", "Event registration"), ("type", "textbox", "Full name", user["name"]),
@@ -210,7 +210,7 @@ def event_register(world: World, i: int, rng: random.Random) -> Task:
                    and _norm(x["values"]["email"]) == _norm(user["email"]) for x in s.submitted)
 
     def check(s: BrowserState) -> bool:
-        return one(s, t1, True) and one(s, t2, True)
+        return one(s, t1, True) and one(s, t2, False)
     return Task(f"event_register-{i}", "event_register", goal, "mail/", plan, check, True,
                 facts={"tickets": [t1.facts["ticket"], t2.facts["ticket"]]})
 

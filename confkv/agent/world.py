@@ -240,8 +240,9 @@ def _messages(rng: random.Random, products: list[Product], articles: list[Articl
             f"You are invited to the {event}.",
             f"Your personal ticket code is {ticket}. You need it to register.",
             rng.choice(_FILLER)), {"kind": "ticket", "ticket": ticket, "event": event, "sender": sender})
+    hotels = rng.sample(_CITIES, 7)
     for i in range(7):
-        hotel = f"Hotel {rng.choice(_CITIES)}"
+        hotel = f"Hotel {hotels[i]}"
         amount, date = f"{rng.randint(80, 600)}.{rng.randint(0, 99):02d}", rng.choice(dates)
         add(hotel, "Your receipt", (
             f"Thank you for staying at {hotel}.",

@@ -20,7 +20,7 @@ def build(world: World, state: BrowserState, path: str) -> Page | None:
     if path == "":
         body = [heading("Inbox"), text(f"{len(world.messages)} messages")]
         for m in world.messages:
-            body += [link(f"{m.sender}: {m.subject}", f"mail/message/{m.mid}"), text(m.date, depth=3)]
+            body.append(link(f"{m.sender}: {m.subject}", f"mail/message/{m.mid}"))
         return Page("mail/", "Mail - Inbox", _header(), body)
     if path.startswith("message/"):
         mid = path.split("/", 1)[1]

@@ -1,0 +1,65 @@
+"""``confkv agent``: the agent workload grid (thin CLI over :mod:`confkv.agent.grid`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> None:
+    agent = sub.add_parser("agent", help="agent tasks on a text web, teacher-forced and closed loop (resumable)")
+    model_args(agent)
+    agent.add_argument("--policies", type=strs, default=None,
+                       help="comma-separated policy names, '+int8' for an INT8 store (default: full,window,"
+                            "streaming,h2o,tova,confkv,confkv+int8)")
+    agent.add_argument("--protocols", type=strs, default=["teacher-forced", "closed-loop"])
+    agent.add_argument("--compressions", type=floats, default=[2.8, 4.0],
+                       help="full KV peak bytes / policy peak bytes, e.g. 2.8,4")
+    agent.add_argument("--tasks", type=strs, default=[], help="task ids or template names (default: all 56)")
+    agent.add_argument("--limit", type=int, default=None, help="only the first N selected tasks")
+    agent.add_argument("--seed", type=int, default=0, help="world seed")
+    agent.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
+    agent.add_argument("--max-new-tokens", type=int, default=24, help="tokens per generated action")
+    agent.add_argument("--max-steps", type=int, default=None, help="cap on steps per episode")
+    agent.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
+    agent.add_argument("--fresh", action="store_true", help="move <out-dir>/agent.jsonl aside first")
+    agent.add_argument("--collect-only", action="store_true", help="run nothing: summarize the records on disk")
+    agent.add_argument("--out-dir", type=Path, default=Path("results/agent"))
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from confkv.agent.grid import DEFAULT_POLICIES, AgentConfig, run_agent_grid, summarize, summary_lines
+    from confkv.commands_eval import _setup, _write_json, parse_params
+    from confkv.models import load_model
+    from confkv.outputs import check_writable
+
+    check_writable(args.out_dir, folder=True, what="--out-dir")
+    _setup(args)
+    config = AgentConfig(policies=tuple(args.policies or DEFAULT_POLICIES), protocols=tuple(args.protocols),
+                         compressions=tuple(args.compressions), tasks=tuple(args.tasks), limit=args.limit,
+                         seed=args.seed, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
+                         max_steps=args.max_steps, extra_params=parse_params(args.param))
+    path = args.out_dir / "agent.jsonl"
+    if args.fresh and path.exists():
+        path.replace(path.with_suffix(".jsonl.old"))
+        print(f"--fresh: moved the previous records to {path.with_suffix('.jsonl.old')}", file=sys.stderr)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(args.model)
+    try:
+        records = run_agent_grid(model, tokenizer, config, path, model_name=args.model,
+                                 progress=not args.no_progress, compute=not args.collect_only)
+    except KeyboardInterrupt:
+        print(f"interrupted (Ctrl-C): the finished episodes are in {path}; rerun the same command to resume.",
+              file=sys.stderr)
+        return 130
+    rows = summarize(records)
+    _write_json(args.out_dir / "agent_summary.json", {"model": args.model, "config": vars(config), "summary": rows})
+    for line in summary_lines(rows):
+        print(line)
+    print(f"wrote {path}, {args.out_dir / 'agent_summary.json'}")
+    return 0
+
+
+__all__ = ["add_agent_subcommand", "run_agent"]

@@ -30,9 +30,11 @@ class PlanError(RuntimeError):
 def _scroll_to(env: WebEnv, element_id: int, out: list[ExpertStep]) -> None:
     page = env.page()
     target = page.screen_of(element_id)
-    while target is not None and element_id not in page.visible_ids(env.state.screen):
-        direction = "down" if env.state.screen < target else "up"
-        _act(env, A.scroll(direction), out)
+    for _ in range(len(page.spans()) + 1):
+        if target is None or element_id in page.visible_ids(env.state.screen):
+            return
+        _act(env, A.scroll("down" if env.state.screen < target else "up"), out)
+    raise PlanError(f"scrolling never showed element [{element_id}] on {page.url}")
 
 
 def _act(env: WebEnv, action: A.Action, out: list[ExpertStep]) -> None:

@@ -147,7 +147,7 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
         predicted = [s["predicted"] for s in episode.steps]
         if protocol == "teacher-forced":
             row["agree_expert"] = sum(s["agree"] for s in episode.steps) / max(1, len(episode.steps))
-            full = records.get((task.tid, protocol, "full", 1.0))
+            full = row if spec == "full" else records.get((task.tid, protocol, "full", 1.0))
             row["agree_full"] = _agreement(predicted, [s["predicted"] for s in full["steps"]]) if full else None
         append_row(out_path, row)
         records[key] = row

@@ -43,7 +43,7 @@ class Episode:
     steps: list[dict[str, Any]] = field(default_factory=list)
     success: bool | None = None  # closed loop only
     answer: str | None = None
-    tokens: int = 0  # history tokens fed
+    tokens: int = 0  # history tokens fed to the episode's cache
     peak_kv_bytes: int = 0
     mean_kv_bytes: float = 0.0
     truncated: bool = False  # the model's positions ran out before the end
@@ -148,7 +148,6 @@ def run_episode(model: Any, tokenizer: Any, world: World, task: Task, protocol: 
             episode.steps.append({"predicted": predicted, "expert": step.action.canonical(), "raw": text,
                                   "agree": predicted == step.action.canonical()})
             _feed(model, cache, action_ids, chunk)
-            episode.tokens += len(ids) + len(action_ids)
     else:
         env = WebEnv(world, task.start_url, task.cart)
         budget_steps = max_steps if max_steps is not None else len(expert) + extra_steps
@@ -167,12 +166,12 @@ def run_episode(model: Any, tokenizer: Any, world: World, task: Task, protocol: 
             result = env.step(action)
             episode.steps.append({"predicted": action.canonical(), "raw": text, "ok": result.ok,
                                   "error": result.error})
-            episode.tokens += len(ids) + len(out) - 1
             pending = [] if out[-1] in stops else [out[-1]]
             if result.done:
                 break
         episode.answer = env.state.answer
         episode.success = bool(task.check(env.state))
+    episode.tokens = cache.get_seq_length()
     episode.peak_kv_bytes = int(max(peak, cache.trace.peak_kv_bytes()))
     episode.mean_kv_bytes = float(cache.trace.mean_kv_bytes())
     episode.seconds = time.perf_counter() - started

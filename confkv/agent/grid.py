@@ -123,7 +123,7 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
     history: dict[str, int] = {}
     budgets: dict[tuple, dict[str, Any]] = {}
     for task, protocol, spec, compression in tqdm(_units(config, tasks) if compute else [], desc="agent",
-                                                  disable=not progress):
+                                                  disable=None if progress else True):  # quiet off a terminal
         key = (task.tid, protocol, spec, float(compression))
         if key in records:
             continue

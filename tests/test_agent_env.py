@@ -88,3 +88,14 @@ def test_checkout_needs_the_address_and_records_the_order():
     env.state.screen = len(page.spans()) - 1
     env.step(Action("click", element=page.find("button", "Place order")))
     assert env.state.orders and env.state.orders[0]["city"] == "Arden" and env.state.cart == {}
+
+
+def test_agent_modules_do_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, confkv.agent, confkv.agent.expert, confkv.agent.prompt\n"
+            "print('transformers' in sys.modules)\n"
+            "import confkv.agent.grid, confkv.agent.harness\nprint('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

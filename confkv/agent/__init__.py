@@ -8,7 +8,7 @@
   a streaming confkv cache (teacher-forced / closed loop);
 - :mod:`~confkv.agent.grid`: policies x memory ratios over the tasks, resumable JSONL.
 
-The environment modules import nothing from torch or transformers.
+Nothing here imports transformers at module level (the harness loads confkv.hf when it runs).
 """
 
 from confkv.agent.actions import Action, format_action, parse_action

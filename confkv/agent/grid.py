@@ -4,7 +4,7 @@ Memory matching (as ``confkv niah`` does it, reusing its helpers): for each task
 reference is full KV's peak, ``full_kv_bytes(model, T)`` with ``T`` the tokens of the
 expert's whole history (rounded up to 256 tokens); each policy at compression ``c`` gets the budget parameters whose
 predicted peak KV bytes are the largest <= reference / c
-(:func:`confkv.eval.niah.budgets_for_bytes`). Peak bytes are the trace's (after each
+(:func:`confkv.eval.niah.budgets.budgets_for_bytes`). Peak bytes are the trace's (after each
 forward pass's eviction); during a prefill chunk every policy holds up to ``chunk`` more.
 
 Resuming: each finished episode appends one record to ``<out-dir>/agent.jsonl``
@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from confkv.agent.harness import PROTOCOLS, expert_history_tokens, run_episode
 from confkv.agent.prompt import ChatFormat
 from confkv.agent.tasks import Task, build_tasks
 from confkv.agent.world import make_world
 from confkv.config import StoreConfig
 from confkv.eval.jsonl import append_row, load_rows
+from confkv.progress import progress as show_progress
 
 _ROUND = 256
 DEFAULT_POLICIES = ("full", "window", "streaming", "h2o", "tova", "confkv", "confkv+int8")
@@ -50,7 +49,7 @@ class AgentConfig:
     extra_params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from confkv.eval.niah import parse_spec
+        from confkv.eval.niah.config import parse_spec
 
         bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad:
@@ -85,7 +84,7 @@ def run_key(config: AgentConfig, model_name: str) -> str:
 
 
 def _store(spec: str, config: AgentConfig) -> StoreConfig:
-    from confkv.eval.niah import parse_spec
+    from confkv.eval.niah.config import parse_spec
 
     return StoreConfig(kv_int8=parse_spec(spec)[1], fp_window=config.fp_window, prefill_chunk=config.chunk)
 
@@ -110,7 +109,8 @@ def _agreement(a: list[str], b: list[str]) -> float | None:
 def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: str | Path, *, model_name: str = "",
                    progress: bool = True, compute: bool = True) -> list[dict[str, Any]]:
     """Run (or, with ``compute=False``, only collect) the grid; returns this run's records."""
-    from confkv.eval.niah import budgets_for_bytes, full_kv_bytes, parse_spec
+    from confkv.eval.niah.budgets import budgets_for_bytes, full_kv_bytes
+    from confkv.eval.niah.config import parse_spec
 
     run = run_key(config, model_name)
     tasks = select_tasks(config)
@@ -122,8 +122,8 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
     fmt = ChatFormat.for_tokenizer(tokenizer)
     history: dict[str, int] = {}
     budgets: dict[tuple, dict[str, Any]] = {}
-    for task, protocol, spec, compression in tqdm(_units(config, tasks) if compute else [], desc="agent",
-                                                  disable=None if progress else True):  # quiet off a terminal
+    for task, protocol, spec, compression in show_progress(_units(config, tasks) if compute else [], desc="agent",
+                                                           enabled=progress, leave=True):
         key = (task.tid, protocol, spec, float(compression))
         if key in records:
             continue

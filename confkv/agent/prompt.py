@@ -9,6 +9,8 @@ pieces that concatenate to the chat template's rendering of the whole conversati
 ``head``, ``after_obs`` and ``between`` are read off the tokenizer's chat template (SmolLM2:
 ``<|im_start|>system ...<|im_end|>\\n<|im_start|>user\\n``, ``<|im_end|>\\n<|im_start|>assistant\\n``,
 ``<|im_end|>\\n<|im_start|>user\\n``); without a template a plain text format is used.
+The objective is stated once, in the first user turn: like the pages read early, it has to
+survive in the cache for the rest of the episode.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ def test_grid_both_protocols_matched_memory_and_resume(model, tok, tmp_path, mon
 
 @pytest.mark.parametrize("kwargs, field", [({"protocols": ("streaming",)}, "protocols"),
                                            ({"compressions": (0.5,)}, "compressions"),
-                                           ({"policies": ("nope",)}, "nope")])
+                                           ({"policies": ("nope",)}, "nope"), ({"max_steps": 0}, "max_steps"),
+                                           ({"limit": -1}, "limit"), ({"chunk": 0}, "chunk")])
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(Exception, match=field):
         AgentConfig(**kwargs)

@@ -58,8 +58,10 @@ class AgentConfig:
             parse_spec(spec)
         if any(c < 1 for c in self.compressions):
             raise ValueError(f"compressions must be >= 1 (full bytes / policy bytes), got {self.compressions}")
-        if self.chunk < 1 or self.max_new_tokens < 1:
-            raise ValueError("chunk and max_new_tokens must be positive")
+        for name in ("chunk", "max_new_tokens", "max_steps", "limit"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def select_tasks(config: AgentConfig) -> list[Task]:

@@ -61,6 +61,11 @@ class PageFile:
         """Forget ``tensor`` (its bytes stay in the file until :meth:`close`)."""
         self.live_bytes -= tensor.nbytes
 
+    def __deepcopy__(self, memo: dict) -> "PageFile":
+        """Copies share the file (an open file cannot be copied); a deep-copied cache's existing
+        pages are copied into RAM, its new pages go to this file."""
+        return self
+
     def close(self) -> None:
         """Close the file; its space returns to the system once no tensor maps it."""
         if self.file is not None:

@@ -371,3 +371,18 @@ def test_sequences_reading_fewer_pages_read_their_best_ones():
         assert visible.sum(-1).tolist() == [[1, 1], [reads[1]] * 2]
         first = visible[0, 0].nonzero()[0, 0]
         torch.testing.assert_close(segment.keys[0, 0, 4 * first + 1], keys[0, 0, 29])  # row 0's one page: the best
+
+
+def test_a_clone_of_an_offloaded_cache_runs_on_its_own(tmp_path):
+    model = tiny_model("llama", seed=3)
+    ids, mask = _prompt(1, 60, seed=9)
+    cache = ConfKVCache.for_model(model, "confkv-r", budget=24, protect=8, bits=4, page_size=8, group_size=8, k=2,
+                                  offload=True, offload_dir=str(tmp_path))
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        twin = cache.clone()
+        step = ids[:, -1:]
+        original = model(step, cache=cache, use_cache=True).logits
+        copied = model(step, cache=twin, use_cache=True).logits
+    torch.testing.assert_close(copied, original)
+    assert twin.kv_bytes() == cache.kv_bytes()

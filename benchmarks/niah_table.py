@@ -7,7 +7,7 @@ budget is smaller than the prompt (the only ones that test retention). Usage::
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --evicting-from 4096
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --by-depth 4096,8192
     # several results files join into one table (e.g. a new policy's grid next to full KV's):
-    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json results/niah_tiered/niah.json
+    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json results/niah_tiered/niah.json --trials 2
 """
 
 from __future__ import annotations
@@ -94,8 +94,11 @@ def main() -> None:
                         help="first length where the fixed budget is smaller than the prompt")
     parser.add_argument("--by-depth", type=str, default="",
                         help="comma-separated lengths: print found / samples per depth at these instead")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="only trials 0 .. N-1 (to set a partial grid beside a complete one)")
     args = parser.parse_args()
-    records = [r for path in args.niah_json for r in json.loads(path.read_text())["records"]]
+    records = [r for path in args.niah_json for r in json.loads(path.read_text())["records"]
+               if args.trials is None or r["trial"] < args.trials]
     if args.by_depth:
         print(depth_table(records, [int(n) for n in args.by_depth.split(",")]))
     else:

@@ -12,7 +12,10 @@ pinned at 0.4.13) asks a backend for three things; this one answers them with a
 - ``loglikelihood_rolling``: not offered (use ``confkv ppl`` for streaming perplexity).
 
 Requests are sorted by length (longest first) and batched ``batch_size`` at a time with left
-padding; answers come back in the original order. Model loading goes through
+padding; answers come back in the original order. A batch is prefilled in chunks of the
+padded width, so a shorter (padded) row's chunks end at other tokens than they would alone:
+with an evicting policy its answer can differ from a batch-1 run (rows of equal length are
+answered exactly as alone). Model loading goes through
 :func:`confkv.models.load_model` (``model=smollm2``, a local path, a hub id) or, for tests,
 ``model=tiny-<arch>`` (:func:`confkv.models.tiny_model` with the byte tokenizer).
 """

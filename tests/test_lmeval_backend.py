@@ -117,9 +117,16 @@ def test_simple_evaluate_on_a_local_toy_task():
     from lm_eval.tasks import TaskManager
 
     results = lm_eval.simple_evaluate(model="confkv", model_args="model=tiny-llama,policy=tova,budget=16,chunk=8",
-                                      tasks=["confkv_toy_gen", "confkv_toy_mc"], task_manager=TaskManager(
-                                          include_path=str(TOY)), batch_size=2, log_samples=True)
+                                      tasks=["confkv_toy_gen", "confkv_toy_mc", "confkv_ruler_fwe"],
+                                      task_manager=TaskManager(include_path=[str(TOY), str(confkv.lmeval.task_dir())],
+                                                               metadata={"max_seq_lengths": [1024], "num_samples": 2,
+                                                                         "model": "tiny-llama"}),
+                                      batch_size=2, log_samples=True)
     assert results["results"]["confkv_toy_gen"]["answered,none"] == 1.0
+    # confkv's offline RULER task: two samples generated with the backend's tokenizer, scored per length
+    ruler = results["samples"]["confkv_ruler_fwe"]
+    assert len(ruler) == 2 and all(s["doc"]["max_length"] == 1024 for s in ruler)
+    assert 0.0 <= results["results"]["confkv_ruler_fwe"]["1024,none"] <= 1.0
     assert 0.0 <= results["results"]["confkv_toy_mc"]["acc,none"] <= 1.0
     assert len(results["samples"]["confkv_toy_mc"]) == 4
     assert results["config"]["confkv_policy"] == "tova"

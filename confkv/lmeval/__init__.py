@@ -9,9 +9,14 @@ once this package is imported:
 - command line: ``confkv-lm-eval`` (or ``python -m confkv.lmeval``) takes lm_eval's own arguments
   (``--model confkv --model_args model=smollm2,policy=tova,budget=1024,int8=True --tasks ...``).
   The bare ``lm_eval`` command cannot see the name: 0.4.13 has no plugin discovery.
+
+confkv's offline RULER tasks for ``--include_path`` (any backend): :func:`task_dir`
+(``confkv_ruler_<task>``, tag ``confkv_ruler``; see ``tasks/ruler_utils.py``).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 try:
     import lm_eval  # noqa: F401
@@ -22,4 +27,10 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from confkv.lmeval.backend import ConfKVLM, load_named_model  # noqa: E402  (registers "confkv")
 
 
-__all__ = ["ConfKVLM", "load_named_model"]
+
+def task_dir() -> Path:
+    """The folder of confkv's offline RULER task configs, for ``lm_eval --include_path``."""
+    return Path(__file__).parent / "tasks"
+
+
+__all__ = ["ConfKVLM", "load_named_model", "task_dir"]

@@ -33,6 +33,18 @@ from confkv.config import StoreConfig
 from confkv.lmeval.settings import BackendSettings, parse_settings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: model name -> tokenizer of the backends built in this process (confkv's RULER tasks size samples with it)
+LOADED_TOKENIZERS: dict[str, Any] = {}
+
+
+def _usable_device(device: str) -> str:
+    """lm_eval's command line passes ``device=cuda:0`` by default: fall back to the CPU where there is no GPU."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        import warnings
+
+        warnings.warn(f"confkv backend: device {device!r} is not available; running on the CPU", stacklevel=3)
+        return "cpu"
+    return device
 
 
 def load_named_model(name: str, dtype: str = "float32", device: str = "cpu") -> tuple[Any, Any]:
@@ -58,8 +70,10 @@ class ConfKVLM(TemplateLM):
             self.model, self.tokenizer = model, tokenizer
         else:
             self.settings = parse_settings(model=model, **model_args)
+            self.settings.device = _usable_device(self.settings.device)
             self.model, self.tokenizer = load_named_model(self.settings.model, self.settings.dtype,
                                                           self.settings.device)
+            LOADED_TOKENIZERS[self.settings.model] = self.tokenizer
         self.model.eval()
         self.store = StoreConfig(kv_int8=self.settings.int8, fp_window=self.settings.fp_window,
                                  prefill_chunk=self.settings.chunk)
@@ -196,4 +210,4 @@ class ConfKVLM(TemplateLM):
                                   "use `confkv ppl` for streaming perplexity with a compressed cache")
 
 
-__all__ = ["ConfKVLM", "load_named_model"]
+__all__ = ["ConfKVLM", "LOADED_TOKENIZERS", "load_named_model"]

@@ -132,13 +132,16 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
                 done.setdefault(record_key(row), RulerRecord(**row))
     cells = _cells(config)
     budgets: dict[tuple[str, float, int], dict[str, Any]] = {}
-    for length in config.lengths:
-        for spec, fraction in cells:
+
+    def budget(spec: str, fraction: float, length: int) -> dict[str, Any]:
+        """The policy's parameters at ``fraction`` of the full KV bytes of ``length`` tokens (memoized)."""
+        if (spec, fraction, length) not in budgets:
             name, int8 = parse_policy_spec(spec)
             store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
             budgets[(spec, fraction, length)] = {} if name == "full" else budgets_for_bytes(
                 model, [name], fraction * full_kv_bytes(model, length), length, store=store, ratio=config.ratio,
                 extra=config.extra_params)[name]
+        return budgets[(spec, fraction, length)]
     indices = list(range(config.first_sample, config.first_sample + config.samples))
     units = [(begin, length, task, spec, fraction)
              for begin in range(0, len(indices), config.batch)
@@ -158,7 +161,7 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
             batch.append(samples[(task, length, i)])
         name, int8 = parse_policy_spec(spec)
         store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
-        params = budgets[(spec, fraction, length)]
+        params = budget(spec, fraction, length)
         prompts = [list(tokenizer(s.prompt, verbose=False).input_ids) for s in batch]
         t0 = time.perf_counter()
         outs = generate_compressed(model, tokenizer, prompts, policy=name, params=params, store=store,

@@ -36,7 +36,8 @@ def add_ruler_subcommand(sub: Any) -> None:
     p.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress output (default: a bar on a terminal, a few plain lines otherwise)")
     p.add_argument("--collect-only", action="store_true", help="run nothing: table + plot from <out-dir>/ruler.jsonl")
     p.add_argument("--fresh", action="store_true", help="ignore the records already in <out-dir>/ruler.jsonl")
     p.add_argument("--out-dir", type=Path, default=Path("results/ruler"))
@@ -73,7 +74,7 @@ def run_ruler(args: argparse.Namespace) -> int:
         else:
             model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
         records = run_ruler_grid(model, tokenizer, config, model_name=args.model, resume_path=jsonl,
-                                 progress=not args.no_progress and sys.stderr.isatty())
+                                 progress=not args.no_progress)
     for path in write_ruler(records, args.out_dir, config.tasks, command):
         print(f"wrote {path}")
     print((args.out_dir / "ruler.md").read_text())

@@ -23,13 +23,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from tqdm.auto import tqdm
-
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.eval.jsonl import append_rows, load_rows
 from confkv.eval.ruler_score import ruler_score
 from confkv.eval.ruler_tasks import DEFAULT_TASKS, TASKS, make_ruler_sample
+from confkv.progress import progress as show_progress
 
 #: bumped when a sample generator or the protocol changes; other versions are not resumed
 RULER_VERSION = 1
@@ -149,7 +148,7 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
     samples: dict[tuple[str, int, int], Any] = {}
     records = [r for r in done.values() if r.task in config.tasks and r.length in config.lengths
                and r.index in indices and (r.policy, r.kv_fraction) in cells]
-    for begin, length, task, spec, fraction in tqdm(units, desc="ruler", disable=not progress):
+    for begin, length, task, spec, fraction in show_progress(units, desc="ruler", enabled=progress, leave=True):
         part = indices[begin:begin + config.batch]
         todo = [i for i in part if (run, task, length, i, spec, fraction) not in done]
         if not todo:

@@ -31,12 +31,13 @@ def _tokenizer(kwargs: dict[str, Any]) -> Any:
                          "--model_args model=<name> (or --metadata '{\"tokenizer\": \"<name>\"}')")
     if name in LOADED_TOKENIZERS:
         return LOADED_TOKENIZERS[name]
-    try:
-        from transformers import AutoTokenizer
+    from confkv.models import bundled_model_name
 
-        return AutoTokenizer.from_pretrained(name)
-    except Exception:  # noqa: BLE001 - a confkv model name (bundled, tiny-<arch>) rather than a hub id
+    if bundled_model_name(name) is not None or name.startswith("tiny-"):
         return load_named_model(name)[1]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
 
 
 def dataset(task: str, **kwargs: Any) -> dict[str, datasets.Dataset]:

@@ -9,6 +9,7 @@ Subcommands:
     sweep  policies x memory-matched budgets (x INT8) on streaming perplexity (resumable JSONL).
     report one Markdown/HTML page from a results folder.
     bench  per-step decode latency vs context, batched throughput, step breakdown, bandwidth floor.
+    ruler  RULER's synthetic tasks (generated offline) x policies x KV fractions: table + plot.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from confkv.commands_eval import COMMANDS as EVAL_COMMANDS, add_eval_subcommands
 
     add_eval_subcommands(sub, _add_common)
+    from confkv.commands_ruler import add_ruler_subcommand, run_ruler
+
+    add_ruler_subcommand(sub)
 
     args = parser.parse_args(argv)
     try:
@@ -132,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             from confkv.commands_ppl import run_ppl
 
             return run_ppl(args, _policy_params(args), _store_config(args))
+        if args.command == "ruler":
+            return run_ruler(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
     except ConfKVError as error:

@@ -1,0 +1,266 @@
+"""``confkv ruler``: RULER tasks x lengths x policies x KV fractions, resumable, with a table and a plot.
+
+Samples come from :mod:`confkv.eval.ruler_tasks` (offline, deterministic); each is answered
+by :func:`confkv.hf.protocols.generate_compressed` (the streaming protocol by default: the
+prompt is prefilled in chunks evicted as they arrive, then greedy decoding with RULER's
+``tokens_to_generate``) and scored by RULER's metric (:mod:`confkv.eval.ruler_score`).
+
+Budget: ``kv_fraction`` x the full-precision KV bytes of the task length (prompt +
+generation, RULER's ``max_seq_length``), matched per policy by
+:func:`confkv.eval.niah.budgets_for_bytes` (peak bytes; an INT8 store keeps more tokens;
+gated policies get ``n_low`` at the budget and ``n_high = ratio * n_low``). ``full`` runs
+once per sample, at fraction 1.
+
+Resuming: every finished batch appends its records to ``<out-dir>/ruler.jsonl``; records of
+the same run already there are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from confkv.config import StoreConfig
+from confkv.errors import ConfigError
+from confkv.eval.jsonl import append_rows, load_rows
+from confkv.eval.ruler_score import ruler_score
+from confkv.eval.ruler_tasks import DEFAULT_TASKS, TASKS, make_ruler_sample
+from confkv.progress import progress as show_progress
+
+#: bumped when a sample generator or the protocol changes; other versions are not resumed
+RULER_VERSION = 1
+
+
+@dataclass
+class RulerConfig:
+    tasks: tuple[str, ...] = DEFAULT_TASKS
+    lengths: tuple[int, ...] = (4096,)
+    policies: tuple[str, ...] = ("full", "streaming", "tova", "confkv")
+    kv_fractions: tuple[float, ...] = (0.25, 0.5)
+    samples: int = 3
+    first_sample: int = 0
+    seed: int = 0
+    protocol: str = "streaming"
+    chunk: int = 512
+    query_window: int = 64
+    batch: int = 1
+    fp_window: int = 128
+    ratio: float = 0.5
+    extra_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from confkv.hf.protocols import PROTOCOLS
+
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ConfigError(f"--tasks: unknown RULER task {unknown[0]!r}; known: {', '.join(TASKS)} "
+                              f"(QA is not available offline: no local QA source)")
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"--protocol {self.protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        if any(not 0 < f <= 1 for f in self.kv_fractions):
+            raise ConfigError(f"--kv-fractions {list(self.kv_fractions)}: each must be in (0, 1]")
+        if self.samples < 1 or self.batch < 1 or self.first_sample < 0:
+            raise ConfigError("--samples and --batch must be >= 1, --first-sample >= 0")
+        for spec in self.policies:
+            parse_policy_spec(spec)
+
+
+@dataclass
+class RulerRecord:
+    task: str
+    length: int
+    index: int
+    policy: str  # spec, e.g. "confkv+int8"
+    kv_fraction: float  # 1.0 for full
+    score: float  # RULER metric in [0, 1]
+    generated: str
+    outputs: list[str]
+    prompt_tokens: int
+    params: dict[str, Any]
+    kept_at_answer: float
+    peak_kv_bytes_per_seq: float
+    seconds_per_seq: float
+    run: str = ""
+
+
+def parse_policy_spec(spec: str) -> tuple[str, bool]:
+    """``"confkv+int8"`` -> ``("confkv", True)`` (the NIAH grid's syntax)."""
+    from confkv.eval.niah import parse_spec
+
+    return parse_spec(spec)
+
+
+def run_key(config: RulerConfig, model_name: str) -> str:
+    parts = {"model": model_name, "seed": config.seed, "protocol": config.protocol, "chunk": config.chunk,
+             "query_window": config.query_window if config.protocol == "query-aware" else None,
+             "fp_window": config.fp_window, "ratio": config.ratio, "extra": config.extra_params,
+             "version": RULER_VERSION}
+    return json.dumps(parts, sort_keys=True)
+
+
+def record_key(r: dict[str, Any]) -> tuple:
+    return (r["run"], r["task"], r["length"], r["index"], r["policy"], float(r["kv_fraction"]))
+
+
+def _cells(config: RulerConfig) -> list[tuple[str, float]]:
+    """(policy spec, kv fraction) pairs: ``full`` once at 1.0, the others at each fraction."""
+    cells = []
+    for spec in config.policies:
+        if parse_policy_spec(spec)[0] == "full":
+            cells.append((spec, 1.0))
+        else:
+            cells.extend((spec, float(f)) for f in config.kv_fractions)
+    return cells
+
+
+def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_name: str = "",
+                   resume_path: str | Path | None = None, progress: bool = True) -> list[RulerRecord]:
+    """Run every (task, length, sample, policy, fraction) not already in ``resume_path``; all records."""
+    from confkv.eval.niah import budgets_for_bytes, check_niah_positions, full_kv_bytes
+    from confkv.hf.protocols import generate_compressed
+
+    check_niah_positions(model, config.lengths, 0)
+    run = run_key(config, model_name)
+    done: dict[tuple, RulerRecord] = {}
+    if resume_path is not None:
+        for row in load_rows(resume_path):
+            if row.get("run") == run:
+                done.setdefault(record_key(row), RulerRecord(**row))
+    cells = _cells(config)
+    budgets: dict[tuple[str, float, int], dict[str, Any]] = {}
+
+    def budget(spec: str, fraction: float, length: int) -> dict[str, Any]:
+        """The policy's parameters at ``fraction`` of the full KV bytes of ``length`` tokens (memoized)."""
+        if (spec, fraction, length) not in budgets:
+            name, int8 = parse_policy_spec(spec)
+            store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
+            budgets[(spec, fraction, length)] = {} if name == "full" else budgets_for_bytes(
+                model, [name], fraction * full_kv_bytes(model, length), length, store=store, ratio=config.ratio,
+                extra=config.extra_params)[name]
+        return budgets[(spec, fraction, length)]
+    indices = list(range(config.first_sample, config.first_sample + config.samples))
+    units = [(begin, length, task, spec, fraction)
+             for begin in range(0, len(indices), config.batch)
+             for length in config.lengths for task in config.tasks for spec, fraction in cells]
+    samples: dict[tuple[str, int, int], Any] = {}
+    records = [r for r in done.values() if r.task in config.tasks and r.length in config.lengths
+               and r.index in indices and (r.policy, r.kv_fraction) in cells]
+    for begin, length, task, spec, fraction in show_progress(units, desc="ruler", enabled=progress, leave=True):
+        part = indices[begin:begin + config.batch]
+        todo = [i for i in part if (run, task, length, i, spec, fraction) not in done]
+        if not todo:
+            continue
+        batch = []
+        for i in todo:
+            if (task, length, i) not in samples:
+                samples[(task, length, i)] = make_ruler_sample(task, tokenizer, length, i, seed=config.seed)
+            batch.append(samples[(task, length, i)])
+        name, int8 = parse_policy_spec(spec)
+        store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
+        params = budget(spec, fraction, length)
+        prompts = [list(tokenizer(s.prompt, verbose=False).input_ids) for s in batch]
+        t0 = time.perf_counter()
+        outs = generate_compressed(model, tokenizer, prompts, policy=name, params=params, store=store,
+                                   protocol=config.protocol, chunk=config.chunk, query_window=config.query_window,
+                                   max_new_tokens=batch[0].max_new_tokens)
+        per_seq = (time.perf_counter() - t0) / len(batch)
+        fresh = [RulerRecord(task=task, length=length, index=s.index, policy=spec, kv_fraction=fraction,
+                             score=ruler_score(out.text, s.outputs, s.metric), generated=out.text, outputs=s.outputs,
+                             prompt_tokens=len(p), params=params, kept_at_answer=out.kept_at_answer,
+                             peak_kv_bytes_per_seq=out.peak_kv_bytes_per_seq, seconds_per_seq=per_seq, run=run)
+                 for s, p, out in zip(batch, prompts, outs)]
+        for r in fresh:
+            done[record_key(asdict(r))] = r
+        if resume_path is not None:
+            append_rows(resume_path, [asdict(r) for r in fresh])
+        records.extend(fresh)
+    return records
+
+
+# --------------------------------------------------------------------------- table and plot
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(records: Sequence[RulerRecord | dict[str, Any]]) -> dict[tuple[int, str, float], dict[str, float]]:
+    """(length, policy, fraction) -> {task: 100 x mean score, "avg": mean over tasks, "n": samples per task}."""
+    rows = [asdict(r) if isinstance(r, RulerRecord) else r for r in records]
+    cells: dict[tuple[int, str, float], dict[str, list[float]]] = {}
+    for r in rows:
+        cells.setdefault((r["length"], r["policy"], float(r["kv_fraction"])), {}).setdefault(r["task"], []).append(
+            float(r["score"]))
+    out = {}
+    for key, per_task in cells.items():
+        scores = {task: 100 * _mean(v) for task, v in per_task.items()}
+        scores["avg"] = _mean([scores[t] for t in per_task])
+        scores["n"] = min(len(v) for v in per_task.values())
+        out[key] = scores
+    return out
+
+
+def ruler_table(records: Sequence[RulerRecord | dict[str, Any]], tasks: Sequence[str] | None = None) -> str:
+    """Markdown: one table per length; rows policy @ KV fraction, columns tasks and their average (0-100)."""
+    summary = summarize(records)
+    rows = [asdict(r) if isinstance(r, RulerRecord) else r for r in records]
+    tasks = list(tasks) if tasks else list(dict.fromkeys(r["task"] for r in rows))
+    lines = []
+    for length in sorted({k[0] for k in summary}):
+        keys = [k for k in summary if k[0] == length]
+        full = [k for k in keys if parse_policy_spec(k[1])[0] == "full"]
+        keys = full + sorted((k for k in keys if k not in full), key=lambda k: (k[2], k[1]))
+        lines += [f"**{length} tokens** (RULER score 0-100, mean over samples; n = samples per task)", "",
+                  "| policy | KV | " + " | ".join(tasks) + " | avg | n |",
+                  "|---|---:|" + "---:|" * len(tasks) + "---:|---:|"]
+        for key in keys:
+            s = summary[key]
+            cells = " | ".join("-" if t not in s else f"{s[t]:.1f}" for t in tasks)
+            lines.append(f"| {key[1]} | {key[2]:.0%} | {cells} | {s['avg']:.1f} | {s['n']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_ruler(records: Sequence[RulerRecord | dict[str, Any]], path: str | Path) -> Path:
+    """Average RULER score vs KV fraction, one line per policy, one panel per length (full: dashed)."""
+    from confkv.eval.plots import plt
+
+    summary = summarize(records)
+    lengths = sorted({k[0] for k in summary})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(lengths), squeeze=False, figsize=(4.6 * len(lengths), 3.6))
+    for ax, length in zip(axes[0], lengths):
+        policies = list(dict.fromkeys(k[1] for k in summary if k[0] == length))
+        for spec in policies:
+            points = sorted((k[2], v["avg"]) for k, v in summary.items() if k[0] == length and k[1] == spec)
+            if parse_policy_spec(spec)[0] == "full":
+                ax.axhline(points[0][1], color="black", ls="--", lw=1, label=f"{spec} (100% KV)")
+            else:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=spec)
+        ax.set_title(f"RULER, {length} tokens")
+        ax.set_xlabel("KV fraction of full")
+        ax.set_ylabel("average score (0-100)")
+        ax.set_ylim(-2, 102)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_ruler(records: Sequence[RulerRecord], out_dir: str | Path, tasks: Sequence[str], command: str = ""
+                ) -> list[Path]:
+    """``ruler.md`` (the command, then the tables) and ``ruler.png`` (score vs KV fraction)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "ruler.md"
+    head = f"```\n{command}\n```\n\n" if command else ""
+    md.write_text(head + ruler_table(records, tasks) + "\n![score vs KV fraction](ruler.png)\n")
+    return [md, plot_ruler(records, out_dir / "ruler.png")]
+
+
+__all__ = ["RULER_VERSION", "RulerConfig", "RulerRecord", "plot_ruler", "ruler_table", "run_ruler_grid",
+           "summarize", "write_ruler"]

@@ -1,0 +1,88 @@
+"""The selection rule of :mod:`confkv.eviction` on hand-made slots with answers worked out by hand.
+
+Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md): every expected
+value below is spelled out, not computed with the code under test.
+"""
+
+import torch
+
+from confkv.eviction import protection_mask, select_kept
+
+
+def test_protection_mask_marks_the_last_protect_positions_and_the_sinks():
+    positions = torch.arange(10).view(1, 1, 10)
+    valid = torch.ones(1, 10, dtype=torch.bool)
+    mask = protection_mask(positions, valid, torch.tensor([9]), protect=3, sinks=2)
+    # recent: 7, 8, 9 (the last 3 positions, 9 included); sinks: 0, 1
+    assert mask[0, 0].tolist() == [True, True, False, False, False, False, False, True, True, True]
+
+
+def test_protection_mask_is_relative_to_each_sequences_current_position():
+    positions = torch.arange(6).expand(2, 1, 6)
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    mask = protection_mask(positions, valid, torch.tensor([5, 3]), protect=2, sinks=0)
+    assert mask[0, 0].tolist() == [False, False, False, False, True, True]
+    # positions 4 and 5 lie after sequence 1's current token 3: they count as recent too
+    assert mask[1, 0].tolist() == [False, False, True, True, True, True]
+
+
+def test_protection_mask_zero_protect_and_zero_sinks_protect_nothing():
+    positions = torch.arange(5).view(1, 1, 5)
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    assert not protection_mask(positions, valid, torch.tensor([4]), protect=0, sinks=0).any()
+
+
+def test_protection_mask_never_protects_invalid_slots():
+    positions = torch.arange(5).view(1, 1, 5)
+    valid = torch.tensor([[False, True, True, True, False]])
+    mask = protection_mask(positions, valid, torch.tensor([4]), protect=2, sinks=1)
+    assert mask[0, 0].tolist() == [False, False, False, True, False]
+
+
+def test_select_kept_keeps_the_best_scores_in_slot_order():
+    scores = torch.tensor([[[0.5, 0.1, 0.9, 0.3, 0.7]]])
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    protected = torch.zeros(1, 1, 5, dtype=torch.bool)
+    index, kept_valid = select_kept(scores, valid, protected, torch.tensor([3]))
+    assert index[0, 0].tolist() == [0, 2, 4]  # 0.5, 0.9, 0.7, in slot order
+    assert kept_valid.tolist() == [[True, True, True]]
+
+
+def test_select_kept_puts_protected_slots_before_higher_scores():
+    scores = torch.tensor([[[0.5, 0.1, 0.9, 0.3, 0.7]]])
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    protected = torch.tensor([[[False, True, False, True, False]]])
+    index, _ = select_kept(scores, valid, protected, torch.tensor([3]))
+    assert index[0, 0].tolist() == [1, 2, 3]  # both protected slots, then the best score 0.9
+
+
+def test_select_kept_never_keeps_invalid_slots_and_clips_to_the_valid_count():
+    scores = torch.tensor([[[9.0, 1.0, 8.0, 2.0]]])
+    valid = torch.tensor([[False, True, False, True]])
+    protected = torch.zeros(1, 1, 4, dtype=torch.bool)
+    index, kept_valid = select_kept(scores, valid, protected, torch.tensor([3]))
+    assert kept_valid.tolist() == [[True, True]]  # only two valid slots
+    assert index[0, 0].tolist() == [1, 3]
+
+
+def test_select_kept_per_sequence_counts_and_per_head_choices():
+    scores = torch.tensor([
+        [[1.0, 4.0, 3.0, 2.0], [4.0, 1.0, 2.0, 3.0]],   # sequence 0, heads 0 and 1
+        [[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]],   # sequence 1
+    ])
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    protected = torch.zeros(2, 2, 4, dtype=torch.bool)
+    index, kept_valid = select_kept(scores, valid, protected, torch.tensor([2, 1]))
+    assert kept_valid.tolist() == [[True, True], [True, False]]
+    assert index[0, 0].tolist() == [1, 2]
+    assert index[0, 1].tolist() == [0, 3]
+    assert index[1, 0, :1].tolist() == [3]
+    assert index[1, 1, :1].tolist() == [0]
+    assert ((index >= 0) & (index < 4)).all()  # the unused entries still point at real slots
+
+
+def test_select_kept_of_nothing():
+    scores = torch.zeros(1, 1, 0)
+    index, kept_valid = select_kept(scores, torch.zeros(1, 0, dtype=torch.bool), torch.zeros(1, 1, 0, dtype=torch.bool),
+                                    torch.tensor([4]))
+    assert index.shape == (1, 1, 0) and kept_valid.shape == (1, 0)

@@ -1,0 +1,109 @@
+"""Per-module table of a mutmut run (``make mutate``), written into docs/MUTATION.md.
+
+Reads mutmut 3's result files (``mutants/**/*.py.meta``: mutant name -> pytest exit code) and
+the equivalent mutants listed in docs/MUTATION.md (lines ``- `<mutant name>`: <reason>``), and
+replaces the text between the ``<!-- mutation-table -->`` markers of docs/MUTATION.md with:
+
+    module | mutants | killed | equivalent | survived | not run | % of non-equivalent killed
+
+* killed: a test failed (exit codes 1/3) or the mutant timed out (it made a test hang);
+* equivalent: survived and listed in docs/MUTATION.md with its reason;
+* survived: survived (exit 0) or no selected test calls its function, and not listed;
+* not run: not checked yet (an interrupted or partial run), excluded from the percentage.
+
+Usage: ``python tools/mutation_table.py [--check]`` (``--check``: print only, do not write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "MUTATION.md"
+BEGIN, END = "<!-- mutation-table -->", "<!-- /mutation-table -->"
+KILLED_CODES = {1, 3, 24, -24, 152, 255, 36}  # test failures, pytest internal error, timeouts
+SURVIVED_CODES = {0, 5, 33}  # passed; no test collected / none calls the function
+EQUIVALENT_LINE = re.compile(r"^- `([\w.ǁ]+__mutmut_\d+)`: \S")
+
+
+def equivalent_mutants(doc: str) -> set[str]:
+    """Mutant names listed as equivalent (one line each, with a reason) in MUTATION.md."""
+    return {m.group(1) for line in doc.splitlines() if (m := EQUIVALENT_LINE.match(line))}
+
+
+def load_results(mutants_dir: Path) -> dict[str, int | None]:
+    """mutant name -> exit code (None: not checked) over every ``.meta`` file."""
+    results: dict[str, int | None] = {}
+    for meta in sorted(mutants_dir.rglob("*.py.meta")):
+        results.update(json.loads(meta.read_text())["exit_code_by_key"])
+    return results
+
+
+def module_of(mutant: str) -> str:
+    """``confkv.policies.h2o.xǁH2OPolicyǁobserve__mutmut_3`` -> ``confkv/policies/h2o.py``."""
+    parts = mutant.split(".")
+    function_index = next(i for i, p in enumerate(parts) if p.startswith("x_") or p.startswith("xǁ"))
+    return "/".join(parts[:function_index]) + ".py"
+
+
+def table(results: dict[str, int | None], equivalent: set[str]) -> tuple[str, list[str]]:
+    """The markdown table and the non-equivalent survivors."""
+    rows: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    survivors = []
+    for name, code in sorted(results.items()):
+        row = rows[module_of(name)]
+        row["mutants"] += 1
+        if code is None or code == 2:
+            row["not run"] += 1
+        elif code in KILLED_CODES:
+            row["killed"] += 1
+        elif name in equivalent:
+            row["equivalent"] += 1
+        else:
+            row["survived"] += 1
+            survivors.append(f"{name} (exit {code})")
+    lines = ["| module | mutants | killed | equivalent | survived | not run | % of non-equivalent killed |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    total: dict[str, int] = defaultdict(int)
+    for module in sorted(rows) + ["**core total**"]:
+        row = total if module == "**core total**" else rows[module]
+        if row is not total:
+            for key, value in row.items():
+                total[key] += value
+        judged = row["killed"] + row["survived"]
+        percent = f"{100 * row['killed'] / judged:.1f}" if judged else "-"
+        lines.append(f"| {module} | {row['mutants']} | {row['killed']} | {row['equivalent']} | "
+                     f"{row['survived']} | {row['not run']} | {percent} |")
+    return "\n".join(lines), survivors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="print the table, do not write docs/MUTATION.md")
+    parser.add_argument("--survivors", action="store_true", help="also list the non-equivalent survivors")
+    args = parser.parse_args(argv)
+    results = load_results(ROOT / "mutants")
+    if not results:
+        print("no mutmut results under mutants/: run `make mutate` first", file=sys.stderr)
+        return 1
+    doc = DOC.read_text()
+    text, survivors = table(results, equivalent_mutants(doc))
+    print(text)
+    if args.survivors:
+        print("\n".join(survivors))
+    if not args.check:
+        if BEGIN not in doc or END not in doc:
+            print(f"{DOC}: markers {BEGIN} / {END} missing", file=sys.stderr)
+            return 1
+        head, rest = doc.split(BEGIN, 1)
+        DOC.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.confkv-installed
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-all install clean mutate
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,5 +27,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not integration"
 	$(PY) -m pytest -q -m integration
 
+# Mutation testing of the core (docs/MUTATION.md): slow (hours on 2 cores), not part of `make test`.
+# mutmut 3 keeps its results in ./mutants/ and resumes where it stopped; `rm -rf mutants` starts afresh.
+# MUTMUT_CHILDREN: parallel mutant workers (default 2); it runs at low priority (nice).
+# MUTANTS: optional name globs, e.g. MUTANTS="confkv.eviction.* confkv.region.*" (one module at a time).
+MUTMUT_CHILDREN ?= 2
+mutate: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTMUT_CHILDREN) $(MUTANTS)
+	$(PY) tools/mutation_table.py
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) mutants

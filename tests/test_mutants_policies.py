@@ -1,0 +1,206 @@
+"""Policies on hand-made statistics: the documented field ranges at their edges, and each
+policy's update and score rules against values worked out by hand.
+
+Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
+"""
+
+import math
+
+import pytest
+import torch
+
+from confkv.errors import ConfigError
+from confkv.policies import UNLIMITED, make_policy
+from confkv.policies.base import Policy
+from confkv.policies.fixed_budget import recent_first, recent_part
+from confkv.policies.registry import policy_parameters
+from confkv.policies.tee import TeePolicy
+
+
+# -- field ranges, at their edges ----------------------------------------------------------------
+@pytest.mark.parametrize("name, params", [
+    ("confkv", {"ema_decay": 0.0}), ("confkv", {"recency_weight": 0.0}), ("confkv", {"recency_halflife": 1e-9}),
+    ("confkv", {"protect": 0, "sinks": 0}), ("confkv", {"protect": 200, "sinks": 55, "n_high": 256}),
+    ("confkv-l", {"beta": 1}), ("confkv-l", {"min_layer_budget": 1, "protect": 0, "sinks": 0, "n_high": 1, "n_low": 1}),
+    ("confkv-l", {"n_high": 64, "min_layer_budget": 64}),
+    ("h2o", {"budget": 1, "protect": 0, "recent_ratio": 0.0}), ("h2o", {"budget": 64, "recent_ratio": 1.0}),
+    ("scissorhands", {"history": 1}), ("scissorhands", {"history": 48}), ("scissorhands", {"threshold": 0.0}),
+    ("scissorhands", {"threshold": 0.999}),
+    ("random", {"seed": -3}), ("window", {"budget": 1}), ("tova", {"budget": 1}),
+])
+def test_values_at_the_edge_of_their_range_are_accepted(name, params):
+    make_policy(name, **params)
+
+
+@pytest.mark.parametrize("name, params, field", [
+    ("confkv", {"ema_decay": 1.0}, "ema_decay"), ("confkv", {"ema_decay": -0.01}, "ema_decay"),
+    ("confkv", {"recency_weight": -1e-9}, "recency_weight"), ("confkv", {"recency_weight": math.inf}, "recency_weight"),
+    ("confkv", {"recency_halflife": 0.0}, "recency_halflife"), ("confkv", {"recency_halflife": math.inf}, "recency_halflife"),
+    ("confkv", {"protect": -1}, "protect"), ("confkv", {"sinks": -1}, "sinks"), ("confkv", {"protect": True}, "protect"),
+    ("confkv", {"protect": 255, "n_high": 256, "sinks": 1}, "sinks"),
+    ("confkv", {"protect": 256, "n_high": 256, "sinks": 0}, "protect"),
+    ("confkv-l", {"beta": 0.99}, "beta"), ("confkv-l", {"beta": True}, "beta"), ("confkv-l", {"beta": math.inf}, "beta"),
+    ("confkv-l", {"min_layer_budget": 0}, "min_layer_budget"), ("confkv-l", {"min_layer_budget": True}, "min_layer_budget"),
+    ("confkv-l", {"n_high": 63, "min_layer_budget": 64}, "n_high"),
+    ("confkv-l", {"n_high": 36, "min_layer_budget": 1, "protect": 32, "sinks": 4}, "n_high"),
+    ("h2o", {"budget": 0}, "budget"), ("h2o", {"budget": True}, "budget"), ("h2o", {"recent_ratio": 1.01}, "recent_ratio"),
+    ("h2o", {"recent_ratio": -0.01}, "recent_ratio"), ("h2o", {"recent_ratio": math.nan}, "recent_ratio"),
+    ("h2o", {"recent_ratio": True}, "recent_ratio"),
+    ("h2o", {"budget": 8, "protect": 4, "sinks": 1, "recent_ratio": 1.0}, "sinks"),
+    ("scissorhands", {"history": 0}, "history"), ("scissorhands", {"history": 49}, "history"),
+    ("scissorhands", {"history": True}, "history"), ("scissorhands", {"threshold": 1.0}, "threshold"),
+    ("scissorhands", {"threshold": -0.1}, "threshold"), ("scissorhands", {"recent_ratio": 2.0}, "recent_ratio"),
+    ("scissorhands", {"budget": 8, "protect": 4, "sinks": 1, "recent_ratio": 1.0}, "sinks"),
+    ("random", {"seed": True}, "seed"), ("random", {"seed": 1.0}, "seed"),
+])
+def test_values_out_of_range_name_the_field(name, params, field):
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        make_policy(name, **params)
+
+
+def test_recent_part_and_recent_first():
+    assert recent_part(100, 10, 0.25) == 25
+    assert recent_part(100, 30, 0.25) == 30      # the protection window wins
+    assert recent_part(20, 30, 0.0) == 20        # never more than the budget
+    assert recent_part(10, 0, 0.35) == 4         # round(3.5) = 4 (banker's rounding: even)
+    positions = torch.arange(6).view(1, 1, 6)
+    scores = recent_first(torch.arange(6.0).flip(0).view(1, 1, 6), positions, torch.tensor([5]), n_recent=2)
+    assert scores[0, 0].tolist() == [5.0, 4.0, 3.0, 2.0, math.inf, math.inf]
+
+
+# -- update and score rules, by hand ---------------------------------------------------------------
+def test_confkv_ema_update_and_recency_score_by_hand():
+    policy = make_policy("confkv", ema_decay=0.75, recency_weight=0.5, recency_halflife=2.0)
+    ema = torch.tensor([[[0.2, 0.0, 1.0]]])
+    stats = {"ema": ema}
+    policy.observe(stats, torch.tensor([[[0.6, 0.9, 0.0]]]), num_queries=3)
+    # ema <- 0.75 ema + 0.25 * mass / 3
+    assert stats["ema"] is ema
+    assert torch.allclose(ema, torch.tensor([[[0.15 + 0.05, 0.075, 0.75]]]))
+    positions = torch.tensor([[[3, 5, 9]]])
+    scores = policy.scores(stats, positions, torch.tensor([7]))
+    # age = 4, 2, 0 (a later position counts as age 0): bonus 0.5 * 2^(-age/2)
+    expected = [0.2 + 0.5 * 0.25, 0.075 + 0.5 * 0.5, 0.75 + 0.5 * 1.0]
+    assert scores[0, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    policy.observe(stats, torch.ones(1, 1, 3), num_queries=0)  # zero queries count as one
+    assert stats["ema"][0, 0, 1].item() == pytest.approx(0.75 * 0.075 + 0.25, abs=1e-6)
+
+
+def test_confkv_budgets_follow_the_gate_at_tau():
+    policy = make_policy("confkv", tau=0.5, n_high=100, n_low=300)
+    budgets = policy.layer_budgets(torch.tensor([0.5, 0.4999, 1.0]), 2)
+    assert budgets.tolist() == [[100, 100], [300, 300], [100, 100]] and budgets.dtype == torch.int64
+    assert (policy.min_budget(), policy.max_budget()) == (100, 300)
+
+
+def test_confkv_l_budgets_bounds_and_gate():
+    policy = make_policy("confkv-l", tau=0.5, n_high=100, n_low=200, beta=4.0, min_layer_budget=40)
+    assert policy.floor == 40 and policy.min_budget() == 40
+    assert policy.max_budget() == math.ceil(2 * 200 - 200 / 4.0)
+    assert make_policy("confkv-l", protect=60, sinks=10, min_layer_budget=5, n_high=100).floor == 71
+    budgets = policy.layer_budgets(torch.tensor([0.5, 0.2]), 3)
+    # k=200: hi = 2k - k/4 = 350, lo = k/4 = 50 -> 350, 200, 50.
+    # k=100: 175, 100, 25; the last layer is raised to the floor 40 and the deficit 15 is taken
+    # from the others in proportion to their excess (135, 60): 164.6, 95.4, 40 -> 165, 95, 40.
+    assert budgets.tolist() == [[165, 95, 40], [350, 200, 50]]
+    assert policy.pyramid(100, 3) == [165, 95, 40]
+
+
+def test_fixed_budget_policies_report_their_budget():
+    for name in ("h2o", "tova", "window", "random", "scissorhands", "confkv-fixed"):
+        policy = make_policy(name, budget=77)
+        assert (policy.min_budget(), policy.max_budget()) == (77, 77), name
+        assert policy.layer_budgets(torch.zeros(2), 3).tolist() == [[77] * 3] * 2, name
+    assert (make_policy("full").min_budget(), make_policy("full").max_budget()) == (UNLIMITED, UNLIMITED)
+    assert make_policy("full").layer_budgets(torch.zeros(1), 2).tolist() == [[UNLIMITED] * 2]
+
+
+def test_base_policy_scores_are_positions():
+    positions = torch.tensor([[[4, 1, 7]]])
+    assert Policy().scores({}, positions, torch.tensor([7])).tolist() == [[[4.0, 1.0, 7.0]]]
+    assert make_policy("window", budget=4).scores({}, positions, torch.tensor([7])).dtype == torch.float32
+
+
+def test_h2o_accumulates_and_tova_keeps_only_the_last_mean():
+    h2o = make_policy("h2o", budget=8, protect=1, recent_ratio=0.25)
+    stats = {"acc": torch.zeros(1, 1, 4)}
+    h2o.observe(stats, torch.tensor([[[0.1, 0.2, 0.3, 0.4]]]), 1)
+    h2o.observe(stats, torch.tensor([[[0.4, 0.3, 0.2, 0.1]]]), 2)
+    assert torch.allclose(stats["acc"], torch.full((1, 1, 4), 0.5))
+    assert h2o.n_recent == 2
+    scores = h2o.scores(stats, torch.arange(4).view(1, 1, 4), torch.tensor([3]))
+    assert scores[0, 0].tolist() == [0.5, 0.5, math.inf, math.inf]
+    tova = make_policy("tova", budget=8)
+    stats = {"attn": torch.full((1, 2, 3), 9.0)}
+    tova.observe(stats, torch.tensor([[[0.2, 0.4, 0.6], [0.6, 0.0, 0.2]]]), 2)
+    # mean over the two heads, per query (2 queries): [0.4, 0.2, 0.4] / 2
+    assert torch.allclose(stats["attn"], torch.tensor([[[0.2, 0.1, 0.2]] * 2]))
+    tova.observe(stats, torch.tensor([[[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]]), 0)
+    assert torch.allclose(stats["attn"], torch.tensor([[[1.0, 0.0, 0.0]] * 2]))
+    assert tova.scores(stats, torch.zeros(1, 2, 3, dtype=torch.int64), torch.tensor([0])) is stats["attn"]
+
+
+def test_scissorhands_counts_hits_above_threshold_per_query():
+    policy = make_policy("scissorhands", budget=10, history=3, protect=2, recent_ratio=0.2)
+    assert policy.effective_threshold == pytest.approx(0.1) and policy.n_recent == 2
+    assert make_policy("scissorhands", budget=10, protect=2, threshold=0.3).effective_threshold == 0.3
+    stats = {name: torch.zeros(1, 1, 3) for name in policy.stat_names}
+    hits = [[0.5, 0.1, 0.0], [0.5, 0.3, 0.0], [0.0, 0.3, 0.0], [0.0, 0.3, 0.0], [0.0, 0.0, 0.0]]
+    counts = []
+    for mass in hits:  # two queries: the mean mass is compared with 0.1
+        policy.observe(stats, torch.tensor([[mass]]), 2)
+        counts.append(stats["sh_count"][0, 0].tolist())
+    # slot 0: hits at passes 0, 1 -> counts 1, 2, 2, 1 (pass 0 left the 3-pass window), 0
+    # slot 1: mean 0.05, 0.15, 0.15, 0.15, 0 -> 0, 1, 2, 3, 2
+    assert counts == [[1, 0, 0], [2, 1, 0], [2, 2, 0], [1, 3, 0], [0, 2, 0]]
+    scores = policy.scores(stats, torch.tensor([[[0, 1, 2]]]), torch.tensor([5]))
+    # count + 0.5 * position / (current + 1); nothing recent (ages 5, 4, 3 >= 2)
+    assert scores[0, 0].tolist() == pytest.approx([0.0, 2 + 0.5 / 6, 1 / 6])
+
+
+def test_random_scores_are_uniform_draws_in_unit_interval():
+    policy = make_policy("random", budget=64, seed=5)
+    positions = torch.arange(4000).view(1, 1, 4000)
+    u = policy.scores({}, positions, torch.tensor([3999]))
+    assert u.dtype == torch.float32 and u.shape == (1, 1, 4000)
+    assert 0.0 <= u.min().item() and u.max().item() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.02 and abs(u.var().item() - 1 / 12) < 0.01
+    assert len(set(u.flatten().tolist())) > 3990  # distinct draws per position
+
+
+def test_registry_parameters_and_flat_gate_fields():
+    params = policy_parameters("confkv")
+    assert params["tau"] == 0.5 and params["n_high"] == 256 and params["n_low"] == 512 and params["smoothing"] == 0.0
+    assert params["w_entropy"] == 0.4 and params["margin_form"] == "centered"
+    assert params["protect"] == 32 and params["sinks"] == 4 and "gate" not in params
+    assert policy_parameters("window") == {"protect": 0, "sinks": 0, "budget": 512}
+    policy = make_policy("confkv", tau=0.7, w_top=0.5, margin_form="sigmoid", ema_decay=0.5)
+    assert policy.gate.tau == 0.7 and policy.gate.n_high == 256 and policy.gate.confidence.w_top == 0.5
+    assert policy.gate.confidence.margin_form == "sigmoid" and policy.gate.confidence.w_entropy == 0.4
+    assert policy.ema_decay == 0.5
+    same = make_policy(policy)
+    assert same is policy
+    with pytest.raises(ConfigError, match="not both"):
+        make_policy(policy, tau=0.1)
+    with pytest.raises(ConfigError, match=r"^tau: not a parameter of policy 'window'; its parameters are: budget, protect, sinks$"):
+        make_policy("window", tau=0.1)
+    with pytest.raises(ConfigError, match=r"^policy: unknown policy 'nope'; known policies: confkv, confkv-fixed"):
+        make_policy("nope")
+
+
+def test_tee_names_its_members_statistics_and_feeds_each():
+    h2o, tova, window = make_policy("h2o", budget=64), make_policy("tova", budget=64, protect=5), make_policy("window")
+    tee = TeePolicy.of([h2o, window, tova])
+    assert tee.protect == 32 and tee.name == "tee" and tee.needs_attention
+    assert tee.stat_names == ("0.acc", "2.attn")
+    assert not TeePolicy.of([window]).needs_attention
+    stats = {"0.acc": torch.zeros(1, 1, 2), "2.attn": torch.zeros(1, 1, 2)}
+    tee.observe(stats, torch.tensor([[[0.25, 0.75]]]), 1)
+    tee.observe(stats, torch.tensor([[[0.5, 0.5]]]), 1)
+    assert stats["0.acc"].tolist() == [[[0.75, 1.25]]] and stats["2.attn"].tolist() == [[[0.5, 0.5]]]
+    assert tee.member_stats(2, stats) == {"attn": stats["2.attn"]}
+    assert tee.layer_budgets(torch.zeros(1), 1).tolist() == [[UNLIMITED]]
+    with pytest.raises(ValueError, match="non-empty"):
+        TeePolicy(members=())
+    with pytest.raises(ValueError, match="non-empty"):
+        TeePolicy(members=(h2o, "window"))

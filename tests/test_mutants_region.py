@@ -122,3 +122,11 @@ def test_select_batch_picks_rows_of_every_tensor():
     assert select_batch(region, torch.tensor([0])).dense is False
     region.dense = True
     assert select_batch(region, torch.tensor([0])).dense is True
+
+
+def test_select_batch_of_a_full_precision_region_has_no_scales():
+    region = Region(keys=torch.arange(12.0).view(3, 1, 2, 2), values=-torch.arange(12.0).view(3, 1, 2, 2),
+                    positions=torch.arange(6).view(3, 1, 2), valid=torch.ones(3, 2, dtype=torch.bool))
+    picked = select_batch(region, torch.tensor([1]))
+    assert picked.key_scale is None and picked.value_scale is None
+    assert picked.keys.tolist() == [[[[4.0, 5.0], [6.0, 7.0]]]] and picked.positions.tolist() == [[[2, 3]]]

@@ -51,3 +51,44 @@ def test_store_without_profiling_records_nothing():
     for _ in range(10):
         _step(store, gen, budget=6)
     assert profiling.ACTIVE is None and store.kept_list() == [6]
+
+
+def test_bookkeeping_bytes_by_hand():
+    store = LayerStore(make_policy("h2o", budget=6, protect=2), StoreConfig(kv_int8=True, fp_window=2, move_block=1))
+    assert store.bookkeeping_bytes() == 0 and store.kv_bytes() == 0
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(9):
+        _step(store, gen, budget=6, batch=2)
+    old, recent = store.old.length, store.recent.length
+    assert (old, recent) == (4, 2)
+    # per slot and head: an int64 position and one float32 statistic ("acc"); per slot: a bool
+    per_slot = 2 * 2 * (8 + 4) + 2 * 1
+    assert store.bookkeeping_bytes() == (old + recent) * per_slot
+    # int8 old slots: 2 heads * (4 + 4 + 2 * 4) bytes per row; fp32 recent: 2 heads * 2 * 4 * 4; channel scale
+    assert store.kv_bytes() == 2 * (old * 2 * (4 + 4 + 8) + recent * 2 * 2 * 4 * 4 + 2 * 4 * 4)
+
+
+def test_select_batch_keeps_the_chosen_rows_of_every_part():
+    store = LayerStore(make_policy("h2o", budget=6, protect=2), StoreConfig(kv_int8=True, fp_window=2, move_block=1))
+    LayerStore(make_policy("full"), StoreConfig()).select_batch(torch.tensor([0]))  # nothing stored yet: no-op
+    gen = torch.Generator().manual_seed(3)
+    padding = torch.tensor([[True], [True], [False]])
+    _step(store, gen, budget=6, batch=3, padding=padding)
+    for _ in range(8):
+        _step(store, gen, budget=6, batch=3)
+    before = {"old": store.old, "recent": store.recent, "seen": store.seen_real.clone(),
+              "scale": store.channel_scale.clone()}
+    store.select_batch(torch.tensor([2, 0]))
+    assert store.seen_real.tolist() == [before["seen"][2].item(), before["seen"][0].item()] == [8, 9]
+    assert torch.equal(store.channel_scale, before["scale"][[2, 0]])
+    for name in ("old", "recent"):
+        region, was = getattr(store, name), before[name]
+        assert torch.equal(region.keys, was.keys[[2, 0]]) and torch.equal(region.positions, was.positions[[2, 0]])
+        assert torch.equal(region.valid, was.valid[[2, 0]])
+    assert torch.equal(store.old.key_scale, before["old"].key_scale[[2, 0]])
+    fp = LayerStore(make_policy("window", budget=5), StoreConfig())
+    for _ in range(3):
+        _step(fp, gen, budget=5, batch=2)
+    keys = fp.recent.keys.clone()
+    fp.select_batch(torch.tensor([1]))
+    assert torch.equal(fp.recent.keys, keys[[1]]) and fp.channel_scale is None and fp.old.key_scale is None

@@ -45,10 +45,12 @@ def load_results(mutants_dir: Path) -> dict[str, int | None]:
 
 
 def module_of(mutant: str) -> str:
-    """``confkv.policies.h2o.xǁH2OPolicyǁobserve__mutmut_3`` -> ``confkv/policies/h2o.py``."""
+    """``confkv.policies.h2o.xǁH2OPolicyǁobserve__mutmut_3`` -> ``confkv/policies/h2o.py``;
+    a package's own functions (mutmut drops ``__init__``) -> ``confkv/attention/__init__.py``."""
     parts = mutant.split(".")
     function_index = next(i for i, p in enumerate(parts) if p.startswith("x_") or p.startswith("xǁ"))
-    return "/".join(parts[:function_index]) + ".py"
+    module = "/".join(parts[:function_index])
+    return f"{module}/__init__.py" if (ROOT / module).is_dir() else f"{module}.py"
 
 
 def table(results: dict[str, int | None], equivalent: set[str]) -> tuple[str, list[str]]:

@@ -94,3 +94,9 @@ def test_a_single_token_vocabulary_is_certain():
 def test_logits_must_be_two_dimensional():
     with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\], got shape \(5,\)"):
         confidence(torch.zeros(5))
+
+
+def test_nan_warning_points_at_the_callers_line():
+    with pytest.warns(RuntimeWarning) as record:
+        confidence(torch.tensor([[math.nan, 0.0]]))
+    assert record[0].filename == __file__  # stacklevel 2: the line that called confidence()

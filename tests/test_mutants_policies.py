@@ -204,3 +204,20 @@ def test_tee_names_its_members_statistics_and_feeds_each():
         TeePolicy(members=())
     with pytest.raises(ValueError, match="non-empty"):
         TeePolicy(members=(h2o, "window"))
+
+
+def test_register_makes_a_policy_reachable_by_name():
+    from dataclasses import dataclass
+
+    from confkv.policies import POLICIES, register
+
+    @dataclass(frozen=True)
+    class KeepOldest(Policy):
+        name = "test-keep-oldest"
+
+    try:
+        assert register(KeepOldest) is KeepOldest
+        assert POLICIES["test-keep-oldest"] is KeepOldest
+        assert isinstance(make_policy("test-keep-oldest", protect=3), KeepOldest)
+    finally:
+        POLICIES.pop("test-keep-oldest", None)

@@ -4,11 +4,12 @@ Reads mutmut 3's result files (``mutants/**/*.py.meta``: mutant name -> pytest e
 the equivalent mutants listed in docs/MUTATION.md (lines ``- `<mutant name>`: <reason>``), and
 replaces the text between the ``<!-- mutation-table -->`` markers of docs/MUTATION.md with:
 
-    module | mutants | killed | equivalent | survived | not run | % of non-equivalent killed
+    module | mutants | killed | timeout | equivalent | survived | not run | % of non-equivalent killed
 
-* killed: a test failed (exit codes 1/3) or the mutant timed out (it made a test hang);
+* killed: a test failed (exit codes 1/3);
+* timeout: mutmut stopped the tests at its CPU-time limit (counted as killed, as mutmut does);
 * equivalent: survived and listed in docs/MUTATION.md with its reason;
-* survived: survived (exit 0) or no selected test calls its function, and not listed;
+* survived: survived (exit 0), no selected test calls its function, or any other outcome, and not listed;
 * not run: not checked yet (an interrupted or partial run), excluded from the percentage.
 
 Usage: ``python tools/mutation_table.py [--check]`` (``--check``: print only, do not write).
@@ -26,8 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "MUTATION.md"
 BEGIN, END = "<!-- mutation-table -->", "<!-- /mutation-table -->"
-KILLED_CODES = {1, 3, 24, -24, 152, 255, 36}  # test failures, pytest internal error, timeouts
-SURVIVED_CODES = {0, 5, 33}  # passed; no test collected / none calls the function
+KILLED_CODES = {1, 3}  # test failures, pytest internal error
+TIMEOUT_CODES = {24, -24, 152, 255, 36}
 EQUIVALENT_LINE = re.compile(r"^- `([\w.ǁ]+__mutmut_\d+)`: \S")
 
 
@@ -64,22 +65,24 @@ def table(results: dict[str, int | None], equivalent: set[str]) -> tuple[str, li
             row["not run"] += 1
         elif code in KILLED_CODES:
             row["killed"] += 1
+        elif code in TIMEOUT_CODES:
+            row["timeout"] += 1
         elif name in equivalent:
             row["equivalent"] += 1
         else:
             row["survived"] += 1
             survivors.append(f"{name} (exit {code})")
-    lines = ["| module | mutants | killed | equivalent | survived | not run | % of non-equivalent killed |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| module | mutants | killed | timeout | equivalent | survived | not run | % of non-equivalent killed |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     total: dict[str, int] = defaultdict(int)
     for module in sorted(rows) + ["**core total**"]:
         row = total if module == "**core total**" else rows[module]
         if row is not total:
             for key, value in row.items():
                 total[key] += value
-        judged = row["killed"] + row["survived"]
-        percent = f"{100 * row['killed'] / judged:.1f}" if judged else "-"
-        lines.append(f"| {module} | {row['mutants']} | {row['killed']} | {row['equivalent']} | "
+        judged = row["killed"] + row["timeout"] + row["survived"]
+        percent = f"{100 * (row['killed'] + row['timeout']) / judged:.1f}" if judged else "-"
+        lines.append(f"| {module} | {row['mutants']} | {row['killed']} | {row['timeout']} | {row['equivalent']} | "
                      f"{row['survived']} | {row['not run']} | {percent} |")
     return "\n".join(lines), survivors
 

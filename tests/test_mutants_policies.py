@@ -221,3 +221,28 @@ def test_register_makes_a_policy_reachable_by_name():
         assert isinstance(make_policy("test-keep-oldest", protect=3), KeepOldest)
     finally:
         POLICIES.pop("test-keep-oldest", None)
+
+
+def _mix32_by_hand(x: int) -> int:
+    mask = 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & mask
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & mask
+    return (x >> 16) ^ x
+
+
+@pytest.mark.parametrize("seed", [0, 7, -3])
+def test_random_draws_are_the_documented_hash(seed):
+    """Pinned so that recorded random-baseline results stay reproducible: ``u = hash(seed,
+    position, current_position, kv_head) / 2**32`` with the 32-bit mixer, in plain Python ints."""
+    mask = 0xFFFFFFFF
+    positions = torch.tensor([0, 1, 5, 1000, 2**33 + 5]).expand(2, 3, 5)  # [B=2, Hkv=3, L=5]
+    current = torch.tensor([2**33 + 9, 17])
+    u = make_policy("random", budget=64, seed=seed).scores({}, positions, current)
+    for b in range(2):
+        for head in range(3):
+            for j in range(5):
+                h = _mix32_by_hand(seed & mask)
+                h = _mix32_by_hand(h ^ (int(positions[b, head, j]) & mask))
+                h = _mix32_by_hand(h ^ (int(current[b]) & mask))
+                h = _mix32_by_hand(h ^ head)
+                assert u[b, head, j].item() == torch.tensor(h / 2**32, dtype=torch.float32).item()

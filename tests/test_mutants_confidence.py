@@ -100,3 +100,8 @@ def test_nan_warning_points_at_the_callers_line():
     with pytest.warns(RuntimeWarning) as record:
         confidence(torch.tensor([[math.nan, 0.0]]))
     assert record[0].filename == __file__  # stacklevel 2: the line that called confidence()
+
+
+@pytest.mark.parametrize("row", [[1.0, 0.0], [0.0, 0.0], [3.0, -2.0]])
+def test_a_two_token_vocabulary_uses_the_formula(row):
+    assert confidence(torch.tensor([row])).item() == pytest.approx(_by_hand(row), abs=1e-6)

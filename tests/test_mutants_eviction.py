@@ -86,3 +86,18 @@ def test_select_kept_of_nothing():
     index, kept_valid = select_kept(scores, torch.zeros(1, 0, dtype=torch.bool), torch.zeros(1, 1, 0, dtype=torch.bool),
                                     torch.tensor([4]))
     assert index.shape == (1, 1, 0) and kept_valid.shape == (1, 0)
+
+
+def test_select_kept_clips_each_sequence_to_its_own_valid_count():
+    scores = torch.tensor([[[5.0, 1.0, 2.0, 3.0]], [[1.0, 2.0, 3.0, 4.0]]])
+    valid = torch.tensor([[False, True, False, False], [True, True, True, True]])
+    protected = torch.zeros(2, 1, 4, dtype=torch.bool)
+    index, kept_valid = select_kept(scores, valid, protected, torch.tensor([3, 3]))
+    assert kept_valid.tolist() == [[True, False, False], [True, True, True]]  # sequence 0 has one valid slot
+    assert index[0, 0, 0].item() == 1 and index[1, 0].tolist() == [1, 2, 3]
+
+
+def test_select_kept_of_an_empty_batch():
+    index, kept_valid = select_kept(torch.zeros(0, 2, 3), torch.zeros(0, 3, dtype=torch.bool),
+                                    torch.zeros(0, 2, 3, dtype=torch.bool), torch.zeros(0, dtype=torch.int64))
+    assert index.shape == (0, 2, 0) and kept_valid.shape == (0, 0)

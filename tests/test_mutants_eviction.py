@@ -101,3 +101,15 @@ def test_select_kept_of_an_empty_batch():
     index, kept_valid = select_kept(torch.zeros(0, 2, 3), torch.zeros(0, 3, dtype=torch.bool),
                                     torch.zeros(0, 2, 3, dtype=torch.bool), torch.zeros(0, dtype=torch.int64))
     assert index.shape == (0, 2, 0) and kept_valid.shape == (0, 0)
+
+
+def test_select_kept_shorter_sequences_get_their_best_slots_not_any_of_the_widest():
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(2, 1, 1000, generator=gen)
+    valid = torch.ones(2, 1000, dtype=torch.bool)
+    protected = torch.zeros(2, 1, 1000, dtype=torch.bool)
+    index, kept_valid = select_kept(scores, valid, protected, torch.tensor([600, 5]))
+    best5 = sorted(sorted(range(1000), key=lambda j: -scores[1, 0, j].item())[:5])
+    assert kept_valid[1].sum().item() == 5 and index[1, 0, :5].tolist() == best5
+    best600 = sorted(sorted(range(1000), key=lambda j: -scores[0, 0, j].item())[:600])
+    assert index[0, 0].tolist() == best600

@@ -34,7 +34,7 @@ test: $(STAMP)
 MUTMUT_CHILDREN ?= 2
 mutate: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTMUT_CHILDREN) $(MUTANTS)
-	$(PY) tools/mutation_table.py
+	$(PY) benchmarks/mutation_table.py
 
 clean:
 	rm -rf $(VENV) mutants

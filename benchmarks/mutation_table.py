@@ -12,7 +12,7 @@ replaces the text between the ``<!-- mutation-table -->`` markers of docs/MUTATI
 * survived: survived (exit 0), no selected test calls its function, or any other outcome, and not listed;
 * not run: not checked yet (an interrupted or partial run), excluded from the percentage.
 
-Usage: ``python tools/mutation_table.py [--check]`` (``--check``: print only, do not write).
+Usage: ``python benchmarks/mutation_table.py [--check]`` (``--check``: print only, do not write).
 """
 
 from __future__ import annotations

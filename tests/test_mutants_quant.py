@@ -3,6 +3,7 @@
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 """
 
+import pytest
 import torch
 
 from confkv.quant import (
@@ -86,3 +87,10 @@ def test_byte_counts_per_token():
     assert fp_bytes_per_token(2, 8, torch.float16) == 2 * 16 * 2
     assert fp_bytes_per_token(3, 4, torch.float32) == 2 * 12 * 4
     assert channel_scale_bytes(2, 8) == 64
+
+
+def test_channel_scale_floor_for_small_keys_and_half_precision_input():
+    keys = torch.tensor([[[[0.5, 0.001, -0.25]]]], dtype=torch.float16)  # head max 0.5 -> floor 0.005
+    scale = key_channel_scale(keys)
+    assert scale.dtype == torch.float32
+    assert scale[0, 0].tolist() == pytest.approx([0.5, 0.005, 0.25], rel=1e-3)

@@ -94,3 +94,14 @@ def test_channel_scale_floor_for_small_keys_and_half_precision_input():
     scale = key_channel_scale(keys)
     assert scale.dtype == torch.float32
     assert scale[0, 0].tolist() == pytest.approx([0.5, 0.005, 0.25], rel=1e-3)
+
+
+def test_half_precision_values_get_float32_scales():
+    q, scale = quantize_values(torch.tensor([[[[1.0, -2.0, 0.5]]]], dtype=torch.float16))
+    assert scale.dtype == torch.float32 and q.tolist() == [[[[64, -127, 32]]]]
+
+
+def test_a_row_whose_scale_underflows_to_zero_stores_zero_codes():
+    tiny = torch.tensor([[[[1e-44, -1e-44, 0.0]]]])  # subnormal: absmax / 127 rounds to 0
+    q, scale = quantize_values(tiny)
+    assert scale.tolist() == [[[0.0]]] and q.tolist() == [[[[0, 0, 0]]]]

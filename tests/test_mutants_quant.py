@@ -105,3 +105,8 @@ def test_a_row_whose_scale_underflows_to_zero_stores_zero_codes():
     tiny = torch.tensor([[[[1e-44, -1e-44, 0.0]]]])  # subnormal: absmax / 127 rounds to 0
     q, scale = quantize_values(tiny)
     assert scale.tolist() == [[[0.0]]] and q.tolist() == [[[[0, 0, 0]]]]
+
+
+def test_channel_scale_of_no_token_lives_on_the_keys_device():
+    meta = torch.device("meta")  # a device other than the default CPU, available everywhere
+    assert key_channel_scale(torch.zeros(2, 3, 0, 4, device=meta)).device == meta

@@ -130,3 +130,11 @@ def test_select_batch_of_a_full_precision_region_has_no_scales():
     picked = select_batch(region, torch.tensor([1]))
     assert picked.key_scale is None and picked.value_scale is None
     assert picked.keys.tolist() == [[[[4.0, 5.0], [6.0, 7.0]]]] and picked.positions.tolist() == [[[2, 3]]]
+
+
+def test_empty_region_lives_on_the_requested_device():
+    meta = torch.device("meta")  # a device other than the default CPU, available everywhere
+    region = Region.empty(2, 3, 4, torch.float16, meta, ("ema",), int8=True)
+    tensors = [region.keys, region.values, region.positions, region.valid, region.stats["ema"],
+               region.key_scale, region.value_scale]
+    assert all(t.device == meta for t in tensors)

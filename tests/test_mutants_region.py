@@ -50,6 +50,7 @@ def test_gather_moves_int8_bytes_scales_positions_and_stats_per_head():
                 assert kept.value_scale[b, h, k] == code + 0.25
                 assert kept.stats["ema"][b, h, k] == torch.tensor(code / 1000, dtype=torch.float32)
     assert kept.valid is valid and kept.dense is False
+    assert region.gather(index, valid).dense is False  # by default the result is not promised dense (the safe side)
     assert kept.gather(torch.zeros(2, 2, 1, dtype=torch.int64), valid[:, :1], dense=True).dense is True
 
 

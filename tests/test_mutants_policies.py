@@ -246,3 +246,29 @@ def test_random_draws_are_the_documented_hash(seed):
                 h = _mix32_by_hand(h ^ (int(current[b]) & mask))
                 h = _mix32_by_hand(h ^ head)
                 assert u[b, head, j].item() == torch.tensor(h / 2**32, dtype=torch.float32).item()
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"beta": 0.5}, r"^beta: must be a number >= 1, got 0\.5$"),
+    ({"min_layer_budget": 0}, r"^min_layer_budget: must be a positive integer, got 0$"),
+    ({"n_high": 50}, r"^n_high: the tight budget n_high=50 .* raise n_high or lower the floor$"),
+])
+def test_confkv_l_errors_say_what_to_change(params, message):
+    with pytest.raises(ConfigError, match=message):
+        make_policy("confkv-l", **params)
+
+
+def test_tee_of_takes_the_widest_member_protection():
+    tee = TeePolicy.of([make_policy("h2o", budget=64, protect=5), make_policy("tova", budget=64, protect=7)])
+    assert tee.protect == 7
+    with pytest.raises(ValueError, match=r"^TeePolicy needs a non-empty tuple of Policy members$"):
+        TeePolicy.of([])
+
+
+def test_tova_layer_mean_per_sequence_in_a_batch():
+    tova = make_policy("tova", budget=8)
+    mass = torch.tensor([[[0.2, 0.8], [0.4, 0.6]],
+                         [[1.0, 0.0], [0.0, 1.0]]])  # [B=2, H=2, L=2]
+    stats = {"attn": torch.zeros(2, 2, 2)}
+    tova.observe(stats, mass, 1)
+    assert torch.allclose(stats["attn"], torch.tensor([[[0.3, 0.7]] * 2, [[0.5, 0.5]] * 2]))

@@ -272,3 +272,10 @@ def test_tova_layer_mean_per_sequence_in_a_batch():
     stats = {"attn": torch.zeros(2, 2, 2)}
     tova.observe(stats, mass, 1)
     assert torch.allclose(stats["attn"], torch.tensor([[[0.3, 0.7]] * 2, [[0.5, 0.5]] * 2]))
+
+
+def test_scissorhands_counts_only_attention_strictly_above_the_threshold():
+    policy = make_policy("scissorhands", budget=10, protect=2, threshold=0.25, recent_ratio=0.2)
+    stats = {name: torch.zeros(1, 1, 3) for name in policy.stat_names}
+    policy.observe(stats, torch.tensor([[[0.25, 0.5, 0.25]]]), 1)  # 0.25 is exact in binary
+    assert stats["sh_count"].tolist() == [[[0.0, 1.0, 0.0]]]

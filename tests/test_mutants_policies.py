@@ -279,3 +279,10 @@ def test_scissorhands_counts_only_attention_strictly_above_the_threshold():
     stats = {name: torch.zeros(1, 1, 3) for name in policy.stat_names}
     policy.observe(stats, torch.tensor([[[0.25, 0.5, 0.25]]]), 1)  # 0.25 is exact in binary
     assert stats["sh_count"].tolist() == [[[0.0, 1.0, 0.0]]]
+
+
+def test_random_draws_follow_the_positions_device():
+    meta = torch.device("meta")  # a device other than the default CPU, available everywhere
+    positions = torch.arange(5, device=meta).expand(2, 3, 5)
+    u = make_policy("random", budget=64).scores({}, positions, torch.tensor([4, 4]))  # current position on CPU
+    assert u.device == meta and u.shape == (2, 3, 5)

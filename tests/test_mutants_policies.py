@@ -286,3 +286,17 @@ def test_random_draws_follow_the_positions_device():
     positions = torch.arange(5, device=meta).expand(2, 3, 5)
     u = make_policy("random", budget=64).scores({}, positions, torch.tensor([4, 4]))  # current position on CPU
     assert u.device == meta and u.shape == (2, 3, 5)
+
+
+@pytest.mark.parametrize("name, field, value", [
+    ("random", "seed", 1.5), ("scissorhands", "history", 0), ("scissorhands", "threshold", 1.0),
+    ("scissorhands", "recent_ratio", 2.0), ("h2o", "recent_ratio", -1.0), ("h2o", "budget", 0),
+    ("confkv", "ema_decay", 1.0), ("confkv", "recency_weight", -1.0), ("confkv", "recency_halflife", 0.0),
+    ("confkv", "protect", -1), ("confkv", "sinks", -2), ("confkv-l", "beta", 0.5),
+    ("confkv-l", "min_layer_budget", 0),
+])
+def test_range_errors_say_what_is_allowed_and_what_was_given(name, field, value):
+    import re
+
+    with pytest.raises(ConfigError, match=rf"^{field}: must .*, got {re.escape(repr(value))}$"):
+        make_policy(name, **{field: value})

@@ -300,3 +300,15 @@ def test_range_errors_say_what_is_allowed_and_what_was_given(name, field, value)
 
     with pytest.raises(ConfigError, match=rf"^{field}: must .*, got {re.escape(repr(value))}$"):
         make_policy(name, **{field: value})
+
+
+def test_pyramid_defaults_are_beta_20_and_no_floor():
+    from confkv.policies.pyramid import pyramid_budgets
+
+    assert pyramid_budgets(100, 3) == [195, 100, 5]   # lo = 100/20 = 5, hi = 200 - 5
+    assert pyramid_budgets(1, 3) == [2, 1, 0]        # 1.95, 1, 0.05: floors 1, 1, 0 + the leftover on layer 0
+
+
+def test_recent_part_error_says_what_to_change():
+    with pytest.raises(ConfigError, match=r"^sinks: the recent part .* lower `recent_ratio`/`sinks` or raise `budget`$"):
+        make_policy("h2o", budget=8, protect=4, sinks=1, recent_ratio=1.0)

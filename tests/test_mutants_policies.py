@@ -312,3 +312,10 @@ def test_pyramid_defaults_are_beta_20_and_no_floor():
 def test_recent_part_error_says_what_to_change():
     with pytest.raises(ConfigError, match=r"^sinks: the recent part .* lower `recent_ratio`/`sinks` or raise `budget`$"):
         make_policy("h2o", budget=8, protect=4, sinks=1, recent_ratio=1.0)
+
+
+def test_confkv_gate_must_be_a_gate_config():
+    from confkv.policies.confkv import ConfKVPolicy
+
+    with pytest.raises(ConfigError, match=r"^gate: must be a GateConfig, got dict$"):
+        ConfKVPolicy(gate={"tau": 0.5})

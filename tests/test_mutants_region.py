@@ -65,6 +65,7 @@ def test_slice_view_and_copy():
         assert part.value_scale[0, 0].tolist() == [1.25, 2.25, 3.25]
         assert part.stats["ema"].shape == (2, 2, 3) and part.valid.shape == (2, 3)
     assert view.keys.untyped_storage().data_ptr() == region.keys.untyped_storage().data_ptr()
+    assert view.valid.untyped_storage().data_ptr() == region.valid.untyped_storage().data_ptr()
     for name in ("keys", "values", "positions", "key_scale", "value_scale"):
         assert getattr(copy, name).untyped_storage().data_ptr() != getattr(region, name).untyped_storage().data_ptr()
     assert copy.stats["ema"].untyped_storage().data_ptr() != region.stats["ema"].untyped_storage().data_ptr()

@@ -23,8 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-#: bit widths the cold tier stores; 16 means "no quantization, the model's dtype" (the Quest anchor)
-SUPPORTED_BITS = (2, 3, 4, 8, 16)
 SCALE_DTYPE = torch.float16
 
 
@@ -86,14 +84,6 @@ class Quantized:
     codes: Tensor
     scale: Tensor
     minimum: Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.minimum.nbytes
-
-    def index(self, fn) -> "Quantized":
-        """Apply ``fn`` (an indexing function) to every tensor."""
-        return Quantized(fn(self.codes), fn(self.scale), fn(self.minimum))
 
 
 def _asymmetric(x: Tensor, valid: Tensor, dim: int, bits: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -285,8 +285,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         result["latency"][str(context)] = rows
         log(format_latency_rows(context, rows))
 
-    target = next((r for r in runners_ok if r.config.name == "confkv"), None)
-    if target is not None and breakdown_steps:
+    if breakdown_steps:  # every listed configuration that ran
         for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
                      f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
                      f"confkv-r-offload+slack{slack}"):

@@ -263,13 +263,14 @@ class LayerStore:
         regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
         segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
                     for r in regions]
-        if self.cold is not None:  # every cold token is older than every query: no causal mask
-            segments += self.cold.segments(query, self._cold_read_pages())
         need_mass = bool(self.stat_names) and self.policy.needs_attention
         if prof is not None:
             now = profiling.clock()
             prof.add("positions and masks", now - started)
-            started = now
+        if self.cold is not None:  # every cold token is older than every query: no causal mask
+            segments += self.cold.segments(query, self._cold_read_pages())  # timed inside
+        if prof is not None:
+            started = profiling.clock()
         out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
                                      softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
         if prof is not None:

@@ -15,12 +15,18 @@ from pathlib import Path
 
 LABELS = {"full": "full", "window": "window", "streaming": "StreamingLLM", "h2o": "H2O", "tova": "TOVA",
           "confkv": "CONF-KV", "kivi": "KIVI", "quest": "Quest", "confkv-r": "CONF-KV-R"}
-SHOWN = ("bits", "budget", "k", "k_high", "k_low", "cold_budget", "n_high", "n_low", "promote")
+SHOWN = ("bits", "group_size", "page_size", "budget", "k", "k_high", "k_low", "cold_budget", "n_high", "n_low",
+         "promote")
+ALL_PAGES = 2**31  # confkv.config.ALL_PAGES: "read every cold page"
+
+
+def _value(value: object) -> str:
+    return "all" if value == ALL_PAGES else str(value)
 
 
 def label(row: dict) -> str:
     name = LABELS.get(row["policy"], row["policy"]) + ("+INT8" if row.get("kv_int8") else "")
-    params = ", ".join(f"{k}={row['params'][k]}" for k in SHOWN if k in row["params"])
+    params = ", ".join(f"{k}={_value(row['params'][k])}" for k in SHOWN if k in row["params"])
     return f"{name} ({params})" if params else name
 
 

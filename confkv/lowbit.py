@@ -72,6 +72,32 @@ def unpack(packed: Tensor, bits: int, head_dim: int) -> Tensor:
     return codes.reshape(*packed.shape[:-1], head_dim)
 
 
+_BYTE_TABLES: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _byte_table(bits: int, device: torch.device) -> Tensor:
+    """[256, 8 // bits] float32: the codes one packed byte holds (bits 2, 4, 8: a byte is a whole word)."""
+    key = (bits, device)
+    if key not in _BYTE_TABLES:
+        per_byte = 8 // bits
+        byte = torch.arange(256, device=device, dtype=torch.int32)[:, None]
+        shifts = torch.arange(per_byte, device=device, dtype=torch.int32) * bits
+        _BYTE_TABLES[key] = ((byte >> shifts) & ((1 << bits) - 1)).float()
+    return _BYTE_TABLES[key]
+
+
+def unpack_float(packed: Tensor, bits: int, head_dim: int) -> Tensor:
+    """:func:`unpack` as float32 codes: [..., packed_width] uint8 -> [..., head_dim] float32.
+
+    For 2, 4 and 8 bits every byte is a whole word, so one table lookup per byte replaces the
+    shifts and masks (the read path's hot spot); 3-bit words span three bytes and take :func:`unpack`.
+    """
+    if bits == 3:
+        return unpack(packed, bits, head_dim).float()
+    codes = torch.nn.functional.embedding(packed.long(), _byte_table(bits, packed.device))
+    return codes.reshape(*packed.shape[:-1], head_dim)
+
+
 @dataclass
 class Quantized:
     """Packed codes with their float16 scales and minima.
@@ -132,20 +158,20 @@ def quantize_values(values: Tensor, bits: int, group_size: int) -> Quantized:
 
 def dequantize_keys(q: Quantized, bits: int, head_dim: int, group_size: int) -> Tensor:
     """[..., P, packed] -> [..., P, D] float32."""
-    codes = unpack(q.codes, bits, head_dim).float()
+    codes = unpack_float(q.codes, bits, head_dim)
     *lead, page, _ = codes.shape
     grouped = codes.reshape(*lead, page // group_size, group_size, head_dim)
-    out = grouped * q.scale.float().unsqueeze(-2) + q.minimum.float().unsqueeze(-2)
+    out = torch.addcmul(q.minimum.unsqueeze(-2).float(), grouped, q.scale.unsqueeze(-2).float())
     return out.reshape(*lead, page, head_dim)
 
 
 def dequantize_values(q: Quantized, bits: int, head_dim: int, group_size: int) -> Tensor:
     """[..., P, packed] -> [..., P, D] float32."""
-    codes = unpack(q.codes, bits, head_dim).float()
+    codes = unpack_float(q.codes, bits, head_dim)
     *lead, page, _ = codes.shape
     group = min(group_size, head_dim)
     grouped = codes.reshape(*lead, page, head_dim // group, group)
-    out = grouped * q.scale.float().unsqueeze(-1) + q.minimum.float().unsqueeze(-1)
+    out = torch.addcmul(q.minimum.unsqueeze(-1).float(), grouped, q.scale.unsqueeze(-1).float())
     return out.reshape(*lead, page, head_dim)
 
 

@@ -37,6 +37,27 @@ def test_pack_roundtrip_and_width(bits):
     assert packed.dtype == torch.uint8
     assert packed.shape[-1] == 64 * bits // 8  # dense: bits/8 bytes per code
     assert torch.equal(lowbit.unpack(packed, bits, 64), codes.to(torch.int32))
+    # the read path's table lookup gives the same codes, as float32
+    assert torch.equal(lowbit.unpack_float(packed, bits, 64), codes.float())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_dequantized_codes_are_minimum_plus_code_times_scale(bits):
+    """The read path's fused form against the KIVI formula worked out element by element."""
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (2, 4, 8), generator=gen).to(torch.uint8)  # [pages, P=4, D=8]
+    key_scale, key_min = torch.rand(2, 2, 8, generator=gen).half(), torch.randn(2, 2, 8, generator=gen).half()
+    keys = lowbit.dequantize_keys(lowbit.Quantized(lowbit.pack(codes, bits), key_scale, key_min), bits, 8, 2)
+    value_scale, value_min = torch.rand(2, 4, 4, generator=gen).half(), torch.randn(2, 4, 4, generator=gen).half()
+    values = lowbit.dequantize_values(lowbit.Quantized(lowbit.pack(codes, bits), value_scale, value_min), bits, 8, 2)
+    for page in range(2):
+        for token in range(4):
+            for channel in range(8):
+                code = float(codes[page, token, channel])
+                k_ref = float(key_min[page, token // 2, channel]) + code * float(key_scale[page, token // 2, channel])
+                v_ref = float(value_min[page, token, channel // 2]) + code * float(value_scale[page, token, channel // 2])
+                assert keys[page, token, channel].item() == pytest.approx(k_ref, rel=1e-6, abs=1e-6)
+                assert values[page, token, channel].item() == pytest.approx(v_ref, rel=1e-6, abs=1e-6)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -26,8 +26,14 @@ from torch import Tensor
 
 from confkv import lowbit, profiling
 from confkv.attention import KVSegment
+from confkv.attention.paged import PagedSegment, gather_pages as _gather_pages
 from confkv.config import ColdConfig
 from confkv.page_file import PageFile
+
+
+#: page storage a PagedSegment reads, by "unquantized" (bits == 16)
+_STORAGE = {True: ("keys", "values"),
+            False: ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")}
 
 
 class ColdTier:
@@ -201,21 +207,26 @@ class ColdTier:
         self.num_pages = kept
 
     # -- reading ---------------------------------------------------------------------------------
-    def segments(self, query: Tensor, read_pages: Tensor) -> list[KVSegment]:
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False) -> list[KVSegment | PagedSegment]:
         """The open page and the ``read_pages[b]`` best pages of each sequence, as read segments.
 
         Args:
             query: [B, Hq, Q, D] (after RoPE).
             read_pages: [B] int64 pages to read per sequence.
+            paged: hand the selected pages over as a :class:`PagedSegment` (still packed, for
+                a backend that reads pages itself: the Triton paged read) instead of
+                gathering and dequantizing them here.
         Returns:
-            up to two :class:`KVSegment` (open page in the model dtype; selected pages
-            dequantized to float32, invisible where a sequence reads fewer pages).
+            up to two segments: the open page (:class:`KVSegment`, model dtype), then the
+            selected pages: a :class:`KVSegment` dequantized to float32 (invisible where a
+            sequence reads fewer pages), or with ``paged`` the :class:`PagedSegment`. Either
+            way the pages' attention mass is [B, H, K * P], what :meth:`observe` takes.
         """
         self._selected = None
         self.bytes_read = 0
         if self.open is None:
             return []
-        segments = []
+        segments: list[KVSegment | PagedSegment] = []
         if self.open_length:
             valid = self.open["valid"]
             segments.append(KVSegment(self.open["keys"], self.open["values"],
@@ -223,10 +234,10 @@ class ColdTier:
             self.bytes_read += self.open["keys"].nbytes + self.open["values"].nbytes
         want = int(read_pages.max()) if read_pages.numel() else 0
         if self.num_pages and want:
-            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages)))
+            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged))
         return segments
 
-    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int) -> KVSegment:
+    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool) -> KVSegment | PagedSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
         prof = profiling.ACTIVE
@@ -242,17 +253,16 @@ class ColdTier:
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
         started = profiling.clock() if prof is not None else 0.0
-        page = self.config.page_size
-        rank_ok = torch.arange(width, device=device)[None, :] < read_pages.to(device)[:, None]  # [B, K]
-        live = {name: t.narrow(2, 0, count) for name, t in self.pages.items()}
-        valid = _gather_pages(live["valid"], index)  # [B, H, K, P]
-        visible = (valid & rank_ok[:, None, :, None]).reshape(batch, heads, 1, width * page)
-        keys, values = self._dequantized(live, index)
+        storage = {name: self.pages[name] for name in _STORAGE[self.config.bits == 16]}
+        segment = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
+                               self.config.group_size, self.head_dim, **storage)
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
+        if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
+            return segment
+        dense = segment.to_dense()
         if prof is not None:
             prof.add("cold pages (gather + dequantize)", profiling.clock() - started)
-        return KVSegment(keys.reshape(batch, heads, width * page, self.head_dim),
-                         values.reshape(batch, heads, width * page, self.head_dim), visible)
+        return dense
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
         if self.config.bits == 16:
@@ -359,13 +369,6 @@ def _left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
         tensor = tokens[name]
         out[name] = tensor.gather(2, head_order[..., None].expand(-1, -1, -1, tensor.shape[-1]))
     return out
-
-
-def _gather_pages(tensor: Tensor, index: Tensor) -> Tensor:
-    """``tensor`` [B, H, N, ...] at pages ``index`` [B, H, K] -> [B, H, K, ...]."""
-    tail = tensor.shape[3:]
-    expanded = index.reshape(*index.shape, *([1] * len(tail))).expand(*index.shape, *tail)
-    return tensor.gather(2, expanded)
 
 
 def _grow(old: Tensor | None, like: Tensor, capacity: int, page_file: PageFile | None) -> Tensor:

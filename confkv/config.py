@@ -69,8 +69,9 @@ class StoreConfig:
       kept: its quality effect at equal memory is recorded in ``results/bench/``.
     - ``read_backend``: the attention read (:func:`confkv.attention.attention_read`):
       ``"auto"`` (default: Triton on CUDA; on CPU PyTorch's fused kernel where the read
-      needs no mask, mass or INT8, else the block-wise read) or ``"torch"`` (always the
-      block-wise read, the reference).
+      needs no mask, mass or INT8, else the block-wise read), ``"torch"`` (always the
+      block-wise read, the reference) or ``"triton"`` (always the Triton read: CUDA, or
+      the CPU interpreter under ``TRITON_INTERPRET=1``; it reads cold pages packed).
     """
 
     kv_int8: bool = False
@@ -82,8 +83,8 @@ class StoreConfig:
     read_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.read_backend in ("auto", "torch"), "read_backend",
-                 f"must be 'auto' or 'torch', got {self.read_backend!r}")
+        _require(self.read_backend in ("auto", "torch", "triton"), "read_backend",
+                 f"must be 'auto', 'torch' or 'triton', got {self.read_backend!r}")
         _require(isinstance(self.kv_int8, bool), "kv_int8", f"must be True or False, got {self.kv_int8!r}")
         for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1),
                           ("evict_slack", 0)):

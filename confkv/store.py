@@ -32,7 +32,7 @@ from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.cold import ColdTier
 from confkv.eviction import protection_mask, select_kept
-from confkv.attention import KVSegment, attention_read
+from confkv.attention import KVSegment, attention_read, reads_pages
 from confkv.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
@@ -268,7 +268,8 @@ class LayerStore:
             now = profiling.clock()
             prof.add("positions and masks", now - started)
         if self.cold is not None:  # every cold token is older than every query: no causal mask
-            segments += self.cold.segments(query, self._cold_read_pages())  # timed inside
+            paged = reads_pages(query, self.config.read_backend)  # the Triton read takes packed pages
+            segments += self.cold.segments(query, self._cold_read_pages(), paged=paged)  # timed inside
         if prof is not None:
             started = profiling.clock()
         out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,

@@ -64,7 +64,7 @@ ROWS = [
     ("store-chunk-type", "StoreConfig(prefill_chunk=1.5)", lambda: StoreConfig(prefill_chunk=1.5),
      ConfigError, r"^prefill_chunk: must be an integer"),
     ("store-read-backend", "StoreConfig(read_backend='fused')", lambda: StoreConfig(read_backend="fused"),
-     ConfigError, r"^read_backend: must be 'auto' or 'torch'"),
+     ConfigError, r"^read_backend: must be 'auto', 'torch' or 'triton'"),
     ("gate-tau", "make_policy('confkv', tau=1.5)", lambda: make_policy("confkv", tau=1.5),
      ConfigError, r"^tau: must be in \[0, 1\]"),
     ("gate-order", "make_policy('confkv', n_high=900, n_low=100)",

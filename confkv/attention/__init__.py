@@ -6,6 +6,11 @@
 * :func:`confkv.attention.triton_read.triton_attention` - a Triton kernel
   (CUDA tensors; optional ``triton`` dependency);
 * :func:`attention_read` - picks one.
+
+Selected cold pages may come as a :class:`~confkv.attention.paged.PagedSegment`
+(still packed): the Triton backend reads them in its paged kernel
+(:mod:`confkv.attention.triton_pages`); the others gather and dequantize them
+first (:meth:`~confkv.attention.paged.PagedSegment.to_dense`, the reference).
 """
 
 from __future__ import annotations
@@ -16,15 +21,28 @@ from torch import Tensor
 
 from confkv.attention import fused_cpu
 from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention
+from confkv.attention.paged import PagedSegment, densify
 
-__all__ = ["KVSegment", "blockwise_attention", "attention_read", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["KVSegment", "PagedSegment", "blockwise_attention", "attention_read", "reads_pages", "DEFAULT_BLOCK_SIZE"]
 
 BACKENDS = ("auto", "torch", "fused", "triton")
 
 
+def reads_pages(query: Tensor, backend: str) -> bool:
+    """True when ``attention_read(query, ..., backend=backend)`` runs the Triton read, which
+    takes a :class:`PagedSegment` without a host-side gather + dequantize."""
+    if backend == "triton":
+        return True
+    if backend != "auto" or not query.is_cuda:
+        return False
+    from confkv.attention import triton_read
+
+    return triton_read.triton_available()
+
+
 def attention_read(
     query: Tensor,
-    segments: Sequence[KVSegment],
+    segments: Sequence[KVSegment | PagedSegment],
     scaling: float,
     block_size: int = DEFAULT_BLOCK_SIZE,
     softcap: float | None = None,
@@ -40,9 +58,12 @@ def attention_read(
             tensors and the ``triton`` package required; raises otherwise), or "auto":
             triton when the query is on CUDA and triton imports, else fused where
             eligible, else torch. ``block_size`` only applies to the torch backend.
+            Every backend but triton reads a :class:`PagedSegment` via its ``to_dense``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not reads_pages(query, backend):
+        segments = densify(list(segments))
     if backend in ("auto", "fused"):
         if fused_cpu.fused_read_eligible(query, segments, softcap, need_mass):
             return fused_cpu.fused_attention(query, segments, scaling), None

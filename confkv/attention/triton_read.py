@@ -20,6 +20,11 @@ a prefill-sized query block - the call falls back to the torch reference
 ``blockwise_attention`` (documented, not an error).  Head dims up to 256.
 Keys / values may be int8, float16, bfloat16 or float32, with any strides.
 
+A segment may also be a :class:`~confkv.attention.paged.PagedSegment` (selected
+cold pages, still packed low-bit): :mod:`confkv.attention.triton_pages` reads it
+with its own kernel into the same partial buffers, so hot segments and cold pages
+meet in one merge.
+
 ``triton`` is optional: this module imports without it; calling
 :func:`triton_attention` then raises a RuntimeError.  The kernel is compiled
 lazily on first use, so setting ``TRITON_INTERPRET=1`` before the first call
@@ -35,7 +40,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from confkv.attention import triton_pages
 from confkv.attention.blockwise import KVSegment, _visible_4d, blockwise_attention
+from confkv.attention.paged import PagedSegment, densify
 
 try:  # optional dependency
     import triton
@@ -155,7 +162,7 @@ def _next_pow2(x: int, floor: int = 16) -> int:
 
 def triton_attention(
     query: Tensor,
-    segments: Sequence[KVSegment],
+    segments: Sequence[KVSegment | PagedSegment],
     scaling: float,
     softcap: float | None = None,
     need_mass: bool = True,
@@ -167,7 +174,8 @@ def triton_attention(
 
     Args:
         query: [B, Hq, Q, D] CUDA tensor (any device under TRITON_INTERPRET=1).
-        segments, scaling, softcap, need_mass: as for ``blockwise_attention``.
+        segments, scaling, softcap, need_mass: as for ``blockwise_attention``; a
+            segment may be a :class:`PagedSegment` (mass [B, Hkv, K * P]).
         split_size: slots per program (flash-decoding split); a multiple of
             ``block_n``.
         block_n: slots per inner block (power of two >= 16).
@@ -183,19 +191,21 @@ def triton_attention(
     if block_n < 16 or block_n & (block_n - 1) or split_size % block_n:
         raise ValueError(f"block_n must be a power of two >= 16 dividing split_size (got {block_n}, {split_size})")
     batch, q_heads, num_queries, head_dim = query.shape
-    kv_heads = segments[0].keys.shape[1]
+    first = segments[0]
+    kv_heads = first.kv_heads if isinstance(first, PagedSegment) else first.keys.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
     group = q_heads // kv_heads
     rows = group * num_queries
     if rows > MAX_ROWS or head_dim > 256:
-        return blockwise_attention(query, segments, scaling, softcap=softcap, need_mass=need_mass)
+        return blockwise_attention(query, densify(list(segments)), scaling, softcap=softcap, need_mass=need_mass)
     flat = batch * kv_heads
     device = query.device
     score_scale = scaling / softcap if softcap is not None else scaling
     query_grouped = query.to(torch.float32).reshape(flat, rows, head_dim)
 
-    split_counts = [triton.cdiv(s.length, split_size) for s in segments]
+    split_counts = [triton_pages.split_count(s, split_size) if isinstance(s, PagedSegment)
+                    else triton.cdiv(s.length, split_size) for s in segments]
     total_splits = max(1, sum(split_counts))
     part_max = torch.full((flat, total_splits, rows), _MAX_START, dtype=torch.float32, device=device)
     part_sum = torch.zeros((flat, total_splits, rows), dtype=torch.float32, device=device)
@@ -205,6 +215,12 @@ def triton_attention(
     kernel = _kernel()
     split_offset = 0
     for segment, num_splits in zip(segments, split_counts):
+        if isinstance(segment, PagedSegment):
+            scores.append(triton_pages.paged_partials(
+                (query_grouped * score_scale).contiguous(), segment, part_max, part_sum, part_acc, split_offset,
+                split_size=split_size, softcap=softcap, need_scores=need_mass, interpret=_interpreting()))
+            split_offset += num_splits
+            continue
         segment.validate()
         length = segment.length
         seg_scores = None

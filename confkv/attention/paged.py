@@ -1,0 +1,129 @@
+"""A read segment made of selected cold pages, still in their packed storage.
+
+The cold tier (:mod:`confkv.cold`) keeps demoted tokens in fixed-size pages, low-bit and
+KIVI-style (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
+Cache"; packing in :mod:`confkv.lowbit`), and picks per sequence and KV head the ``K``
+pages whose key digest bounds ``q . k`` highest (Tang et al. 2024, "Quest"). A
+:class:`PagedSegment` names those pages without copying them: the Triton paged read
+(:mod:`confkv.attention.triton_pages`) reads the codes straight from the page storage;
+every other backend calls :meth:`PagedSegment.to_dense` (gather + dequantize with torch,
+the reference).
+
+Shapes (``B`` sequences, ``H`` KV heads, ``N`` pages of storage, ``P`` tokens per page,
+``D`` head dim, ``G`` group size, ``Gv = min(G, D)``, ``C = lowbit.packed_width(D, bits)``)::
+
+    index       [B, H, K] int64   page numbers, best first; -1 = no page at this rank
+    counts      [B] int64         ranks read per sequence (rank >= counts[b] is not read)
+    valid       [B, H, N, P] bool  slot holds a token (padding slots do not)
+    bits 16:    keys, values [B, H, N, P, D] model dtype
+    bits 2-8:   key_codes, value_codes [B, H, N, P, C] uint8
+                key_scale, key_min     [B, H, N, P / G, D] float16  (per channel, G tokens)
+                value_scale, value_min [B, H, N, P, D / Gv] float16 (per token, Gv channels)
+
+The segment's slots are the ``K * P`` slots of the selected pages in rank order (slot
+``j * P + t`` is token ``t`` of the rank-``j`` page), so its attention mass is
+[B, H, K * P], the shape :meth:`confkv.cold.ColdTier.observe` takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from confkv import lowbit
+from confkv.attention.blockwise import KVSegment
+
+
+def gather_pages(tensor: Tensor, index: Tensor) -> Tensor:
+    """``tensor`` [B, H, N, ...] at pages ``index`` [B, H, K] (valid page numbers) -> [B, H, K, ...]."""
+    tail = tensor.shape[3:]
+    expanded = index.reshape(*index.shape, *([1] * len(tail))).expand(*index.shape, *tail)
+    return tensor.gather(2, expanded)
+
+
+@dataclass
+class PagedSegment:
+    """Selected cold pages of one layer, unread (see the module docstring for shapes)."""
+
+    index: Tensor
+    counts: Tensor
+    valid: Tensor
+    bits: int
+    group_size: int
+    head_dim: int
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    key_codes: Tensor | None = None
+    key_scale: Tensor | None = None
+    key_min: Tensor | None = None
+    value_codes: Tensor | None = None
+    value_scale: Tensor | None = None
+    value_min: Tensor | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.valid.shape[3]
+
+    @property
+    def width(self) -> int:
+        """K, the selected pages per sequence and head."""
+        return self.index.shape[2]
+
+    @property
+    def length(self) -> int:
+        """K * P slots."""
+        return self.width * self.page_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.index.shape[1]
+
+    def validate(self) -> None:
+        """Raise ValueError if the storage does not match ``bits``."""
+        if self.bits == 16:
+            if self.keys is None or self.values is None:
+                raise ValueError("16-bit pages need keys and values")
+        elif self.bits in (2, 3, 4, 8):
+            names = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
+            missing = [name for name in names if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"{self.bits}-bit pages need {', '.join(missing)}")
+        else:
+            raise ValueError(f"bits must be one of 2, 3, 4, 8, 16, got {self.bits!r}")
+
+    def visible(self) -> Tensor:
+        """[B, H, 1, K * P] bool: the slots read (a selected page's valid slots, ranks < counts)."""
+        batch, heads, width = self.index.shape
+        device = self.index.device
+        rank_ok = torch.arange(width, device=device)[None, :] < self.counts.to(device)[:, None]  # [B, K]
+        live = (self.index >= 0) & rank_ok[:, None, :]
+        slots = gather_pages(self.valid, self.index.clamp_min(0))  # [B, H, K, P]
+        return (slots & live[..., None]).reshape(batch, heads, 1, width * self.page_size)
+
+    def to_dense(self) -> KVSegment:
+        """The reference read: gather the pages and dequantize them with torch.
+
+        Returns:
+            a :class:`KVSegment` of length K * P: keys / values [B, H, K * P, D]
+            (model dtype at 16 bits, else float32) and the :meth:`visible` mask.
+        """
+        self.validate()
+        index = self.index.clamp_min(0)
+        batch, heads, width = index.shape
+        if self.bits == 16:
+            keys, values = gather_pages(self.keys, index), gather_pages(self.values, index)
+        else:
+            bits, group, dim = self.bits, self.group_size, self.head_dim
+            qk = lowbit.Quantized(*(gather_pages(t, index) for t in (self.key_codes, self.key_scale, self.key_min)))
+            qv = lowbit.Quantized(*(gather_pages(t, index) for t in (self.value_codes, self.value_scale, self.value_min)))
+            keys = lowbit.dequantize_keys(qk, bits, dim, group)
+            values = lowbit.dequantize_values(qv, bits, dim, group)
+        shape = (batch, heads, width * self.page_size, self.head_dim)
+        return KVSegment(keys.reshape(shape), values.reshape(shape), self.visible())
+
+
+def densify(segments: list) -> list[KVSegment]:
+    """Every :class:`PagedSegment` of ``segments`` replaced by :meth:`PagedSegment.to_dense`."""
+    return [s.to_dense() if isinstance(s, PagedSegment) else s for s in segments]

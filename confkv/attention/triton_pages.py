@@ -91,15 +91,15 @@ def _paged_split_kernel(
         code_mask = (1 << BITS) - 1
         value_group = d // VALUE_GROUP
 
-    for jj in range(PAGES_PER_SPLIT):
-        j = split * PAGES_PER_SPLIT + jj  # rank of the page among the selected ones
-        in_range = j < width
-        page = tl.load(index_ptr + b * stride_ib + h * stride_ih + tl.where(in_range, j, 0) * stride_ik)
-        live = in_range & (j < count) & (page >= 0)
+    # ranks [first, last) of this split; ranks >= count are not read (their scores stay -inf)
+    first = split * PAGES_PER_SPLIT
+    last = tl.minimum(tl.minimum(first + PAGES_PER_SPLIT, width), count)
+    for j in range(first, last):
+        page = tl.load(index_ptr + b * stride_ib + h * stride_ih + j * stride_ik)
+        live = page >= 0  # -1: fewer pages than ranks
         page = tl.where(live, page, 0)
-        # slot limits as scalars compared with t (a vector & scalar-bool mask breaks the interpreter)
+        # a scalar slot limit compared with t (a vector & scalar-bool mask breaks the interpreter)
         read_limit = tl.where(live, PAGE, 0)
-        store_limit = tl.where(in_range, PAGE, 0)
         for t0 in range(0, PAGE, BLOCK_T):
             t = t0 + t_local
             t_ok = t < read_limit
@@ -130,7 +130,7 @@ def _paged_split_kernel(
             s = tl.where(r_ok[:, None] & t_read[None, :], s, float("-inf"))
             if STORE_SCORES:
                 tl.store(scores_ptr + bh * rows * length + r[:, None] * length + (j * PAGE + t)[None, :], s,
-                         mask=r_ok[:, None] & (t < store_limit)[None, :])
+                         mask=r_ok[:, None] & (t < PAGE)[None, :])
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             correction = tl.exp(m_i - m_new)
@@ -208,7 +208,7 @@ def paged_partials(
         part_max, part_sum: [B*H, S, R] float32; part_acc: [B*H, S, R, D] float32.
         split_size: slots per program (rounded to whole pages).
         softcap: Gemma-2 soft cap or None.
-        need_scores: also return each slot's final score.
+        need_scores: also return each slot's final score (-inf where not read).
         interpret: the kernel runs under TRITON_INTERPRET=1.
     Returns:
         None, or scores [B*H, R, K * P] float32 (-inf where a slot is not read).
@@ -222,7 +222,9 @@ def paged_partials(
                          "call PagedSegment.to_dense() for storage elsewhere")
     per = pages_per_split(segment, split_size)
     splits = split_count(segment, split_size)
-    scores = torch.empty((flat, rows, width * page), dtype=torch.float32, device=device) if need_scores else None
+    scores = None
+    if need_scores:  # slots of ranks a sequence does not read are never written: -inf, mass 0
+        scores = torch.full((flat, rows, width * page), float("-inf"), dtype=torch.float32, device=device)
     if splits == 0:
         return scores
     counts = segment.counts.to(device=device, dtype=torch.int64).contiguous()

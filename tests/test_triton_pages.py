@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from confkv import lowbit  # noqa: E402
 from confkv.attention import KVSegment, attention_read, blockwise_attention  # noqa: E402
-from confkv.attention import triton_read  # noqa: E402
+from confkv.attention import triton_pages, triton_read  # noqa: E402
 from confkv.attention.paged import PagedSegment  # noqa: E402
 
 pytestmark = [
@@ -29,15 +29,15 @@ DIM = 16
 KV_HEADS = 2
 
 
-def _storage(gen, bits, batch, pages, page, group, dim=DIM, heads=KV_HEADS):
+def _storage(gen, bits, batch, pages, page, group, dim=DIM, heads=KV_HEADS, dtype=torch.float32):
     """Packed pages as ColdTier stores them, and the [B, H, N, P] valid mask (some padding slots)."""
     keys = torch.randn(batch, heads, pages, page, dim, generator=gen) * 2
     keys[..., 1] *= 6  # an outlier key channel, as KIVI's per-channel grouping expects
     values = torch.randn(batch, heads, pages, page, dim, generator=gen)
     valid = torch.rand(batch, 1, pages, page, generator=gen) > 0.2
     valid = valid.expand(batch, heads, pages, page).clone()
-    if bits == 16:
-        return dict(keys=keys, values=values), valid
+    if bits == 16:  # unquantized pages in the model's dtype
+        return dict(keys=keys.to(dtype), values=values.to(dtype)), valid
     qk = lowbit.quantize_keys(keys, valid, bits, group)
     qv = lowbit.quantize_values(values, bits, group)
     return dict(key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
@@ -82,9 +82,10 @@ def _reference_dense(paged: PagedSegment) -> KVSegment:
     return KVSegment(keys.reshape(shape), values.reshape(shape), visible.reshape(batch, heads, 1, width * page))
 
 
-def _check(gen, bits, page, group, ratio, counts, width, pages=5, queries=1, softcap=None, holes=False, split=16):
+def _check(gen, bits, page, group, ratio, counts, width, pages=5, queries=1, softcap=None, holes=False, split=16,
+           dtype=torch.float32):
     batch = len(counts)
-    storage, valid = _storage(gen, bits, batch, pages, page, group)
+    storage, valid = _storage(gen, bits, batch, pages, page, group, dtype=dtype)
     index, count = _selection(gen, batch, pages, width, counts, holes=holes)
     paged = PagedSegment(index, count, valid, bits, group, DIM, **storage)
     hot = KVSegment(torch.randn(batch, KV_HEADS, 7, DIM, generator=gen),
@@ -133,6 +134,11 @@ def test_k_zero_reads_only_the_hot_segments():
     assert torch.isfinite(out).all()
 
 
+def test_bfloat16_pages_at_16_bits():
+    gen = torch.Generator().manual_seed(10)
+    _check(gen, 16, 16, 16, 3, [2, 1], 2, dtype=torch.bfloat16)
+
+
 def test_softcap_two_queries_and_several_splits():
     gen = torch.Generator().manual_seed(9)
     _check(gen, 3, 8, 4, 3, [5, 3], 5, pages=6, queries=2, softcap=5.0)  # 2 pages a split: 3 splits
@@ -174,7 +180,7 @@ def test_cold_tier_paged_segments_read_like_the_dense_ones(bits):
         torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
 
 
-def test_store_with_triton_backend_equals_torch_backend():
+def test_store_with_triton_backend_equals_torch_backend(monkeypatch):
     """confkv-r on a tiny random model: the Triton read (pages packed) vs the torch read."""
     from confkv.config import StoreConfig
     from confkv.hf import ConfKVCache, generate
@@ -185,6 +191,9 @@ def test_store_with_triton_backend_equals_torch_backend():
     ids = torch.randint(0, 250, (2, 48), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
+    calls = []
+    real = triton_pages.paged_partials
+    monkeypatch.setattr(triton_pages, "paged_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = {}
     for backend in ("torch", "triton"):
         cache = ConfKVCache.for_model(model, "confkv-r", store=StoreConfig(read_backend=backend), budget=24,
@@ -198,6 +207,7 @@ def test_store_with_triton_backend_equals_torch_backend():
         assert all(int(s.cold_counts().min()) > 0 for s in managed)  # pages were demoted and read
         results[backend] = (out.sequences, torch.stack(out.logits, 1),
                             [s.cold.pages["heat"].clone() for s in managed])
+    assert calls  # the triton run read its cold pages packed, through the paged kernel
     assert torch.equal(results["triton"][0], results["torch"][0])
     torch.testing.assert_close(results["triton"][1], results["torch"][1], atol=1e-4, rtol=1e-4)
     for got, want in zip(results["triton"][2], results["torch"][2]):  # observe() saw the same page mass

@@ -227,7 +227,7 @@ def paged_partials(
         scores = torch.full((flat, rows, width * page), float("-inf"), dtype=torch.float32, device=device)
     if splits == 0:
         return scores
-    counts = segment.counts.to(device=device, dtype=torch.int64).contiguous()
+    counts = segment.counts.clamp(0, width).to(device=device, dtype=torch.int32).contiguous()  # int32 loop bound
     valid = segment.valid.view(torch.uint8) if segment.valid.dtype == torch.bool else segment.valid
     if segment.bits == 16:
         tensors = (segment.keys, segment.keys, segment.keys, segment.values, segment.values, segment.values)

@@ -19,11 +19,16 @@ from confkv.attention import KVSegment, attention_read, blockwise_attention  # n
 from confkv.attention import triton_pages, triton_read  # noqa: E402
 from confkv.attention.paged import PagedSegment  # noqa: E402
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# the kernel runs interpreted on CPU tensors, or compiled on CUDA ones (TRITON_INTERPRET=0 on a GPU machine)
+DEVICE = "cpu" if INTERPRETED else "cuda"
 pytestmark = [
     pytest.mark.skipif(not triton_read.triton_available(), reason="optional 'triton' package not installed"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="interpreter run (TRITON_INTERPRET=1)"),
+    pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
+                       reason="needs TRITON_INTERPRET=1 (CPU interpreter) or a CUDA GPU"),
     pytest.mark.usefixtures("one_thread"),
 ]
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="CPU tensors: interpreter run (TRITON_INTERPRET=1)")
 
 DIM = 16
 KV_HEADS = 2
@@ -92,13 +97,16 @@ def _check(gen, bits, page, group, ratio, counts, width, pages=5, queries=1, sof
                     torch.randn(batch, KV_HEADS, 7, DIM, generator=gen), None)
     query = torch.randn(batch, KV_HEADS * ratio, queries, DIM, generator=gen)
     scaling = DIM ** -0.5
-    out, mass = triton_read.triton_attention(query, [hot, paged], scaling, softcap=softcap, split_size=split,
-                                               block_n=16)
+    on_device = PagedSegment(index.to(DEVICE), count.to(DEVICE), valid.to(DEVICE), bits, group, DIM,
+                             **{name: t.to(DEVICE) for name, t in storage.items()})
+    hot_on_device = KVSegment(hot.keys.to(DEVICE), hot.values.to(DEVICE), None)
+    out, mass = triton_read.triton_attention(query.to(DEVICE), [hot_on_device, on_device], scaling, softcap=softcap,
+                                             split_size=split, block_n=16)
     ref_out, ref_mass = blockwise_attention(query, [hot, _reference_dense(paged)], scaling, softcap=softcap)
-    torch.testing.assert_close(out, ref_out, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(out.cpu(), ref_out, atol=3e-5, rtol=1e-4)
     assert mass[1].shape == (batch, KV_HEADS, width * page)  # what ColdTier.observe takes
     for got, want in zip(mass, ref_mass):
-        torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
+        torch.testing.assert_close(got.cpu(), want, atol=3e-5, rtol=1e-4)
     # the torch path of the same segment (PagedSegment.to_dense) agrees as well
     dense_out, _ = attention_read(query, [hot, paged], scaling, softcap=softcap, backend="torch")
     torch.testing.assert_close(dense_out, ref_out, atol=1e-5, rtol=1e-5)
@@ -163,6 +171,7 @@ def _tier(bits, heads=2, dim=DIM, page=8, tokens=44, batch=2, seed=0):
     return tier, gen
 
 
+@interpreter_only
 @pytest.mark.parametrize("bits", [3, 16])
 def test_cold_tier_paged_segments_read_like_the_dense_ones(bits):
     tier, gen = _tier(bits)
@@ -180,6 +189,7 @@ def test_cold_tier_paged_segments_read_like_the_dense_ones(bits):
         torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
 
 
+@interpreter_only
 def test_store_with_triton_backend_equals_torch_backend(monkeypatch):
     """confkv-r on a tiny random model: the Triton read (pages packed) vs the torch read."""
     from confkv.config import StoreConfig

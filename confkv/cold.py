@@ -53,6 +53,7 @@ class ColdTier:
         self.head_dim = 0
         self.dtype: torch.dtype | None = None
         self.bytes_read = 0  # cold bytes read by the last attention read
+        self.reads = 0  # attention reads of this layer so far (the clock of a page's mean heat)
         self._selected: Tensor | None = None  # [B, H, K] pages read by the last read
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class ColdTier:
         if self.open is None:
             return 0
         total = self.open["positions"].nbytes + self.open["valid"].nbytes
-        for name in ("positions", "valid", "heat"):
+        for name in ("positions", "valid", "heat", "sealed_at"):
             if name in self.pages:
                 tensor = self.pages[name]
                 total += tensor.nbytes * self.num_pages // max(tensor.shape[2], 1)
@@ -147,7 +148,8 @@ class ColdTier:
         valid = tokens["valid"].reshape(batch, count, page)
         head_valid = valid[:, None].expand(batch, heads, count, page)
         fresh = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
-                 "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device)}
+                 "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device),
+                 "sealed_at": torch.full((batch, heads, count), self.reads, dtype=torch.int64, device=keys.device)}
         if self.config.needs_digest:
             float_keys = keys.float()
             fresh["digest_min"] = float_keys.masked_fill(~head_valid[..., None], float("inf")).amin(-2)
@@ -181,10 +183,17 @@ class ColdTier:
         return 0 if not self.pages else self.pages["valid"].shape[2]
 
     def _offloaded(self, name: str) -> bool:
-        return self.page_file is not None and name not in ("positions", "valid", "heat", "digest_min", "digest_max")
+        return self.page_file is not None and name not in ("positions", "valid", "heat", "sealed_at", "digest_min",
+                                                            "digest_max")
 
     def _enforce_budget(self) -> None:
-        """Evict the coldest sealed pages while the tier holds more than ``cold_budget`` tokens."""
+        """Evict the coldest sealed pages while the tier holds more than ``cold_budget`` tokens.
+
+        A page's heat is the attention mass it received per read since it was sealed (reads that
+        skipped it count as zero): the total alone would favour the oldest pages for ever and
+        evict every new page first, freezing the tier on the start of the stream. A page not yet
+        read once is kept; among equals the newest stays.
+        """
         budget = self.config.cold_budget
         if budget is None or not self.num_pages:
             return
@@ -192,10 +201,13 @@ class ColdTier:
         if self.num_pages <= keep_pages:
             return
         count = self.num_pages
-        heat = self.pages["heat"][:, :, :count]
-        age_rank = torch.arange(count, device=heat.device, dtype=torch.float32) / (count + 1)
-        # hottest first; among equal heat the newest first
-        order = (heat.double() + age_rank.double() * 1e-12).topk(keep_pages, dim=-1).indices.sort(-1).values
+        reads = (self.reads - self.pages["sealed_at"][:, :, :count]).double()
+        total = self.pages["heat"][:, :, :count].double()
+        heat = torch.where(reads > 0, total / reads.clamp_min(1), torch.full_like(total, float("inf")))
+        # ascending heat; a stable sort keeps equal heats oldest first, so the last pages are the
+        # hottest and, among equals, the newest
+        coldest_first = torch.sort(heat, dim=-1, stable=True).indices
+        order = coldest_first[..., count - keep_pages:].sort(-1).values
         self._keep_pages(order)
 
     def _keep_pages(self, index: Tensor) -> None:
@@ -224,6 +236,7 @@ class ColdTier:
         """
         self._selected = None
         self.bytes_read = 0
+        self.reads += 1
         if self.open is None:
             return []
         segments: list[KVSegment | PagedSegment] = []
@@ -337,7 +350,7 @@ class ColdTier:
 
     def clone(self) -> "ColdTier":
         twin = ColdTier(self.config, self.page_file)
-        twin.head_dim, twin.dtype, twin.num_pages = self.head_dim, self.dtype, self.num_pages
+        twin.head_dim, twin.dtype, twin.num_pages, twin.reads = self.head_dim, self.dtype, self.num_pages, self.reads
         if self.open is not None:
             twin.open = {name: t.clone() for name, t in self.open.items()}
             twin.pages = {name: _grow(None, t, t.shape[2], self.page_file if self._offloaded(name) else None)

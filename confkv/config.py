@@ -144,7 +144,8 @@ class ColdConfig:
       (``c >= tau``) / uncertain. Equal values give a fixed read budget; ``k_high > k_low``
       is the inverted gate. :data:`ALL_PAGES` reads every page.
     - ``cold_budget``: most tokens the cold tier holds per sequence (None: unbounded); the
-      coldest pages (least attention when read, then oldest) are evicted for good.
+      coldest pages (least attention per read since sealing; pages not yet read stay; among
+      equals the oldest) are evicted for good.
     - ``offload``: keep sealed pages in a memory-mapped file (RAM keeps the digests);
       ``offload_dir``: its directory (None: the system temp dir).
     - ``promote`` (None: off): when, at a decode step, a read page's tokens received at least

@@ -141,6 +141,39 @@ def test_cold_budget_keeps_flat_memory_and_the_hottest_pages():
     assert tier.pages["positions"][0, 0, :tier.num_pages].min() >= 68  # nothing read: the oldest pages went first
 
 
+def _read_all_and_observe(tier: ColdTier, page_mass: list[float]) -> None:
+    """One attention read of every page, then the given attention mass per page (spread over its slots)."""
+    query = torch.zeros(1, 1, 1, tier.head_dim)
+    tier.segments(query, torch.tensor([tier.num_pages]))
+    page = tier.config.page_size
+    slots = torch.tensor(page_mass).repeat_interleave(page) / page
+    tier.observe(slots.reshape(1, 1, -1))
+
+
+def _demote(tier: ColdTier, start: int, count: int) -> None:
+    chunk = torch.randn(1, 1, count, 16, generator=torch.Generator().manual_seed(start))
+    tier.demote(chunk, chunk, torch.arange(start, start + count).reshape(1, 1, count), torch.ones(1, count, dtype=torch.bool))
+
+
+def _page_starts(tier: ColdTier) -> list[int]:
+    return tier.pages["positions"][0, 0, :tier.num_pages, 0].tolist()
+
+
+def test_cold_budget_evicts_the_least_attention_per_read_and_keeps_new_pages():
+    """Heat is attention per read since sealing: a new page is not evicted before it is read,
+    and an old page's larger total does not outweigh a younger page's larger mean."""
+    tier = ColdTier(ColdConfig(bits=16, page_size=4, group_size=4, k_high=1, k_low=1, cold_budget=12))
+    _demote(tier, 0, 12)  # pages A (0-3), B (4-7), C (8-11)
+    _read_all_and_observe(tier, [0.6, 0.3, 0.1])
+    _demote(tier, 12, 4)  # page D, never read: kept; C (0.1 per read) goes
+    assert _page_starts(tier) == [0, 4, 12]
+    _read_all_and_observe(tier, [0.0, 0.32, 0.5])  # means: A 0.30, B 0.31, D 0.50; totals: A 0.6, B 0.62, D 0.5
+    _demote(tier, 16, 4)  # page E: kept; A (lowest mean, though not the lowest total) goes
+    assert _page_starts(tier) == [4, 12, 16]
+    twin = tier.clone()  # the read clock travels with a clone
+    assert twin.reads == tier.reads == 2
+
+
 # ------------------------------------------------------------------ exactness through transformers
 
 def _prompt(batch: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

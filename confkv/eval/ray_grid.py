@@ -173,14 +173,16 @@ def connect(options: RayOptions) -> tuple[Any, bool]:
     An already initialised Ray (a notebook, the tests) is used as it is.
     """
     ray = _import_ray()
+    address = None
+    if not options.local:  # checked first, even when Ray is up: a wrong address is always an error
+        address = _auto_address(ray) if options.address == "auto" else options.address
+        check_reachable(address, options.connect_timeout)
     if ray.is_initialized():
         return ray, False
     quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
     if options.local:
         ray.init(num_cpus=options.workers or _cores(), **quiet)
         return ray, True
-    address = _auto_address(ray) if options.address == "auto" else options.address
-    check_reachable(address, options.connect_timeout)
     try:
         ray.init(address=address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
     except ConnectionError as error:

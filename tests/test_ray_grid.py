@@ -1,0 +1,164 @@
+"""``--ray``: the grid commands' units on a local Ray (issue 16).
+
+One local Ray session (2 CPUs) is shared by the module: starting Ray takes seconds. The
+test module's own helpers are pickled by value so the actors (other processes) can run them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from confkv.errors import ConfKVError  # noqa: E402
+from confkv.eval.jsonl import load_rows  # noqa: E402
+from confkv.eval.niah import NiahConfig, record_key, run_niah_grid  # noqa: E402
+from confkv.eval.niah import runner as niah_runner  # noqa: E402
+from confkv.eval.ray_grid import ModelSpec, RayOptions, check_reachable, connect  # noqa: E402
+from confkv.models import tiny_model, tiny_tokenizer  # noqa: E402
+
+#: fields that hold wall-clock times: the only ones allowed to differ between in-process and Ray
+TIMING = ("seconds_per_seq", "seconds", "finished_at")
+TINY = ModelSpec("tiny-llama")
+RAY2 = RayOptions(workers=2, retries=2)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama"), tiny_tokenizer()
+
+
+def _config(**overrides):
+    base = dict(lengths=(120, 160), depths=(0.0, 1.0), trials=2, chunk=64, max_new_tokens=3,
+                policies=("full", "window", "tova", "confkv+int8"), extra_params={"protect": 4}, fp_window=8,
+                batch=2)
+    base.update(overrides)
+    return NiahConfig(**base)
+
+
+def _by_key(rows):
+    """key -> row without its timing fields; a duplicate key fails."""
+    out = {}
+    for row in rows:
+        key = record_key(row)
+        assert key not in out, f"duplicated record {key}"
+        out[key] = {k: v for k, v in row.items() if k not in TIMING}
+    return out
+
+
+def test_ray_grid_gives_the_in_process_records(tmp_path, local_ray, tiny):
+    model, tok = tiny
+    run_niah_grid(model, tok, _config(), progress=False, resume_path=tmp_path / "local.jsonl")
+    run_niah_grid(model, tok, _config(), progress=False, resume_path=tmp_path / "ray.jsonl", ray=RAY2, loader=TINY)
+    local, remote = load_rows(tmp_path / "local.jsonl"), load_rows(tmp_path / "ray.jsonl")
+    assert len(local) == 2 * 2 * 2 * 4 * 2  # lengths x depths x trials x policies x protocols
+    assert _by_key(remote) == _by_key(local)
+
+
+class _KillOnce:
+    """``run_niah_unit`` that kills its worker process (``os._exit``) the first time it meets ``victim``."""
+
+    def __init__(self, marker: Path, victim: tuple) -> None:
+        self.marker, self.victim = marker, victim
+
+    def __call__(self, model, tokenizer, unit):
+        from confkv.eval.niah.runner import run_niah_unit  # the worker's own, unpatched module
+
+        if unit.key == self.victim and not self.marker.exists():
+            self.marker.write_text(str(os.getpid()))
+            os._exit(1)
+        return run_niah_unit(model, tokenizer, unit)
+
+
+class _Logged:
+    """``run_niah_unit`` that appends the key of every unit it runs to ``log`` (one line each)."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+
+    def __call__(self, model, tokenizer, unit):
+        from confkv.eval.niah.runner import run_niah_unit
+
+        with open(self.log, "a") as handle:
+            handle.write(json.dumps(list(map(str, unit.key))) + "\n")
+        return run_niah_unit(model, tokenizer, unit)
+
+
+def test_a_killed_worker_loses_nothing_and_duplicates_nothing(tmp_path, local_ray, tiny, monkeypatch):
+    model, tok = tiny
+    config = _config(lengths=(120,), policies=("full", "window", "tova"))
+    run_niah_grid(model, tok, config, progress=False, resume_path=tmp_path / "local.jsonl")
+    marker = tmp_path / "killed"
+    # the third unit of the grid (streaming protocol, window): mid-grid
+    victim = (120, "streaming", ("window",), ((0.0, 0), (1.0, 0)))
+    monkeypatch.setattr(niah_runner, "run_niah_unit", _KillOnce(marker, victim))
+    run_niah_grid(model, tok, config, progress=False, resume_path=tmp_path / "ray.jsonl", ray=RAY2, loader=TINY)
+    assert marker.exists(), "the victim unit never ran: the test killed nothing"
+    assert int(marker.read_text()) != os.getpid()
+    assert _by_key(load_rows(tmp_path / "ray.jsonl")) == _by_key(load_rows(tmp_path / "local.jsonl"))
+
+
+def test_resuming_through_ray_runs_only_the_missing_units(tmp_path, local_ray, tiny, monkeypatch):
+    model, tok = tiny
+    path = tmp_path / "niah.jsonl"
+    # one budget for both grids (--budget-tokens): the same run, so the first one's records resume
+    run_niah_grid(model, tok, _config(lengths=(120,), budget_tokens=160), progress=False, resume_path=path)
+    before = path.read_text()
+    log = tmp_path / "units.log"
+    monkeypatch.setattr(niah_runner, "run_niah_unit", _Logged(log))
+    result = run_niah_grid(model, tok, _config(budget_tokens=160), progress=False, resume_path=path, ray=RAY2,
+                           loader=TINY)
+    assert path.read_text().startswith(before)  # the records on disk are kept as they were
+    ran = [json.loads(line) for line in log.read_text().splitlines()]
+    assert ran and all(key[0] == "160" for key in ran)  # only the new length's units ran
+    assert len(ran) == len({tuple(k) for k in ran})  # each once
+    rows = load_rows(path)
+    assert len(_by_key(rows)) == len(rows) == len(result.records) == 2 * 2 * 2 * 4 * 2
+
+
+def test_unreachable_address_is_a_quick_clear_error(local_ray):
+    start = time.perf_counter()
+    with pytest.raises(ConfKVError, match=r"--ray 127\.0\.0\.1:1: no Ray head answers.*ray start --head"):
+        connect(RayOptions(address="127.0.0.1:1", connect_timeout=2.0))
+    assert time.perf_counter() - start < 30  # a hang would be minutes (Ray's own retries)
+    with pytest.raises(ConfKVError, match="expected HOST:PORT"):
+        check_reachable("nonsense", 1.0)
+
+
+def test_cli_niah_with_ray_writes_the_grid(tmp_path, local_ray):
+    from confkv.cli import main
+
+    out = tmp_path / "niah"
+    argv = ["niah", "--model", "tiny-llama", "--lengths", "120", "--depths", "0,1", "--policies", "full,window",
+            "--chunk", "64", "--max-new-tokens", "3", "--no-progress", "--out-dir", str(out)]
+    assert main(argv + ["--ray", "--ray-workers", "2"]) == 0
+    assert len(load_rows(out / "niah.jsonl")) == 2 * 2 * 2  # depths x policies x protocols
+    assert (out / "niah.json").exists()
+
+
+def test_without_ray_flag_ray_is_not_imported(tmp_path):
+    code = ("import sys\nfrom confkv.cli import main\n"
+            f"rc = main(['niah', '--model', 'tiny-llama', '--lengths', '120', '--depths', '0', '--policies', 'window',"
+            f" '--protocols', 'streaming', '--chunk', '64', '--max-new-tokens', '2', '--no-progress',"
+            f" '--out-dir', {str(tmp_path / 'niah')!r}])\n"
+            "print(rc, 'ray' in sys.modules)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "0 False"

@@ -248,6 +248,7 @@ def run_niah(args: argparse.Namespace) -> int:
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from confkv.config import StoreConfig
+    from confkv.eval.ray_grid import ray_options
     from confkv.eval.sweep import SweepConfig, plan_sweep, run_sweep
     from confkv.outputs import check_writable
 
@@ -275,7 +276,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
             print(json.dumps(run.key_dict()), f"predicted {run.predicted:.0f} B")
         return 0
     try:
-        rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir)
+        rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir,
+                         ray=ray_options(args))
     except KeyboardInterrupt:
         from confkv.eval.sweep import load_rows
 

@@ -162,3 +162,77 @@ def test_without_ray_flag_ray_is_not_imported(tmp_path):
                          cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0 False"
+
+
+def _without_timing(row):
+    """The row without its timing fields, as JSON text (NaN == NaN there)."""
+    return json.dumps({k: v for k, v in row.items() if k not in TIMING + ("tokens_per_second", "trace_file")},
+                      sort_keys=True)
+
+
+def test_sweep_on_ray_gives_the_in_process_rows(tmp_path, local_ray, tiny):
+    from confkv.eval.sweep import SweepConfig, row_key, run_sweep
+
+    model, tok = tiny
+    # mean matching: the gated policy's budget needs the full run's confidences (a second batch on the pool)
+    config = SweepConfig(policies=("full", "window", "confkv"), reference_windows=(24,), tokens=50,
+                         model="tiny-llama", match="mean", policy_params={"confkv": {"protect": 4}})
+    run_sweep(config, tmp_path / "local.jsonl", model=model, tokenizer=tok, progress=False)
+    remote = run_sweep(config, tmp_path / "ray.jsonl", model=model, tokenizer=tok, progress=False, ray=RAY2,
+                       traces_dir=tmp_path / "traces")
+    local = load_rows(tmp_path / "local.jsonl")
+    assert len(local) == len(remote) == 3
+    assert {row_key(r): _without_timing(r) for r in load_rows(tmp_path / "ray.jsonl")} == \
+        {row_key(r): _without_timing(r) for r in local}
+    assert all(Path(r["trace_file"]).exists() for r in remote)  # written by the driver
+
+
+def test_ruler_cli_on_ray_gives_the_in_process_records(tmp_path, local_ray):
+    from confkv.cli import main
+
+    args = ["ruler", "--model", "tiny-llama", "--lengths", "1024", "--tasks", "fwe", "--policies", "full,tova",
+            "--kv-fractions", "0.25", "--samples", "2", "--chunk", "128", "--no-progress"]
+    assert main(args + ["--out-dir", str(tmp_path / "local")]) == 0
+    assert main(args + ["--out-dir", str(tmp_path / "ray"), "--ray", "--ray-workers", "2"]) == 0
+
+    def records(folder):
+        rows = load_rows(tmp_path / folder / "ruler.jsonl")
+        return {(r["task"], r["index"], r["policy"], r["kv_fraction"]): _without_timing(r) for r in rows}
+
+    assert len(records("local")) == 2 * 2 and records("ray") == records("local")
+
+
+class _LongTiny:
+    """The agent tests' tiny model (16K positions): a loader is any picklable callable."""
+
+    def __call__(self):
+        return tiny_model("llama", max_position_embeddings=16384), tiny_tokenizer()
+
+
+def test_agent_on_ray_gives_the_in_process_records(tmp_path, local_ray):
+    from confkv.agent.grid import AgentConfig, run_agent_grid
+
+    model, tok = _LongTiny()()
+    config = AgentConfig(policies=("full", "window"), tasks=("cart_total-0",), compressions=(3.0,), max_steps=2,
+                         max_new_tokens=4)
+    run_agent_grid(model, tok, config, tmp_path / "local.jsonl", progress=False)
+    run_agent_grid(model, tok, config, tmp_path / "ray.jsonl", progress=False, ray=RAY2, loader=_LongTiny())
+
+    def by_key(rows):
+        return {(r["task"], r["protocol"], r["policy"]): _without_timing(r) for r in rows}
+
+    remote = by_key(load_rows(tmp_path / "ray.jsonl"))
+    assert len(remote) == 4 and remote == by_key(load_rows(tmp_path / "local.jsonl"))
+    assert json.loads(remote[("cart_total-0", "teacher-forced", "window")])["agree_full"] is not None
+
+
+def test_ppl_cli_on_ray_gives_the_in_process_result(tmp_path, local_ray):
+    from confkv.cli import main
+
+    args = ["ppl", "--model", "tiny-llama", "--policy", "window", "--param", "budget=16", "--param", "protect=0",
+            "--tokens", "40", "--no-progress"]
+    assert main(args + ["--out", str(tmp_path / "local.json")]) == 0
+    assert main(args + ["--out", str(tmp_path / "ray.json"), "--ray", "--ray-workers", "1"]) == 0
+    local, remote = (json.loads((tmp_path / name).read_text()) for name in ("local.json", "ray.json"))
+    assert remote["nll"] == local["nll"] and len(local["nll"]) == 39
+    assert _without_timing(remote["summary"]) == _without_timing(local["summary"])

@@ -95,10 +95,11 @@ class RayOptions:
 @dataclass(frozen=True)
 class WorkUnit:
     """One unit of a grid: ``key`` is stable across runs (resuming skips keys already on disk),
-    ``payload`` is what ``run_unit`` receives (picklable)."""
+    ``payload`` is what ``run_unit`` receives (picklable), ``cost`` orders the queue."""
 
     key: Hashable
     payload: Any
+    cost: float = 0.0  # relative run time, if known (e.g. the context length): the longest are sent first
 
 
 def add_ray_arguments(parser: Any) -> None:
@@ -268,9 +269,8 @@ class RayGrid:
         ray = self.ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        queue = deque(units)
+        queue = deque(sorted(units, key=lambda unit: -unit.cost))  # longest first: workers finish together
         attempts: dict[Hashable, int] = {}
-        landed: set[Hashable] = set()
         idle = deque(range(len(self.actors)))
         pending: dict[Any, tuple[WorkUnit, int]] = {}
         while queue or pending:
@@ -301,9 +301,7 @@ class RayGrid:
                 yield unit
                 continue
             idle.append(slot)
-            if unit.key not in landed:  # never twice (a unit is resubmitted only after its attempt failed)
-                landed.add(unit.key)
-                land(unit, rows)
+            land(unit, rows)  # once: a unit is resubmitted only after its attempt failed (no Ray task retries)
             yield unit
 
 

@@ -233,7 +233,7 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
     else:
         from confkv.eval.ray_grid import WorkUnit, run_units
 
-        run_units([WorkUnit(unit.key, unit) for unit in work], run_ruler_unit, loader, ray,
+        run_units([WorkUnit(unit.key, unit, cost=unit.length) for unit in work], run_ruler_unit, loader, ray,
                   lambda unit, rows: land(rows), progress=progress, desc="ruler")
     return records
 

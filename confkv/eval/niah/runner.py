@@ -176,7 +176,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
     else:
         from confkv.eval.ray_grid import WorkUnit, run_units
 
-        run_units([WorkUnit(unit.key, unit) for unit in work], run_niah_unit, loader, ray,
+        cost = [unit.length * len(unit.specs) * len(unit.samples) for unit in work]  # the longest go first
+        run_units([WorkUnit(unit.key, unit, cost=c) for unit, c in zip(work, cost)], run_niah_unit, loader, ray,
                   lambda unit, rows: land(rows), progress=progress, desc="niah")
     return NiahResult(config=config, records=records, budgets=budgets, budget_bytes=budget_bytes,
                       seconds=time.perf_counter() - started, model=model_name)

@@ -209,13 +209,27 @@ class _LongTiny:
         return tiny_model("llama", max_position_embeddings=16384), tiny_tokenizer()
 
 
-def test_agent_on_ray_gives_the_in_process_records(tmp_path, local_ray):
+class _SlowFull:
+    """``run_agent_unit`` that takes 3 s longer for ``full``: the other episodes would finish first."""
+
+    def __call__(self, model, tokenizer, unit):
+        from confkv.agent.grid import run_agent_unit
+
+        if unit.spec == "full":
+            time.sleep(3)
+        return run_agent_unit(model, tokenizer, unit)
+
+
+def test_agent_on_ray_gives_the_in_process_records(tmp_path, local_ray, monkeypatch):
+    from confkv.agent import grid
     from confkv.agent.grid import AgentConfig, run_agent_grid
 
     model, tok = _LongTiny()()
     config = AgentConfig(policies=("full", "window"), tasks=("cart_total-0",), compressions=(3.0,), max_steps=2,
                          max_new_tokens=4)
     run_agent_grid(model, tok, config, tmp_path / "local.jsonl", progress=False)
+    # agree_full needs full's record: full runs first even when it is the slowest
+    monkeypatch.setattr(grid, "run_agent_unit", _SlowFull())
     run_agent_grid(model, tok, config, tmp_path / "ray.jsonl", progress=False, ray=RAY2, loader=_LongTiny())
 
     def by_key(rows):
@@ -236,3 +250,37 @@ def test_ppl_cli_on_ray_gives_the_in_process_result(tmp_path, local_ray):
     local, remote = (json.loads((tmp_path / name).read_text()) for name in ("local.json", "ray.json"))
     assert remote["nll"] == local["nll"] and len(local["nll"]) == 39
     assert _without_timing(remote["summary"]) == _without_timing(local["summary"])
+
+
+class _NoModel:
+    def __call__(self):
+        return None, None
+
+
+class _Flaky:
+    """A unit function: ``"once"`` fails on its first attempt, ``"always"`` on every one; logs each attempt."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def __call__(self, model, tokenizer, payload):
+        with open(self.folder / "attempts.log", "a") as handle:
+            handle.write(payload + "\n")
+        if payload == "always":
+            raise ValueError("broken unit")
+        if payload == "once" and not (self.folder / "once.tried").exists():
+            (self.folder / "once.tried").touch()
+            raise ValueError("first attempt fails")
+        return [payload]
+
+
+def test_failed_units_are_retried_then_reported(tmp_path, local_ray):
+    from confkv.eval.ray_grid import WorkUnit, run_units
+
+    landed = []
+    units = [WorkUnit(name, name) for name in ("a", "once", "always", "b")]
+    with pytest.raises(ConfKVError, match=r"1 unit\(s\) failed after 2 retries \(--ray-retries\).*'always'.*broken"):
+        run_units(units, _Flaky(tmp_path), _NoModel(), RAY2, lambda unit, rows: landed.extend(rows), progress=False)
+    assert sorted(landed) == ["a", "b", "once"]  # the others landed, each once
+    attempts = (tmp_path / "attempts.log").read_text().split()
+    assert {name: attempts.count(name) for name in set(attempts)} == {"a": 1, "b": 1, "once": 2, "always": 3}

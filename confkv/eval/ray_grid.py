@@ -269,6 +269,7 @@ class RayGrid:
         ray = self.ray
         from ray.exceptions import RayActorError, RayTaskError
 
+        last_error = ""
         queue = deque(sorted(units, key=lambda unit: -unit.cost))  # longest first: workers finish together
         attempts: dict[Hashable, int] = {}
         idle = deque(range(len(self.actors)))
@@ -280,13 +281,15 @@ class RayGrid:
                 pending[self.actors[slot].run.remote(unit.payload)] = (unit, slot)
             if not pending:
                 raise ConfKVError(f"--ray: every worker died for good (each restarted {self.options.retries} times, "
-                                  f"--ray-retries); {len(queue)} unit(s) not run. Rerun the same command to resume")
+                                  f"--ray-retries); {len(queue)} unit(s) not run. Rerun the same command to resume. "
+                                  f"Last error: {last_error}")
             ready, _ = ray.wait(list(pending), num_returns=1)
             ref = ready[0]
             unit, slot = pending.pop(ref)
             try:
                 rows = ray.get(ref)
             except (RayActorError, RayTaskError) as error:
+                last_error = _first_lines(error)
                 died = isinstance(error, RayActorError)
                 if died:
                     self.deaths[slot] += 1
@@ -296,13 +299,18 @@ class RayGrid:
                 if attempts[unit.key] <= self.options.retries:
                     queue.appendleft(unit)
                     continue
-                what = "its worker died" if died else str(error).strip().splitlines()[-1]
-                failures.append(f"unit {unit.key!r}: {what}")
+                failures.append(f"unit {unit.key!r}: {'its worker died: ' if died else ''}{last_error}")
                 yield unit
                 continue
             idle.append(slot)
             land(unit, rows)  # once: a unit is resubmitted only after its attempt failed (no Ray task retries)
             yield unit
+
+
+def _first_lines(error: Exception, limit: int = 400) -> str:
+    """The last line of a worker's traceback (the exception itself), at most ``limit`` characters."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:limit]
 
 
 def run_units(units: Sequence[WorkUnit], run_unit: Callable[[Any, Any, Any], Any], loader: Callable[[], Any],

@@ -112,7 +112,7 @@ def main() -> int:
               "workers": args.workers, "inprocess_threads": args.inprocess_threads,
               "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
               "load_average_before": load_before, "machine": platform.platform(),
-              "commands": [shlex.join(in_process[1:]), shlex.join(on_ray[1:])],
+              "commands": [shlex.join(["python", *in_process[1:]]), shlex.join(["python", *on_ray[1:]])],
               "script": "python -m confkv.eval.ray_speedup " + shlex.join(sys.argv[1:])}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "speedup.json").write_text(json.dumps(result, indent=1) + "\n")

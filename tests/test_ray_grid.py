@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
 
 from confkv.errors import ConfKVError  # noqa: E402
 from confkv.eval.jsonl import load_rows  # noqa: E402

@@ -13,6 +13,10 @@ Resuming: with ``resume_path`` (the CLI's ``<out-dir>/niah.jsonl``) every finish
 appends its records, and records of the same run already there are skipped.
 
 The depths x trials of one context length run as one batch (``batch`` caps its size).
+
+Units: one batch x one protocol x one group of policies (:class:`NiahUnit`), run by
+:func:`run_niah_unit` in this process or, with ``ray`` (``confkv niah --ray``), on Ray
+actors (:mod:`confkv.eval.ray_grid`); the records are the same apart from ``seconds_per_seq``.
 """
 
 from __future__ import annotations

@@ -182,12 +182,15 @@ def connect(options: RayOptions) -> tuple[Any, bool]:
         return ray, False
     quiet = {"include_dashboard": False, "log_to_driver": False, "logging_level": "ERROR"}
     if options.local:
-        ray.init(num_cpus=options.workers or _cores(), **quiet)
+        ray.init(address="local", num_cpus=options.workers or _cores(), **quiet)  # never a running cluster
         return ray, True
     try:
         ray.init(address=address, **{k: v for k, v in quiet.items() if k != "include_dashboard"})
     except ConnectionError as error:
-        raise ConfKVError(f"--ray {options.address}: could not join the cluster: {error}") from error
+        raise ConfKVError(f"--ray {options.address}: could not join the cluster: {error}. If the cluster uses token "
+                          "authentication (Ray enables it for clusters started by ray.init), set RAY_AUTH_MODE=token "
+                          "and the cluster's token (RAY_AUTH_TOKEN, or ~/.ray/auth_token; `ray get-auth-token`)"
+                          ) from error
     return ray, True
 
 

@@ -132,10 +132,13 @@ def test_resuming_through_ray_runs_only_the_missing_units(tmp_path, local_ray, t
     assert len(_by_key(rows)) == len(rows) == len(result.records) == 2 * 2 * 2 * 4 * 2
 
 
-def test_unreachable_address_is_a_quick_clear_error(local_ray):
+def test_unreachable_address_is_a_quick_clear_error(local_ray, monkeypatch):
     start = time.perf_counter()
     with pytest.raises(ConfKVError, match=r"--ray 127\.0\.0\.1:1: no Ray head answers.*ray start --head"):
         connect(RayOptions(address="127.0.0.1:1", connect_timeout=2.0))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # what `--ray auto` joins
+    with pytest.raises(ConfKVError, match="no Ray head answers"):
+        connect(RayOptions(address="auto", connect_timeout=2.0))
     assert time.perf_counter() - start < 30  # a hang would be minutes (Ray's own retries)
     with pytest.raises(ConfKVError, match="expected HOST:PORT"):
         check_reachable("nonsense", 1.0)

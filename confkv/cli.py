@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ppl.add_argument("--plot", type=Path, default=None, help="write the kept-tokens / KV-bytes / confidence plot here")
     ppl.add_argument("--no-progress", action="store_true",
                      help="no progress output (default: a bar on a terminal, a few plain lines otherwise)")
+    from confkv.eval.ray_grid import add_ray_arguments
+
+    add_ray_arguments(ppl)
 
     sub.add_parser("policies", help="list the registered policies and their parameters")
 

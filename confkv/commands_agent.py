@@ -27,12 +27,15 @@ def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> N
     agent.add_argument("--fresh", action="store_true", help="move <out-dir>/agent.jsonl aside first")
     agent.add_argument("--collect-only", action="store_true", help="run nothing: summarize the records on disk")
     agent.add_argument("--out-dir", type=Path, default=Path("results/agent"))
+    from confkv.eval.ray_grid import add_ray_arguments
+
+    add_ray_arguments(agent)
 
 
 def run_agent(args: argparse.Namespace) -> int:
     from confkv.agent.grid import DEFAULT_POLICIES, AgentConfig, run_agent_grid, summarize, summary_lines
     from confkv.commands_eval import _setup, _write_json, parse_params
-    from confkv.models import load_model
+    from confkv.eval.ray_grid import ModelSpec, ray_options
     from confkv.outputs import check_writable
 
     check_writable(args.out_dir, folder=True, what="--out-dir")
@@ -46,10 +49,12 @@ def run_agent(args: argparse.Namespace) -> int:
         path.replace(path.with_suffix(".jsonl.old"))
         print(f"--fresh: moved the previous records to {path.with_suffix('.jsonl.old')}", file=sys.stderr)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = load_model(args.model)
+    spec = ModelSpec(args.model)
+    model, tokenizer = spec()
     try:
         records = run_agent_grid(model, tokenizer, config, path, model_name=args.model,
-                                 progress=not args.no_progress, compute=not args.collect_only)
+                                 progress=not args.no_progress, compute=not args.collect_only,
+                                 ray=ray_options(args), loader=spec)
     except KeyboardInterrupt:
         print(f"interrupted (Ctrl-C): the finished episodes are in {path}; rerun the same command to resume.",
               file=sys.stderr)

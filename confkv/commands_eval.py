@@ -25,6 +25,8 @@ def _strs(text: str) -> list[str]:
 
 def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
+    from confkv.eval.ray_grid import add_ray_arguments
+
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default="smollm2", help=MODEL_HELP)
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -83,6 +85,7 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
                       help="ignore the records already in <out-dir>/niah.jsonl (default: resume from them)")
     niah.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
     niah.add_argument("--out-dir", type=Path, default=Path("results/niah"))
+    add_ray_arguments(niah)
 
     sweep = sub.add_parser("sweep", help="policies x memory budgets (x INT8) on streaming perplexity, resumable")
     model_args(sweep)
@@ -107,6 +110,7 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     sweep.add_argument("--out", type=Path, default=Path("results/sweep/ppl.jsonl"))
     sweep.add_argument("--traces-dir", type=Path, default=None, help="also save each run's trace JSON here")
     sweep.add_argument("--dry-run", action="store_true", help="print the planned runs and budgets only")
+    add_ray_arguments(sweep)
 
     from confkv.commands_agent import add_agent_subcommand
 
@@ -203,17 +207,17 @@ def _replot_niah(out_dir: Path) -> int:
 
 
 def run_niah(args: argparse.Namespace) -> int:
-    import torch
-
     from confkv.eval.niah import NiahConfig, plot_niah, run_niah_grid, write_niah
-    from confkv.models import load_model
+    from confkv.eval.ray_grid import ModelSpec, ray_options
     from confkv.outputs import check_writable
 
     if args.replot:
         return _replot_niah(args.out_dir)
     check_writable(args.out_dir, folder=True, what="--out-dir")
+    ray = ray_options(args)
     _setup(args)
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    spec = ModelSpec(args.model, args.dtype)
+    model, tokenizer = spec()
     config = NiahConfig(lengths=tuple(args.lengths), depths=tuple(args.depths), trials=args.trials,
                         first_trial=args.first_trial,
                         policies=tuple(args.policies), protocols=tuple(args.protocols), haystack=args.haystack,
@@ -229,7 +233,7 @@ def run_niah(args: argparse.Namespace) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = run_niah_grid(model, tokenizer, config, progress=not args.no_progress, model_name=args.model,
-                               resume_path=resume, compute=not args.collect_only)
+                               resume_path=resume, compute=not args.collect_only, ray=ray, loader=spec)
     except KeyboardInterrupt:
         print(f"interrupted (Ctrl-C): the finished batches are in {resume}; rerun the same command to resume.",
               file=sys.stderr)
@@ -244,6 +248,7 @@ def run_niah(args: argparse.Namespace) -> int:
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from confkv.config import StoreConfig
+    from confkv.eval.ray_grid import ray_options
     from confkv.eval.sweep import SweepConfig, plan_sweep, run_sweep
     from confkv.outputs import check_writable
 
@@ -271,7 +276,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
             print(json.dumps(run.key_dict()), f"predicted {run.predicted:.0f} B")
         return 0
     try:
-        rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir)
+        rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir,
+                         ray=ray_options(args))
     except KeyboardInterrupt:
         from confkv.eval.sweep import load_rows
 

@@ -13,9 +13,8 @@ from confkv.textplot import sparkline
 
 
 def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig) -> int:
-    from confkv.data import corpus_tokens
-    from confkv.eval.ppl import RunInterrupted, streaming_ppl
-    from confkv.models import load_model
+    from confkv.eval.ppl import PplUnit, RunInterrupted, run_ppl_unit
+    from confkv.eval.ray_grid import ModelSpec, WorkUnit, ray_options, run_units
     from confkv.outputs import check_writable
     from confkv.policies import make_policy
     from confkv.store import check_store_fits
@@ -26,15 +25,26 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     if args.plot:
         check_writable(args.plot, what="--plot")
     check_store_fits(make_policy(args.policy, **params), store)
-    model, tokenizer = load_model(args.model)
-    ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
-    try:
-        result = streaming_ppl(model, ids, args.policy, store=store, progress=not args.no_progress, **params)
-    except RunInterrupted as interrupt:
-        result = interrupt.partial
-        print(f"interrupted (Ctrl-C) after {result.tokens} of {ids.shape[1] - 1} tokens", file=sys.stderr)
-        if not result.tokens:
-            return 130
+    ray = ray_options(args)
+    unit = PplUnit(corpus=args.corpus, tokens=args.tokens, offset=args.offset, policy=args.policy, params=params,
+                   store=store, progress=not args.no_progress and ray is None)
+    if ray is not None:  # the run on one Ray worker (a cluster's node); this process loads no model
+        results: list[Any] = []
+        run_units([WorkUnit(unit.key, unit)], run_ppl_unit, ModelSpec(args.model), ray,
+                  lambda _, rows: results.extend(rows), progress=not args.no_progress, desc="ppl")
+        result = results[0]
+    else:
+        model, tokenizer = ModelSpec(args.model)()
+        try:
+            result = run_ppl_unit(model, tokenizer, unit)[0]
+        except RunInterrupted as interrupt:
+            from confkv.data import corpus_tokens
+
+            result = interrupt.partial
+            total = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset).shape[1] - 1
+            print(f"interrupted (Ctrl-C) after {result.tokens} of {total} tokens", file=sys.stderr)
+            if not result.tokens:
+                return 130
     summary = result.summary()
     summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8})
     trace = result.trace

@@ -41,6 +41,9 @@ def add_ruler_subcommand(sub: Any) -> None:
     p.add_argument("--collect-only", action="store_true", help="run nothing: table + plot from <out-dir>/ruler.jsonl")
     p.add_argument("--fresh", action="store_true", help="ignore the records already in <out-dir>/ruler.jsonl")
     p.add_argument("--out-dir", type=Path, default=Path("results/ruler"))
+    from confkv.eval.ray_grid import add_ray_arguments
+
+    add_ray_arguments(p)
 
 
 def run_ruler(args: argparse.Namespace) -> int:
@@ -65,16 +68,13 @@ def run_ruler(args: argparse.Namespace) -> int:
         run = run_key(config, args.model)
         records = [RulerRecord(**r) for r in load_rows(jsonl) if r.get("run") == run]
     else:
-        import torch
+        from confkv.eval.ray_grid import ModelSpec, ray_options
 
-        from confkv.models import load_model, tiny_model, tiny_tokenizer
-
-        if args.model.startswith("tiny-"):
-            model, tokenizer = tiny_model(args.model[5:]), tiny_tokenizer()
-        else:
-            model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+        ray = ray_options(args)
+        spec = ModelSpec(args.model, args.dtype)  # tiny-<arch>: a tiny random test model
+        model, tokenizer = spec()
         records = run_ruler_grid(model, tokenizer, config, model_name=args.model, resume_path=jsonl,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, ray=ray, loader=spec)
     for path in write_ruler(records, args.out_dir, config.tasks, command):
         print(f"wrote {path}")
     print((args.out_dir / "ruler.md").read_text())

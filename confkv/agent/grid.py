@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from confkv.agent.harness import PROTOCOLS, expert_history_tokens, run_episode
 from confkv.agent.prompt import ChatFormat
@@ -27,6 +27,9 @@ from confkv.agent.world import make_world
 from confkv.config import StoreConfig
 from confkv.eval.jsonl import append_row, load_rows
 from confkv.progress import progress as show_progress
+
+if TYPE_CHECKING:
+    from confkv.eval.ray_grid import RayOptions
 
 _ROUND = 256
 DEFAULT_POLICIES = ("full", "window", "streaming", "h2o", "tova", "confkv", "confkv+int8")
@@ -108,12 +111,80 @@ def _agreement(a: list[str], b: list[str]) -> float | None:
     return sum(x == y for x, y in zip(a[:n], b[:n])) / n if n else None
 
 
+@dataclass(frozen=True)
+class AgentUnit:
+    """One episode of the grid: task ``tid`` of world ``seed`` x protocol x policy spec x compression.
+
+    ``params`` are the policy's matched budgets; ``reference`` full KV's peak bytes for the task.
+    """
+
+    tid: str
+    protocol: str
+    spec: str
+    compression: float
+    params: dict[str, Any]
+    reference: float
+    expert_tokens: int
+    seed: int
+    store: StoreConfig
+    chunk: int
+    max_new_tokens: int
+    max_steps: int | None
+    extra_steps: int
+    run: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.tid, self.protocol, self.spec, float(self.compression))
+
+
+_WORLDS: dict[int, tuple[Any, dict[str, Task]]] = {}
+
+
+def _world_and_tasks(seed: int) -> tuple[Any, dict[str, Task]]:
+    """The world of ``seed`` and its tasks by id (built once per process: a Ray actor runs many episodes)."""
+    if seed not in _WORLDS:
+        world = make_world(seed)
+        _WORLDS[seed] = (world, {t.tid: t for t in build_tasks(world)})
+    return _WORLDS[seed]
+
+
+def run_agent_unit(model: Any, tokenizer: Any, unit: AgentUnit) -> list[dict[str, Any]]:
+    """Run one episode; its record (in a list), without ``agree_full`` (the driver adds it from full's record).
+
+    Pure: the same record in process and on a Ray actor, apart from ``seconds``.
+    """
+    from confkv.eval.niah.config import parse_spec
+
+    world, tasks = _world_and_tasks(unit.seed)
+    task = tasks[unit.tid]
+    episode = run_episode(model, tokenizer, world, task, unit.protocol, parse_spec(unit.spec)[0], unit.params,
+                          store=unit.store, chunk=unit.chunk, max_new_tokens=unit.max_new_tokens,
+                          max_steps=unit.max_steps, extra_steps=unit.extra_steps,
+                          fmt=ChatFormat.for_tokenizer(tokenizer))
+    row = {"run": unit.run, "task": task.tid, "template": task.template, "info_early": task.info_early,
+           "protocol": unit.protocol, "policy": unit.spec, "compression": float(unit.compression),
+           "params": unit.params, "full_peak_reference": unit.reference, "expert_tokens": unit.expert_tokens,
+           **episode.to_dict()}
+    if unit.protocol == "teacher-forced":
+        row["agree_expert"] = sum(s["agree"] for s in episode.steps) / max(1, len(episode.steps))
+    return [row]
+
+
 def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: str | Path, *, model_name: str = "",
-                   progress: bool = True, compute: bool = True) -> list[dict[str, Any]]:
-    """Run (or, with ``compute=False``, only collect) the grid; returns this run's records."""
+                   progress: bool = True, compute: bool = True, ray: "RayOptions | None" = None,
+                   loader: Callable[[], tuple[Any, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run (or, with ``compute=False``, only collect) the grid; returns this run's records.
+
+    ``ray``: run the episodes on Ray actors that each load the model with ``loader`` (a
+    :class:`~confkv.eval.ray_grid.ModelSpec`): the ``full`` episodes first, then the others
+    (their ``agree_full`` needs full's record); only this process writes ``out_path``.
+    """
     from confkv.eval.niah.budgets import budgets_for_bytes, full_kv_bytes
     from confkv.eval.niah.config import parse_spec
 
+    if ray is not None and loader is None:
+        raise ValueError("run_agent_grid: ray needs loader (a ModelSpec naming the same model)")
     run = run_key(config, model_name)
     tasks = select_tasks(config)
     world = make_world(config.seed)
@@ -124,11 +195,8 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
     fmt = ChatFormat.for_tokenizer(tokenizer)
     history: dict[str, int] = {}
     budgets: dict[tuple, dict[str, Any]] = {}
-    for task, protocol, spec, compression in show_progress(_units(config, tasks) if compute else [], desc="agent",
-                                                           enabled=progress, leave=True):
-        key = (task.tid, protocol, spec, float(compression))
-        if key in records:
-            continue
+
+    def unit_for(task: Task, protocol: str, spec: str, compression: float) -> AgentUnit:
         if task.tid not in history:
             history[task.tid] = expert_history_tokens(tokenizer, world, task, fmt, config.max_steps)
         tokens = -(-history[task.tid] // _ROUND) * _ROUND  # budgets per 256-token bucket (matching is slow)
@@ -139,20 +207,35 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
             budgets[(spec, compression, tokens)] = {} if spec == "full" else budgets_for_bytes(
                 model, [name], reference / compression, tokens, store=store, ratio=config.ratio,
                 extra=config.extra_params)[name]
-        params = budgets[(spec, compression, tokens)]
-        episode = run_episode(model, tokenizer, world, task, protocol, name, params, store=store, chunk=config.chunk,
-                              max_new_tokens=config.max_new_tokens, max_steps=config.max_steps,
-                              extra_steps=config.extra_steps, fmt=fmt)
-        row = {"run": run, "task": task.tid, "template": task.template, "info_early": task.info_early,
-               "protocol": protocol, "policy": spec, "compression": float(compression), "params": params,
-               "full_peak_reference": reference, "expert_tokens": history[task.tid], **episode.to_dict()}
-        predicted = [s["predicted"] for s in episode.steps]
-        if protocol == "teacher-forced":
-            row["agree_expert"] = sum(s["agree"] for s in episode.steps) / max(1, len(episode.steps))
-            full = row if spec == "full" else records.get((task.tid, protocol, "full", 1.0))
-            row["agree_full"] = _agreement(predicted, [s["predicted"] for s in full["steps"]]) if full else None
+        return AgentUnit(tid=task.tid, protocol=protocol, spec=spec, compression=float(compression),
+                         params=budgets[(spec, compression, tokens)], reference=reference,
+                         expert_tokens=history[task.tid], seed=config.seed, store=store, chunk=config.chunk,
+                         max_new_tokens=config.max_new_tokens, max_steps=config.max_steps,
+                         extra_steps=config.extra_steps, run=run)
+
+    def land(rows: list[dict[str, Any]]) -> None:
+        """The driver's side: agreement with full KV's record, then append (the only writer of ``out_path``)."""
+        row = rows[0]
+        if row["protocol"] == "teacher-forced":
+            full = row if row["policy"] == "full" else records.get((row["task"], row["protocol"], "full", 1.0))
+            row["agree_full"] = _agreement([s["predicted"] for s in row["steps"]],
+                                           [s["predicted"] for s in full["steps"]]) if full else None
         append_row(out_path, row)
-        records[key] = row
+        records[(row["task"], row["protocol"], row["policy"], float(row["compression"]))] = row
+
+    todo = [u for u in (_units(config, tasks) if compute else []) if (u[0].tid, u[1], u[2], float(u[3])) not in records]
+    if ray is None:
+        for task, protocol, spec, compression in show_progress(todo, desc="agent", enabled=progress, leave=True):
+            land(run_agent_unit(model, tokenizer, unit_for(task, protocol, spec, compression)))
+    elif todo:
+        from confkv.eval.ray_grid import RayGrid, WorkUnit
+
+        units = [unit_for(*u) for u in todo]
+        with RayGrid(ray, loader, run_agent_unit) as grid:
+            for phase in ([u for u in units if u.spec == "full"], [u for u in units if u.spec != "full"]):
+                if phase:
+                    grid.run([WorkUnit(u.key, u) for u in phase], lambda unit, rows: land(rows),
+                             progress=progress, desc="agent")
     return [r for (tid, protocol, spec, _), r in records.items()
             if spec in config.policies and protocol in config.protocols and tid in {t.tid for t in tasks}]
 

@@ -100,3 +100,31 @@ def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str |
         raise RunInterrupted(partial) from interrupt
     seconds = time.perf_counter() - start
     return PplResult(nll=nll, trace=cache.trace, seconds=seconds, policy=name, params=dict(policy_params))
+
+
+@dataclass(frozen=True)
+class PplUnit:
+    """One ``confkv ppl`` run: the corpus slice and the policy (tokens are read with the worker's tokenizer)."""
+
+    corpus: str
+    tokens: int
+    offset: int
+    policy: str
+    params: dict[str, Any]
+    store: StoreConfig
+    progress: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return (self.corpus, self.tokens, self.offset, self.policy, repr(sorted(self.params.items())), self.store)
+
+
+def run_ppl_unit(model: Any, tokenizer: Any, unit: PplUnit) -> list[PplResult]:
+    """Run one streaming-perplexity run; its :class:`PplResult` in a list.
+
+    Pure: the same result in process and on a Ray actor, apart from ``seconds``.
+    """
+    from confkv.data import corpus_tokens
+
+    ids = corpus_tokens(tokenizer, unit.corpus, unit.tokens, offset=unit.offset)
+    return [streaming_ppl(model, ids, unit.policy, store=unit.store, progress=unit.progress, **unit.params)]

@@ -21,7 +21,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
@@ -29,6 +29,9 @@ from confkv.eval.jsonl import append_rows, load_rows
 from confkv.eval.ruler_score import ruler_score
 from confkv.eval.ruler_tasks import DEFAULT_TASKS, TASKS, make_ruler_sample
 from confkv.progress import progress as show_progress
+
+if TYPE_CHECKING:
+    from confkv.eval.ray_grid import RayOptions
 
 #: bumped when a sample generator or the protocol changes; other versions are not resumed
 RULER_VERSION = 1
@@ -116,12 +119,63 @@ def _cells(config: RulerConfig) -> list[tuple[str, float]]:
     return cells
 
 
-def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_name: str = "",
-                   resume_path: str | Path | None = None, progress: bool = True) -> list[RulerRecord]:
-    """Run every (task, length, sample, policy, fraction) not already in ``resume_path``; all records."""
-    from confkv.eval.niah import budgets_for_bytes, check_niah_positions, full_kv_bytes
+@dataclass(frozen=True)
+class RulerUnit:
+    """One unit of the grid: a batch of samples of one task and length x one policy at one KV fraction."""
+
+    task: str
+    length: int
+    spec: str  # policy spec, e.g. "confkv+int8"
+    fraction: float
+    samples: tuple[Any, ...]  # RulerSample
+    params: dict[str, Any]
+    fp_window: int
+    protocol: str
+    chunk: int
+    query_window: int
+    run: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.task, self.length, self.spec, self.fraction, tuple(s.index for s in self.samples))
+
+
+def run_ruler_unit(model: Any, tokenizer: Any, unit: RulerUnit) -> list[dict[str, Any]]:
+    """Answer and score one unit's samples; the records as dicts.
+
+    Pure: the same records in process and on a Ray actor, apart from ``seconds_per_seq``.
+    """
     from confkv.hf.protocols import generate_compressed
 
+    name, int8 = parse_policy_spec(unit.spec)
+    store = StoreConfig(kv_int8=int8, fp_window=unit.fp_window, prefill_chunk=unit.chunk)
+    batch = list(unit.samples)
+    prompts = [list(tokenizer(s.prompt, verbose=False).input_ids) for s in batch]
+    t0 = time.perf_counter()
+    outs = generate_compressed(model, tokenizer, prompts, policy=name, params=unit.params, store=store,
+                               protocol=unit.protocol, chunk=unit.chunk, query_window=unit.query_window,
+                               max_new_tokens=batch[0].max_new_tokens)
+    per_seq = (time.perf_counter() - t0) / len(batch)
+    return [asdict(RulerRecord(task=unit.task, length=unit.length, index=s.index, policy=unit.spec,
+                               kv_fraction=unit.fraction, score=ruler_score(out.text, s.outputs, s.metric),
+                               generated=out.text, outputs=s.outputs, prompt_tokens=len(p), params=unit.params,
+                               kept_at_answer=out.kept_at_answer, peak_kv_bytes_per_seq=out.peak_kv_bytes_per_seq,
+                               seconds_per_seq=per_seq, run=unit.run))
+            for s, p, out in zip(batch, prompts, outs)]
+
+
+def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_name: str = "",
+                   resume_path: str | Path | None = None, progress: bool = True, ray: "RayOptions | None" = None,
+                   loader: Callable[[], tuple[Any, Any]] | None = None) -> list[RulerRecord]:
+    """Run every (task, length, sample, policy, fraction) not already in ``resume_path``; all records.
+
+    ``ray``: run the units on Ray actors that each load the model with ``loader`` (a
+    :class:`~confkv.eval.ray_grid.ModelSpec`); only this process writes ``resume_path``.
+    """
+    from confkv.eval.niah import budgets_for_bytes, check_niah_positions, full_kv_bytes
+
+    if ray is not None and loader is None:
+        raise ValueError("run_ruler_grid: ray needs loader (a ModelSpec naming the same model)")
     check_niah_positions(model, config.lengths, 0)
     run = run_key(config, model_name)
     done: dict[tuple, RulerRecord] = {}
@@ -148,7 +202,8 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
     samples: dict[tuple[str, int, int], Any] = {}
     records = [r for r in done.values() if r.task in config.tasks and r.length in config.lengths
                and r.index in indices and (r.policy, r.kv_fraction) in cells]
-    for begin, length, task, spec, fraction in show_progress(units, desc="ruler", enabled=progress, leave=True):
+    work = []
+    for begin, length, task, spec, fraction in units:
         part = indices[begin:begin + config.batch]
         todo = [i for i in part if (run, task, length, i, spec, fraction) not in done]
         if not todo:
@@ -158,25 +213,28 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
             if (task, length, i) not in samples:
                 samples[(task, length, i)] = make_ruler_sample(task, tokenizer, length, i, seed=config.seed)
             batch.append(samples[(task, length, i)])
-        name, int8 = parse_policy_spec(spec)
-        store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
-        params = budget(spec, fraction, length)
-        prompts = [list(tokenizer(s.prompt, verbose=False).input_ids) for s in batch]
-        t0 = time.perf_counter()
-        outs = generate_compressed(model, tokenizer, prompts, policy=name, params=params, store=store,
-                                   protocol=config.protocol, chunk=config.chunk, query_window=config.query_window,
-                                   max_new_tokens=batch[0].max_new_tokens)
-        per_seq = (time.perf_counter() - t0) / len(batch)
-        fresh = [RulerRecord(task=task, length=length, index=s.index, policy=spec, kv_fraction=fraction,
-                             score=ruler_score(out.text, s.outputs, s.metric), generated=out.text, outputs=s.outputs,
-                             prompt_tokens=len(p), params=params, kept_at_answer=out.kept_at_answer,
-                             peak_kv_bytes_per_seq=out.peak_kv_bytes_per_seq, seconds_per_seq=per_seq, run=run)
-                 for s, p, out in zip(batch, prompts, outs)]
+        work.append(RulerUnit(task=task, length=length, spec=spec, fraction=fraction, samples=tuple(batch),
+                              params=budget(spec, fraction, length), fp_window=config.fp_window,
+                              protocol=config.protocol, chunk=config.chunk, query_window=config.query_window,
+                              run=run))
+
+    def land(rows: list[dict[str, Any]]) -> None:
+        """The driver's side: remember and append the unit's records (the only writer of the JSONL)."""
+        fresh = [RulerRecord(**row) for row in rows]
         for r in fresh:
             done[record_key(asdict(r))] = r
         if resume_path is not None:
             append_rows(resume_path, [asdict(r) for r in fresh])
         records.extend(fresh)
+
+    if ray is None:
+        for unit in show_progress(work, desc="ruler", enabled=progress, leave=True):
+            land(run_ruler_unit(model, tokenizer, unit))
+    else:
+        from confkv.eval.ray_grid import WorkUnit, run_units
+
+        run_units([WorkUnit(unit.key, unit, cost=unit.length) for unit in work], run_ruler_unit, loader, ray,
+                  lambda unit, rows: land(rows), progress=progress, desc="ruler")
     return records
 
 

@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from confkv.config import StoreConfig
 from confkv.errors import ConfKVError
 from confkv.eval.jsonl import append_row, load_rows
 from confkv.eval.memory_match import GATED, BytesModel, match_budget, reference_bytes, simulate_kv_bytes
+
+if TYPE_CHECKING:
+    from confkv.eval.ray_grid import RayOptions
 
 
 # --------------------------------------------------------------------------- JSONL rows
@@ -166,15 +169,65 @@ def plan_sweep(model: Any, config: SweepConfig, confidences: Sequence[float] | N
     return runs
 
 
+@dataclass(frozen=True)
+class SweepUnit:
+    """One run of a sweep: the planned run and the corpus tokens ``ids`` [1, T].
+
+    ``trace``: also return the run's trace (``--traces-dir``; the driver writes the file).
+    """
+
+    run: PlannedRun
+    ids: Any
+    trace: bool = False
+    progress: bool = False
+
+    @property
+    def key(self) -> str:
+        return row_key(self.run.key_dict())
+
+
+def run_sweep_unit(model: Any, tokenizer: Any, unit: SweepUnit) -> list[dict[str, Any]]:
+    """Run one planned run; its row (in a list), with ``"_trace"`` when ``unit.trace``.
+
+    Pure: the same row in process and on a Ray actor, apart from ``seconds`` and ``finished_at``.
+    """
+    from confkv.eval.ppl import streaming_ppl
+
+    run = unit.run
+    store = replace(run.config.store, kv_int8=run.kv_int8)
+    started = time.time()
+    result = streaming_ppl(model, unit.ids, run.policy, store=store, progress=unit.progress, **run.params)
+    trace = result.trace
+    peak, mean = trace.peak_kv_bytes(), trace.mean_kv_bytes()
+    measured = peak if run.config.match == "peak" else mean
+    row = {**run.key_dict(), "reference_window": run.reference_window, "match": run.config.match,
+           "target_bytes": run.target, "predicted_bytes": run.predicted, "ppl": result.ppl,
+           "peak_kv_bytes": peak, "mean_kv_bytes": mean,
+           "match_error": (measured / run.target - 1) if run.target == run.target and run.target else None,
+           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))),
+           "mean_cold_bytes_read": float(np.mean([step.cold_bytes_read for step in trace.steps])),
+           "seconds": result.seconds,
+           "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started + result.seconds))}
+    if run.policy == "full":
+        row["confidence"] = [round(c, 5) for c in trace.confidences(0)]
+    if unit.trace:
+        row["_trace"] = trace.to_dict()
+    return [row]
+
+
 def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
               progress: bool = True, traces_dir: str | Path | None = None,
-              stop_after: int | None = None) -> list[dict[str, Any]]:
+              stop_after: int | None = None, ray: "RayOptions | None" = None) -> list[dict[str, Any]]:
     """Run (or resume) a sweep; returns all rows of ``out`` for this sweep's runs.
 
     ``stop_after`` stops after that many new runs (used to simulate an interruption).
     A ``KeyboardInterrupt`` (Ctrl-C) during a run propagates; the rows completed before it
     are on disk, the interrupted run is not written and is redone on resume.
+    ``ray``: run the runs on Ray actors (:mod:`confkv.eval.ray_grid`), each loading
+    ``config.model`` once; only this process writes ``out`` (rows as they finish).
     """
+    from contextlib import ExitStack
+
     from confkv.data import corpus_tokens
     from confkv.outputs import check_writable
 
@@ -197,59 +250,56 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
         keys = [row_key(r.key_dict()) for r in planned]
         return [done[k] for k in dict.fromkeys(keys) if k in done]
 
+    def land(rows: list[dict[str, Any]]) -> None:
+        """The driver's side: the trace file, then the row (the only writer of ``out``)."""
+        row = rows[0]
+        trace = row.pop("_trace", None)
+        if traces_dir is not None:
+            folder = Path(traces_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            name = (f"{row['policy']}_int8-{int(row['kv_int8'])}_ref-{row['reference_window']}_"
+                    f"{_params_slug(row['params'])}.json")
+            (folder / name).write_text(json.dumps({"summary": row, "trace": trace}))
+            row["trace_file"] = str(folder / name)
+        append_row(out, row)
+        done[row_key(row)] = row
+
     new_runs = 0
-    for kv_int8 in config.int8:
-        sub = replace(config, int8=(kv_int8,))
-        groups = [tuple(p for p in sub.policies if p == "full"), tuple(p for p in sub.policies if p != "full")]
-        for group in groups:
-            if not group:
-                continue
-            if confidences is None and config.match == "mean":
-                full_rows = [r for r in done.values() if r["policy"] == "full" and r.get("confidence")
-                             and r["model"] == config.model and r["corpus"] == config.corpus
-                             and r["tokens"] == config.tokens and r["offset"] == config.offset
-                             and (r.get("dtype") or "float32") == config.dtype]
-                if full_rows:
-                    confidences = full_rows[0]["confidence"]
-            for run in plan_sweep(model, replace(sub, policies=group), confidences):
-                planned.append(run)
-                if row_key(run.key_dict()) in done:
+    with ExitStack() as stack:
+        grid = None
+        for kv_int8 in config.int8:
+            sub = replace(config, int8=(kv_int8,))
+            groups = [tuple(p for p in sub.policies if p == "full"), tuple(p for p in sub.policies if p != "full")]
+            for group in groups:
+                if not group:
                     continue
-                if stop_after is not None and new_runs >= stop_after:
-                    return collected()
-                _execute(run, model, ids, out, done, progress, traces_dir)
-                new_runs += 1
+                if confidences is None and config.match == "mean":
+                    full_rows = [r for r in done.values() if r["policy"] == "full" and r.get("confidence")
+                                 and r["model"] == config.model and r["corpus"] == config.corpus
+                                 and r["tokens"] == config.tokens and r["offset"] == config.offset
+                                 and (r.get("dtype") or "float32") == config.dtype]
+                    if full_rows:
+                        confidences = full_rows[0]["confidence"]
+                todo = []
+                for run in plan_sweep(model, replace(sub, policies=group), confidences):
+                    planned.append(run)
+                    if row_key(run.key_dict()) not in done:
+                        todo.append(SweepUnit(run, ids, trace=traces_dir is not None, progress=progress and not ray))
+                if ray is None:
+                    for unit in todo:
+                        if stop_after is not None and new_runs >= stop_after:
+                            return collected()
+                        land(run_sweep_unit(model, tokenizer, unit))
+                        new_runs += 1
+                elif todo:
+                    from confkv.eval.ray_grid import ModelSpec, RayGrid, WorkUnit
+
+                    if grid is None:  # one pool for every group: each actor loads the model once
+                        grid = stack.enter_context(RayGrid(ray, ModelSpec(config.model, config.dtype),
+                                                           run_sweep_unit))
+                    grid.run([WorkUnit(unit.key, unit) for unit in todo], lambda unit, rows: land(rows),
+                             progress=progress, desc="sweep")
     return collected()
-
-
-def _execute(run: PlannedRun, model, ids, out, done, progress, traces_dir) -> dict[str, Any]:
-    from confkv.eval.ppl import streaming_ppl
-
-    store = replace(run.config.store, kv_int8=run.kv_int8)
-    started = time.time()
-    result = streaming_ppl(model, ids, run.policy, store=store, progress=progress, **run.params)
-    trace = result.trace
-    peak, mean = trace.peak_kv_bytes(), trace.mean_kv_bytes()
-    measured = peak if run.config.match == "peak" else mean
-    row = {**run.key_dict(), "reference_window": run.reference_window, "match": run.config.match,
-           "target_bytes": run.target, "predicted_bytes": run.predicted, "ppl": result.ppl,
-           "peak_kv_bytes": peak, "mean_kv_bytes": mean,
-           "match_error": (measured / run.target - 1) if run.target == run.target and run.target else None,
-           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))),
-           "mean_cold_bytes_read": float(np.mean([step.cold_bytes_read for step in trace.steps])),
-           "seconds": result.seconds,
-           "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started + result.seconds))}
-    if run.policy == "full":
-        row["confidence"] = [round(c, 5) for c in trace.confidences(0)]
-    if traces_dir is not None:
-        traces_dir = Path(traces_dir)
-        traces_dir.mkdir(parents=True, exist_ok=True)
-        name = f"{run.policy}_int8-{int(run.kv_int8)}_ref-{run.reference_window}_{_params_slug(run.params)}.json"
-        (traces_dir / name).write_text(json.dumps({"summary": row, "trace": trace.to_dict()}))
-        row["trace_file"] = str(traces_dir / name)
-    append_row(out, row)
-    done[row_key(row)] = row
-    return row
 
 
 def _params_slug(params: dict[str, Any]) -> str:

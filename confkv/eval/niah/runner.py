@@ -13,6 +13,10 @@ Resuming: with ``resume_path`` (the CLI's ``<out-dir>/niah.jsonl``) every finish
 appends its records, and records of the same run already there are skipped.
 
 The depths x trials of one context length run as one batch (``batch`` caps its size).
+
+Units: one batch x one protocol x one group of policies (:class:`NiahUnit`), run by
+:func:`run_niah_unit` in this process or, with ``ray`` (``confkv niah --ray``), on Ray
+actors (:mod:`confkv.eval.ray_grid`); the records are the same apart from ``seconds_per_seq``.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from confkv.errors import PromptTooLongError
 from confkv.eval.jsonl import append_rows
@@ -33,6 +37,10 @@ from confkv.eval.niah.protocols import run_niah_batch, run_query_aware_shared
 from confkv.eval.niah.records import NiahRecord, NiahResult, load_records, record_key
 from confkv.models import model_max_positions
 from confkv.progress import progress as show_progress
+
+if TYPE_CHECKING:
+    from confkv.config import StoreConfig
+    from confkv.eval.ray_grid import RayOptions
 
 
 def run_key(config: NiahConfig, model_name: str) -> str:
@@ -80,7 +88,9 @@ def check_niah_positions(model: Any, lengths: Sequence[int], max_new_tokens: int
 
 
 def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: bool = True,
-                  model_name: str = "", resume_path: str | Path | None = None, compute: bool = True) -> NiahResult:
+                  model_name: str = "", resume_path: str | Path | None = None, compute: bool = True,
+                  ray: "RayOptions | None" = None, loader: Callable[[], tuple[Any, Any]] | None = None
+                  ) -> NiahResult:
     """Run the whole grid; see the module docstring for the protocols and budgets.
 
     Args:
@@ -88,7 +98,12 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
             (fsynced), and records of the same run already there are not recomputed, so
             an interrupted grid resumes where it stopped.
         compute: False: only collect the records already in ``resume_path`` (a partial grid).
+        ray: run the units on Ray (:mod:`confkv.eval.ray_grid`); ``loader`` (e.g. a
+            :class:`~confkv.eval.ray_grid.ModelSpec`) loads the same model in each actor.
+            The records are those of the in-process loop except ``seconds_per_seq``.
     """
+    if ray is not None and loader is None:
+        raise ValueError("run_niah_grid: ray needs loader (a ModelSpec naming the same model)")
     specs = list(config.policies)
     for spec in specs:
         parse_spec(spec)
@@ -140,39 +155,88 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         for length, parts in batches.items():
             for protocol in config.protocols:
                 units.extend((length, protocol, group, parts[index]) for group in _groups(specs, protocol, config))
-    for length, protocol, group, part in show_progress(units, desc="niah", enabled=progress, leave=True):
+    work = []
+    for length, protocol, group, part in units:
         todo = [spec for spec in group if any((run, spec, proto, length, float(s.depth), s.trial) not in done
                                               for proto in _reported_under(spec, protocol, config) for s in part)]
-        if not todo:
-            continue
-        t0 = time.perf_counter()
-        store = _store_for(todo[0], config)
-        members = [(parse_spec(spec)[0], budgets[f"{spec}@{length}"]) for spec in todo]
-        if protocol == "query-aware" and len(todo) > 1:
-            outputs = run_query_aware_shared(model, tokenizer, part, members, store=store, chunk=config.chunk,
-                                             max_new_tokens=config.max_new_tokens)
-        else:
-            outputs = [run_niah_batch(model, tokenizer, part, name, params, protocol, store=store, chunk=config.chunk,
-                                      max_new_tokens=config.max_new_tokens) for name, params in members]
-        per_seq = (time.perf_counter() - t0) / len(part) / len(todo)
-        fresh = []
-        for spec, outs in zip(todo, outputs):
-            for proto in _reported_under(spec, protocol, config):
-                for s, (text, kept, peak) in zip(part, outs):
-                    record = NiahRecord(policy=spec, protocol=proto, length=length, depth=s.depth, trial=s.trial,
-                                        actual_depth=s.actual_depth, answer=s.answer, generated=text,
-                                        correct=score_niah(text, s.answer), params=budgets[f"{spec}@{length}"],
-                                        kept_at_answer=kept, peak_kv_bytes_per_seq=peak, seconds_per_seq=per_seq,
-                                        run=run, computed_in=protocol,
-                                        protocol_version=PROTOCOL_VERSIONS[proto])
-                    if record_key(record) not in done:
-                        done.add(record_key(record))
-                        fresh.append(record)
+        if todo:
+            work.append(NiahUnit(length=length, protocol=protocol, specs=tuple(todo), samples=tuple(part),
+                                 params={spec: budgets[f"{spec}@{length}"] for spec in todo},
+                                 reported={spec: tuple(_reported_under(spec, protocol, config)) for spec in todo},
+                                 store=_store_for(todo[0], config), chunk=config.chunk,
+                                 max_new_tokens=config.max_new_tokens, run=run))
+
+    def land(rows: list[dict[str, Any]]) -> None:
+        """The driver's side: keep the records not already there, append them (the only writer)."""
+        fresh = [NiahRecord(**row) for row in rows if record_key(row) not in done]
+        done.update(record_key(r) for r in fresh)
         if resume_path is not None:
             append_rows(resume_path, [asdict(r) for r in fresh])
         records.extend(fresh)
+
+    if ray is None:
+        for unit in show_progress(work, desc="niah", enabled=progress, leave=True):
+            land(run_niah_unit(model, tokenizer, unit))
+    else:
+        from confkv.eval.ray_grid import WorkUnit, run_units
+
+        cost = [unit.length * len(unit.specs) * len(unit.samples) for unit in work]  # the longest go first
+        run_units([WorkUnit(unit.key, unit, cost=c) for unit, c in zip(work, cost)], run_niah_unit, loader, ray,
+                  lambda unit, rows: land(rows), progress=progress, desc="niah")
     return NiahResult(config=config, records=records, budgets=budgets, budget_bytes=budget_bytes,
                       seconds=time.perf_counter() - started, model=model_name)
+
+
+@dataclass(frozen=True)
+class NiahUnit:
+    """One unit of the grid: a batch of same-length samples x one protocol x a group of policies.
+
+    ``specs`` are the policies still to run (a group shares one prefill under query-aware),
+    ``params`` their budgets, ``reported`` the protocols each one's records go under.
+    """
+
+    length: int
+    protocol: str
+    specs: tuple[str, ...]
+    samples: tuple[Any, ...]  # NiahSample
+    params: dict[str, dict[str, Any]]
+    reported: dict[str, tuple[str, ...]]
+    store: "StoreConfig"
+    chunk: int
+    max_new_tokens: int
+    run: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.length, self.protocol, self.specs, tuple((float(s.depth), s.trial) for s in self.samples))
+
+
+def run_niah_unit(model: Any, tokenizer: Any, unit: NiahUnit) -> list[dict[str, Any]]:
+    """Run one unit; its records as dicts (``seconds_per_seq``: the unit's time / sequences / policies).
+
+    Pure: the same records in process and on a Ray actor (apart from ``seconds_per_seq``).
+    """
+    t0 = time.perf_counter()
+    part = list(unit.samples)
+    members = [(parse_spec(spec)[0], unit.params[spec]) for spec in unit.specs]
+    if unit.protocol == "query-aware" and len(unit.specs) > 1:
+        outputs = run_query_aware_shared(model, tokenizer, part, members, store=unit.store, chunk=unit.chunk,
+                                         max_new_tokens=unit.max_new_tokens)
+    else:
+        outputs = [run_niah_batch(model, tokenizer, part, name, params, unit.protocol, store=unit.store,
+                                  chunk=unit.chunk, max_new_tokens=unit.max_new_tokens) for name, params in members]
+    per_seq = (time.perf_counter() - t0) / len(part) / len(unit.specs)
+    rows = []
+    for spec, outs in zip(unit.specs, outputs):
+        for proto in unit.reported[spec]:
+            for s, (text, kept, peak) in zip(part, outs):
+                rows.append(asdict(NiahRecord(
+                    policy=spec, protocol=proto, length=unit.length, depth=s.depth, trial=s.trial,
+                    actual_depth=s.actual_depth, answer=s.answer, generated=text, correct=score_niah(text, s.answer),
+                    params=unit.params[spec], kept_at_answer=kept, peak_kv_bytes_per_seq=peak,
+                    seconds_per_seq=per_seq, run=unit.run, computed_in=unit.protocol,
+                    protocol_version=PROTOCOL_VERSIONS[proto])))
+    return rows
 
 
 def _reported_under(spec: str, protocol: str, config: NiahConfig) -> list[str]:

@@ -19,3 +19,14 @@ def test_without_ray_flag_ray_is_not_imported(tmp_path):
                          cwd=Path(__file__).resolve().parents[1], timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0 False"
+
+
+def test_speedup_report_states_the_machine_ceiling_from_the_records():
+    """Two sequences side by side that each take 20% longer cap any 2-way split at 2 / 1.2 = 1.67x."""
+    from confkv.eval.ray_speedup import contention_lines
+
+    result = {"busy_seconds_in_process": 100.0, "busy_seconds_ray": 120.0, "wall_ratio": 1.5,
+              "wall_seconds_in_process": 110.0, "wall_seconds_ray": 73.3, "wall_seconds_two_processes": 66.0}
+    text = " ".join(contention_lines(result, 2))
+    assert "+20% slower" in text and "beat 1.67x" in text and "90% of that" in text
+    assert "66.0 s, 1.67x the in-process wall time" in text and "1.11x that" in text

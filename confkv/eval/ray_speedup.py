@@ -66,6 +66,26 @@ def timed_run(command: list[str]) -> float:
     return seconds
 
 
+def timed_parallel(commands: list[list[str]]) -> float:
+    """Run ``commands`` at the same time (plain processes, no Ray), return the wall time until the last ends."""
+    for command in commands:
+        print("$ " + shlex.join(command) + " &", flush=True)
+    start = time.perf_counter()
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    running = [subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
+               for command in commands]
+    codes = [process.wait() for process in running]
+    seconds = time.perf_counter() - start
+    if any(codes):
+        raise SystemExit(f"ray_speedup: a parallel half failed (exit codes {codes})")
+    return seconds
+
+
+def busy_seconds(path: Path) -> float:
+    """Sum of ``seconds_per_seq`` over a ``niah.jsonl``: the compute time of its sequences (one at a time per process)."""
+    return sum(row["seconds_per_seq"] for row in load_rows(path))
+
+
 def compare(a: Path, b: Path) -> dict:
     """Records of two ``niah.jsonl`` by key, without the timing fields: counts and differing keys."""
     def by_key(path: Path) -> dict:
@@ -79,6 +99,22 @@ def compare(a: Path, b: Path) -> dict:
     differing = sorted(str(k) for k in left.keys() | right.keys() if left.get(k) != right.get(k))
     return {"records_in_process": len(left), "records_ray": len(right), "identical": not differing and bool(left),
             "differing": differing[:10]}
+
+
+def contention_lines(result: dict, workers: int) -> list[str]:
+    """What running several models at once costs on this machine, from the records (and the two-process run)."""
+    alone, together = result["busy_seconds_in_process"], result["busy_seconds_ray"]
+    slowdown = together / alone
+    lines = [f"Each sequence's own compute time (`seconds_per_seq`, summed): {alone:.1f} s one at a time, "
+             f"{together:.1f} s with {workers} running at once: each ran {slowdown - 1:+.0%} slower side by side "
+             f"(shared memory bandwidth and caches), so no {workers}-way split of this grid can beat "
+             f"{workers / slowdown:.2f}x here; Ray reached {result['wall_ratio'] / (workers / slowdown):.0%} of that."]
+    if result.get("wall_seconds_two_processes"):
+        two = result["wall_seconds_two_processes"]
+        lines.append(f"The same grid as two plain processes at once (half the trials each, no Ray): {two:.1f} s, "
+                     f"{result['wall_seconds_in_process'] / two:.2f}x the in-process wall time; Ray's "
+                     f"{result['wall_seconds_ray']:.1f} s is {result['wall_seconds_ray'] / two:.2f}x that.")
+    return lines + [""]
 
 
 def main() -> int:
@@ -95,7 +131,12 @@ def main() -> int:
     parser.add_argument("--inprocess-threads", type=int, default=1,
                         help="torch threads of the in-process run (1: the same per-process work as one worker)")
     parser.add_argument("--out-dir", type=Path, default=Path("results/ray"))
+    parser.add_argument("--two-process", action="store_true",
+                        help="also run the grid as two plain processes at once (half the trials each, no Ray): "
+                             "what this machine gives any 2-way split, the ceiling for the Ray ratio")
     args = parser.parse_args()
+    if args.two_process and (args.workers != 2 or args.trials % 2):
+        parser.error("--two-process needs --workers 2 and an even --trials (the halves split the trials)")
 
     local_dir, ray_dir = args.out_dir / "in_process", args.out_dir / "ray"
     in_process = niah_command(args, local_dir) + ["--threads", str(args.inprocess_threads)]
@@ -103,6 +144,15 @@ def main() -> int:
     load_before = os.getloadavg()
     wall_local = timed_run(in_process)
     wall_ray = timed_run(on_ray)
+    wall_two = None
+    if args.two_process:
+        half = args.trials // 2
+        halves = []
+        for index in range(2):
+            command = niah_command(args, args.out_dir / f"two_process_{index}") + ["--threads", "1"]
+            command[command.index("--trials") + 1] = str(half)
+            halves.append(command + ["--first-trial", str(index * half)])
+        wall_two = timed_parallel(halves)
     grid_local = json.loads((local_dir / "niah.json").read_text())["seconds"]
     grid_ray = json.loads((ray_dir / "niah.json").read_text())["seconds"]
     same = compare(local_dir / "niah.jsonl", ray_dir / "niah.jsonl")
@@ -111,6 +161,9 @@ def main() -> int:
               "grid_seconds_ray": grid_ray, "grid_ratio": grid_local / grid_ray, **same,
               "workers": args.workers, "inprocess_threads": args.inprocess_threads,
               "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+              "busy_seconds_in_process": busy_seconds(local_dir / "niah.jsonl"),
+              "busy_seconds_ray": busy_seconds(ray_dir / "niah.jsonl"),
+              "wall_seconds_two_processes": wall_two,
               "load_average_before": load_before, "machine": platform.platform(),
               "commands": [shlex.join(["python", *in_process[1:]]), shlex.join(["python", *on_ray[1:]])],
               "script": "python -m confkv.eval.ray_speedup " + shlex.join(sys.argv[1:])}
@@ -130,6 +183,7 @@ def main() -> int:
         f"| wall time of the command (s) | {wall_local:.1f} | {wall_ray:.1f} | {result['wall_ratio']:.2f}x |",
         f"| grid time, `seconds` in niah.json (s) | {grid_local:.1f} | {grid_ray:.1f} | {result['grid_ratio']:.2f}x |",
         "",
+        *contention_lines(result, args.workers),
         f"Records: {same['records_in_process']} in process, {same['records_ray']} on Ray; identical apart from "
         f"`seconds_per_seq`: **{'yes' if same['identical'] else 'NO'}**"
         + ("" if same["identical"] else f" (differing keys, first 10: {same['differing']})"),

@@ -144,10 +144,9 @@ def main() -> int:
     load_before = os.getloadavg()
     wall_local = timed_run(in_process)
     wall_ray = timed_run(on_ray)
-    wall_two = None
+    wall_two, halves = None, []
     if args.two_process:
         half = args.trials // 2
-        halves = []
         for index in range(2):
             command = niah_command(args, args.out_dir / f"two_process_{index}") + ["--threads", "1"]
             command[command.index("--trials") + 1] = str(half)
@@ -165,7 +164,7 @@ def main() -> int:
               "busy_seconds_ray": busy_seconds(ray_dir / "niah.jsonl"),
               "wall_seconds_two_processes": wall_two,
               "load_average_before": load_before, "machine": platform.platform(),
-              "commands": [shlex.join(["python", *in_process[1:]]), shlex.join(["python", *on_ray[1:]])],
+              "commands": [shlex.join(["python", *command[1:]]) for command in (in_process, on_ray, *halves)],
               "script": "python -m confkv.eval.ray_speedup " + shlex.join(sys.argv[1:])}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "speedup.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -177,6 +176,8 @@ def main() -> int:
         "",
         "    " + result["commands"][0],
         "    " + result["commands"][1],
+        *(["", "and, with `--two-process`, these two at the same time:", "",
+           *("    " + command for command in result["commands"][2:])] if halves else []),
         "",
         "| | in process | Ray | ratio |",
         "|---|---:|---:|---:|",

@@ -217,6 +217,11 @@ def run_niah(args: argparse.Namespace) -> int:
     ray = ray_options(args)
     _setup(args)
     spec = ModelSpec(args.model, args.dtype)
+    if ray is not None and not args.collect_only:  # Ray and the workers' model loads start while this one loads
+        from confkv.eval.niah.runner import run_niah_unit
+        from confkv.eval.ray_grid import prestart
+
+        prestart(ray, spec, run_niah_unit)
     model, tokenizer = spec()
     config = NiahConfig(lengths=tuple(args.lengths), depths=tuple(args.depths), trials=args.trials,
                         first_trial=args.first_trial,
@@ -238,6 +243,11 @@ def run_niah(args: argparse.Namespace) -> int:
         print(f"interrupted (Ctrl-C): the finished batches are in {resume}; rerun the same command to resume.",
               file=sys.stderr)
         return 130
+    finally:
+        if ray is not None:
+            from confkv.eval.ray_grid import release_prestarted
+
+            release_prestarted()
     paths = write_niah(result, args.out_dir)
     paths.append(plot_niah(result, args.out_dir / "niah_heatmap.png"))
     for line in result.summary_lines():

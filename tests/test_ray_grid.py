@@ -143,15 +143,26 @@ def test_unreachable_address_is_a_quick_clear_error(local_ray, monkeypatch):
         check_reachable("nonsense", 1.0)
 
 
-def test_cli_niah_with_ray_writes_the_grid(tmp_path, local_ray):
+def test_cli_niah_with_ray_writes_the_grid(tmp_path, local_ray, monkeypatch):
+    """The pool is started before the driver loads its model, and that one pool runs the grid."""
     from confkv.cli import main
+    from confkv.eval import ray_grid
 
+    entered, events = [], []
+    real_enter, real_load = ray_grid.RayGrid.__enter__, ray_grid.ModelSpec.__call__
+    monkeypatch.setattr(ray_grid.RayGrid, "__enter__",
+                        lambda self: entered.append(self) or events.append("pool") or real_enter(self))
+    monkeypatch.setattr(ray_grid.ModelSpec, "__call__", lambda self: events.append("driver load") or real_load(self))
     out = tmp_path / "niah"
     argv = ["niah", "--model", "tiny-llama", "--lengths", "120", "--depths", "0,1", "--policies", "full,window",
             "--chunk", "64", "--max-new-tokens", "3", "--no-progress", "--out-dir", str(out)]
     assert main(argv + ["--ray", "--ray-workers", "2"]) == 0
     assert len(load_rows(out / "niah.jsonl")) == 2 * 2 * 2  # depths x policies x protocols
     assert (out / "niah.json").exists()
+    assert len(entered) == 1 and not ray_grid._PRESTARTED  # prestarted, used, released
+    assert events == ["pool", "driver load"]  # the workers load while the driver does
+    assert main(argv + ["--ray", "--ray-workers", "2"]) == 0  # all done: the prestarted pool is closed unused
+    assert len(entered) == 2 and not ray_grid._PRESTARTED and not entered[1].actors
 
 
 

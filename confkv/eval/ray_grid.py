@@ -316,14 +316,40 @@ def _first_lines(error: Exception, limit: int = 400) -> str:
     return (lines[-1] if lines else type(error).__name__)[:limit]
 
 
+#: pools started ahead by :func:`prestart`, by (options, loader, run_unit)
+_PRESTARTED: dict[tuple, RayGrid] = {}
+
+
+def prestart(options: RayOptions, loader: Callable[[], Any], run_unit: Callable[..., Any]) -> None:
+    """Start the pool now (Ray, the actors and their model loads run in the background), so that a
+    command can load its own model for planning meanwhile; the next :func:`run_units` with the same
+    ``(options, loader, run_unit)`` uses it. :func:`release_prestarted` closes one never used."""
+    key = (options, loader, run_unit)
+    if key not in _PRESTARTED:
+        _PRESTARTED[key] = RayGrid(options, loader, run_unit).__enter__()  # actor creation does not block
+
+
+def release_prestarted() -> None:
+    """Close every pool :func:`prestart` opened that no :func:`run_units` took."""
+    while _PRESTARTED:
+        _PRESTARTED.popitem()[1].__exit__(None, None, None)
+
+
 def run_units(units: Sequence[WorkUnit], run_unit: Callable[[Any, Any, Any], Any], loader: Callable[[], Any],
               options: RayOptions, land: Callable[[WorkUnit, Any], None], *, progress: bool = True,
               desc: str = "") -> None:
-    """One batch of units on a fresh pool (see :class:`RayGrid`); nothing to do: Ray is not started."""
+    """One batch of units on a fresh pool (see :class:`RayGrid`), or on the one :func:`prestart`
+    opened for the same arguments; nothing to do: Ray is not started (a prestarted pool is closed)."""
+    pool = _PRESTARTED.pop((options, loader, run_unit), None)
     if not units:
+        if pool is not None:
+            pool.__exit__(None, None, None)
         return
-    with RayGrid(options, loader, run_unit) as grid:
+    grid = pool if pool is not None else RayGrid(options, loader, run_unit).__enter__()
+    try:
         grid.run(units, land, progress=progress, desc=desc)
+    finally:
+        grid.__exit__(None, None, None)
 
 
 def pool_or_none(options: RayOptions | None, loader: Callable[[], Any], run_unit: Callable[..., Any]) -> Any:
@@ -334,4 +360,4 @@ def pool_or_none(options: RayOptions | None, loader: Callable[[], Any], run_unit
 
 
 __all__ = ["LOCAL", "ModelSpec", "RayGrid", "RayOptions", "WorkUnit", "add_ray_arguments", "check_reachable",
-           "connect", "pool_or_none", "ray_options", "run_units"]
+           "connect", "pool_or_none", "prestart", "ray_options", "release_prestarted", "run_units"]

@@ -49,6 +49,7 @@ class MemoryTrace:
     dropped: int = 0  # records dropped by max_steps
     _dropped_sum: int = 0
     _dropped_peak: int = 0
+    _dropped_resident_peak: int = 0
 
     def __post_init__(self) -> None:
         if self.max_steps is not None and (isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int)
@@ -63,6 +64,7 @@ class MemoryTrace:
             self.dropped += 1
             self._dropped_sum += total
             self._dropped_peak = max(self._dropped_peak, total)
+            self._dropped_resident_peak = max(self._dropped_resident_peak, total - old.offloaded_bytes)
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -79,6 +81,11 @@ class MemoryTrace:
     def peak_kv_bytes(self) -> int:
         """Largest total KV bytes of any step, dropped ones included."""
         return max(self.total_kv_bytes() + [self._dropped_peak], default=0)
+
+    def peak_resident_bytes(self) -> int:
+        """Largest KV bytes in RAM of any step: the total less the page file's (offloaded) bytes."""
+        resident = [int(s.kv_bytes.sum()) - s.offloaded_bytes for s in self.steps]
+        return max(resident + [self._dropped_resident_peak], default=0)
 
     def mean_kv_bytes(self) -> float:
         """Mean total KV bytes over every step, dropped ones included."""

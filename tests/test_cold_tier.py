@@ -440,3 +440,26 @@ def test_a_clone_of_an_offloaded_cache_runs_on_its_own(tmp_path):
         copied = model(step, cache=twin, use_cache=True).logits
     torch.testing.assert_close(copied, original)
     assert twin.kv_bytes() == cache.kv_bytes()
+
+
+def test_niah_grid_matches_an_offloaded_tier_on_resident_bytes(tmp_path):
+    from confkv.eval.niah import NiahConfig, run_niah_grid
+    from confkv.models import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    extra = {"protect": 4, "page_size": 8, "group_size": 8, "bits": 4}
+    budgets = {}
+    for offload in (False, True):
+        config = NiahConfig(lengths=(160,), depths=(0.5,), trials=1, policies=("confkv-r",), protocols=("streaming",),
+                            chunk=64, max_new_tokens=3, budget_fraction=0.5,
+                            extra_params={**extra, "offload": offload, "offload_dir": str(tmp_path)})
+        result = run_niah_grid(model, tok, config, progress=False)
+        budgets[offload] = result.budgets["confkv-r@160"]["budget"]
+        (record,) = result.records
+        assert record.peak_resident_bytes_per_seq <= result.budget_bytes[160]
+        if offload:  # matched on RAM: the page file's bytes come on top
+            assert record.peak_kv_bytes_per_seq > record.peak_resident_bytes_per_seq
+        else:
+            assert record.peak_kv_bytes_per_seq == record.peak_resident_bytes_per_seq
+    assert budgets[True] > budgets[False]
+    assert os.listdir(tmp_path) == []  # the page file is gone with its cache

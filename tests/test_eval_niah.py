@@ -53,7 +53,7 @@ def test_record_correct_is_the_expected_answer_not_a_rescoring(monkeypatch):
     expected = {0.0: True, 0.25: False, 0.5: False, 1.0: False}
 
     def fake_batch(model, tokenizer, samples, policy, params, protocol, **kwargs):
-        return [(texts[s.depth].format(a=s.answer), 7, 1000.0) for s in samples]
+        return [(texts[s.depth].format(a=s.answer), 7, 1000.0, 1000.0) for s in samples]
 
     grid_globals = run_niah_grid.__globals__
     assert "run_niah_batch" in grid_globals

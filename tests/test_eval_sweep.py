@@ -150,3 +150,31 @@ def test_no_valid_budget_is_a_clear_error(model):
     with pytest.raises(ConfKVError, match="no budget up to .* is valid"):
         match_budget("confkv-l", 1e9, bm, 100, store=StoreConfig(kv_int8=True, fp_window=64),
                      extra={"min_layer_budget": 8}, max_tokens=256)
+
+
+def test_simulated_resident_bytes_of_an_offloaded_cold_tier_equal_the_trace(model, tmp_path):
+    """Offloaded: RAM holds the hot tier, the open page and the sealed pages' digests only."""
+    params = {"budget": 24, "protect": 4, "bits": 4, "page_size": 8, "group_size": 8, "offload": True,
+              "offload_dir": str(tmp_path)}
+    ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(1))
+    result = streaming_ppl(model, ids, "confkv-r", store=StoreConfig(), progress=False, **params)
+    total = np.array(result.trace.total_kv_bytes(), dtype=float)
+    resident = np.array([int(s.kv_bytes.sum()) - s.offloaded_bytes for s in result.trace.steps], dtype=float)
+    policy, bm = make_policy("confkv-r", **params), BytesModel.for_model(model)
+    np.testing.assert_array_equal(simulate_kv_bytes(policy, bm, len(total), StoreConfig()), total)
+    np.testing.assert_array_equal(simulate_kv_bytes(policy, bm, len(total), StoreConfig(), resident=True), resident)
+    assert resident[-1] < total[-1]  # sealed pages' codes and scales left RAM
+    assert result.trace.peak_resident_bytes() == resident.max() < result.trace.peak_kv_bytes()
+
+
+def test_an_offloaded_cold_tier_is_matched_on_resident_bytes(model, tmp_path):
+    bm = BytesModel.for_model(model)
+    steps = 200
+    target = reference_bytes(bm, 128, steps, "peak")
+    extra = {"protect": 4, "bits": 4, "page_size": 8, "group_size": 8}
+    in_ram, _ = match_budget("confkv-r", target, bm, steps, extra=extra)
+    offloaded, predicted = match_budget("confkv-r", target, bm, steps, extra={**extra, "offload": True,
+                                                                              "offload_dir": str(tmp_path)},
+                                        resident=True)
+    assert offloaded["budget"] > in_ram["budget"]  # the pages' codes are not in RAM: more hot tokens fit
+    assert predicted <= target

@@ -62,13 +62,16 @@ class BytesModel:
 
 
 def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store: StoreConfig | None = None,
-                      confidences: Sequence[float] | None = None) -> np.ndarray:
+                      confidences: Sequence[float] | None = None, *, resident: bool = False) -> np.ndarray:
     """Predicted KV bytes (all layers, one sequence) after each of ``steps`` single-token steps.
 
     Replays :class:`confkv.store.LayerStore`'s ageing/eviction bookkeeping (``evict_slack``
     included); ``confidences`` (one per step, default 0 = uncertain) drive gated budgets.
     A tiered policy's evicted tokens go to its cold tier: an FP open page, then sealed
     pages of :func:`confkv.lowbit.page_bytes` each, at most ``cold.cold_budget`` tokens.
+    With ``resident=True`` an offloaded cold tier (``cold.offload``) counts only what stays
+    in RAM: a sealed page's digest (its codes and scales live in the page file), as
+    ``kv_bytes() - offloaded_bytes()`` does.
     """
     store = store or StoreConfig()
     managed = bytes_model.managed
@@ -86,6 +89,9 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
 
         page_bytes = lowbit.page_bytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size, cold.bits,
                                        cold.group_size, bytes_model.element_size, digest=cold.needs_digest)
+        if resident and cold.offload:  # only the digest of a sealed page stays in RAM
+            page_bytes -= lowbit.page_bytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size, cold.bits,
+                                            cold.group_size, bytes_model.element_size, digest=False)
         open_page = np.zeros(managed, dtype=np.int64)
         pages = np.zeros(managed, dtype=np.int64)
     out = np.empty(steps, dtype=np.float64)
@@ -143,10 +149,11 @@ def _budget_params(name: str, n: int, ratio: float) -> dict[str, Any]:
 def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel, steps: int, *,
                  stat: str = "peak", store: StoreConfig | None = None, ratio: float = 0.5,
                  confidences: Sequence[float] | None = None, extra: dict[str, Any] | None = None,
-                 max_tokens: int = 1 << 20) -> tuple[dict[str, Any], float]:
+                 max_tokens: int = 1 << 20, resident: bool = False) -> tuple[dict[str, Any], float]:
     """Budget parameters for ``policy_name`` whose predicted ``stat`` KV bytes are the largest <= ``target_bytes``.
 
-    Returns ``(params, predicted_bytes)``; params are the policy's budget fields
+    ``resident=True``: an offloaded cold tier's sealed pages count only their digests (the
+    bytes that stay in RAM; :func:`simulate_kv_bytes`). Returns ``(params, predicted_bytes)``; params are the policy's budget fields
     (``budget``, or ``n_low``/``n_high`` for gated policies) merged with ``extra``.
     Raises :class:`ConfKVError` when even the smallest valid budget exceeds the target.
     """
@@ -167,7 +174,7 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
                 return None
         except ConfKVError:
             return None
-        trace = simulate_kv_bytes(policy, bytes_model, steps, store, confidences)
+        trace = simulate_kv_bytes(policy, bytes_model, steps, store, confidences, resident=resident)
         return float(trace.max() if stat == "peak" else trace.mean())
 
     low, high = 1, max_tokens

@@ -22,6 +22,9 @@ def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, 
     """Each policy's budget parameters whose peak KV bytes (one sequence) are the largest <= ``target_bytes``.
 
     ``full`` gets no budget. Uses the analytic bytes model of :mod:`confkv.eval.memory_match`.
+    A tiered policy with an offloaded cold tier (``offload=True``) is matched on its resident
+    bytes (hot tier + digests; the page file's codes and scales are not in RAM), so a grid
+    compares it with the others at equal RAM.
     """
     from confkv.eval.memory_match import BytesModel, match_budget
 
@@ -31,8 +34,9 @@ def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, 
         if name == "full":
             out[name] = {}
             continue
+        policy_extra = _policy_extra(name, extra)
         params, _ = match_budget(name, target_bytes, bytes_model, context_tokens, stat="peak", store=store,
-                                 ratio=ratio, extra=_policy_extra(name, extra))
+                                 ratio=ratio, extra=policy_extra, resident=bool(policy_extra.get("offload")))
         out[name] = params
     return out
 

@@ -33,8 +33,12 @@ from confkv.config import StoreConfig
 
 
 def _generate(model: Any, tokenizer: Any, cache: Any, ids: torch.Tensor, max_new_tokens: int
-              ) -> list[tuple[str, float, float]]:
-    """Greedy answer from a cache holding the prompt minus its last token -> (text, kept, peak bytes/seq)."""
+              ) -> list[tuple[str, float, float, float]]:
+    """Greedy answer from a cache holding the prompt minus its last token.
+
+    Returns per sequence (text, kept tokens at the answer, peak KV bytes/seq, peak resident
+    KV bytes/seq); the two peaks differ only with an offloaded cold tier.
+    """
     batch = ids.shape[0]
     answer_step = len(cache.trace)
     pad = getattr(tokenizer, "pad_token_id", None)
@@ -46,7 +50,8 @@ def _generate(model: Any, tokenizer: Any, cache: Any, ids: torch.Tensor, max_new
     trace = cache.trace
     kept = trace.steps[answer_step].kept.float().mean(0) if len(trace) > answer_step else torch.zeros(batch)
     peak = trace.peak_kv_bytes() / batch
-    return [(texts[i], float(kept[i]), peak) for i in range(batch)]
+    resident = trace.peak_resident_bytes() / batch
+    return [(texts[i], float(kept[i]), peak, resident) for i in range(batch)]
 
 
 def _batch_ids(samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,8 +61,9 @@ def _batch_ids(samples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 @torch.no_grad()
 def run_niah_batch(model: Any, tokenizer: Any, samples: list, policy: str, params: dict[str, Any], protocol: str,
-                   *, store: StoreConfig, chunk: int, max_new_tokens: int) -> list[tuple[str, float, float]]:
-    """Run one batch of same-length samples; returns (generated text, kept tokens at answer, peak bytes/seq)."""
+                   *, store: StoreConfig, chunk: int, max_new_tokens: int) -> list[tuple[str, float, float, float]]:
+    """Run one batch of same-length samples; per sequence (generated text, kept tokens at the answer,
+    peak KV bytes/seq, peak resident KV bytes/seq)."""
     from confkv.hf import ConfKVCache
 
     device = next(model.parameters()).device
@@ -86,14 +92,14 @@ def _feed_prompt(model: Any, cache: Any, context: torch.Tensor, question: torch.
 @torch.no_grad()
 def run_query_aware_shared(model: Any, tokenizer: Any, samples: list, members: list[tuple[str, dict[str, Any]]],
                            *, store: StoreConfig, chunk: int, max_new_tokens: int
-                           ) -> list[list[tuple[str, float, float]]]:
+                           ) -> list[list[tuple[str, float, float, float]]]:
     """Query-aware protocol for several policies from ONE prefill (same store settings).
 
     Nothing is evicted during a query-aware prefill, so the forward pass is the same for
     every policy; a :class:`~confkv.policies.tee.TeePolicy` feeds all their statistics,
     then each policy gets a fork of the cache, compresses it and answers. Equal to running
     :func:`run_niah_batch` per policy up to float summation order (tests/test_tee_fork.py).
-    Returns one list of (text, kept, peak bytes/seq) per member.
+    Returns one list of (text, kept, peak bytes/seq, peak resident bytes/seq) per member.
     """
     from confkv.hf import ConfKVCache
     from confkv.policies import make_policy

@@ -29,6 +29,8 @@ class NiahRecord:
     run: str = ""  # run_key(): the settings shared by every record of the grid
     computed_in: str = ""  # the protocol whose computation produced it (full: one run for both)
     protocol_version: int = 1  # PROTOCOL_VERSIONS[protocol] when it was computed
+    # of the peak, the bytes in RAM (less with an offloaded cold tier); None in records written before it existed
+    peak_resident_bytes_per_seq: float | None = None
 
 
 @dataclass
@@ -107,8 +109,8 @@ def write_niah(result: NiahResult, out_dir: str | Path) -> list[Path]:
     json_path, csv_path = out_dir / "niah.json", out_dir / "niah.csv"
     json_path.write_text(json.dumps(result.to_dict(), indent=1))
     fields = ["policy", "protocol", "length", "depth", "trial", "actual_depth", "answer", "generated", "correct",
-              "kept_at_answer", "peak_kv_bytes_per_seq", "seconds_per_seq", "computed_in", "protocol_version",
-              "params"]
+              "kept_at_answer", "peak_kv_bytes_per_seq", "peak_resident_bytes_per_seq", "seconds_per_seq",
+              "computed_in", "protocol_version", "params"]
     with open(csv_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()

@@ -229,11 +229,12 @@ def run_niah_unit(model: Any, tokenizer: Any, unit: NiahUnit) -> list[dict[str, 
     rows = []
     for spec, outs in zip(unit.specs, outputs):
         for proto in unit.reported[spec]:
-            for s, (text, kept, peak) in zip(part, outs):
+            for s, (text, kept, peak, resident) in zip(part, outs):
                 rows.append(asdict(NiahRecord(
                     policy=spec, protocol=proto, length=unit.length, depth=s.depth, trial=s.trial,
                     actual_depth=s.actual_depth, answer=s.answer, generated=text, correct=score_niah(text, s.answer),
                     params=unit.params[spec], kept_at_answer=kept, peak_kv_bytes_per_seq=peak,
+                    peak_resident_bytes_per_seq=resident,
                     seconds_per_seq=per_seq, run=unit.run, computed_in=unit.protocol,
                     protocol_version=PROTOCOL_VERSIONS[proto])))
     return rows

@@ -5,6 +5,7 @@ Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 """
 
 import math
+import os
 import sys
 import warnings
 
@@ -103,6 +104,8 @@ def test_nan_warning_points_at_the_callers_line():
     # stacklevel 2: the warning names the caller's line, not confkv's own code (mutmut's
     # trampoline adds a frame in between, so the exact caller is not asserted)
     assert record[0].filename != sys.modules["confkv.confidence"].__file__, record[0].filename
+    if not os.environ.get("MUTANT_UNDER_TEST"):  # outside mutmut: exactly this test's line
+        assert record[0].filename == __file__, record[0].filename
 
 
 @pytest.mark.parametrize("row", [[1.0, 0.0], [0.0, 0.0], [3.0, -2.0]])

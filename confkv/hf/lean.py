@@ -1,0 +1,137 @@
+"""A lean forward pass for Llama-family models: the model's own weights, without transformers'
+per-layer Python (issue "Speed: faster than llama.cpp", item 1).
+
+transformers' forward builds output dataclasses, checks kwargs, dispatches the attention
+interface and walks several module wrappers per layer; at 30 layers that costs milliseconds a
+step, more than the attention itself at short contexts. :class:`LeanDecoder` binds each
+layer's modules once and runs the same operations in the same order: embedding, per layer
+RMSNorm -> q/k/v projections -> rotary embedding -> the confkv store (append, then the store's
+read: the same call the ``"confkv"`` attention implementation makes) -> o projection ->
+residual -> RMSNorm -> gated MLP -> residual; final RMSNorm and the LM head on the last
+position. The LM head's forward hook (:func:`confkv.hf.enable`) closes the cache's step as in
+a normal forward, so budgets, eviction and the trace are unchanged. The logits equal the
+model's own forward with the same cache (tests/test_lean_decoder.py).
+
+Supported: ``llama``, ``qwen2`` and ``mistral`` (SmolLM2 is a Llama). Other architectures
+(Gemma-3's extra norms and soft-caps, GPT-2's fused projections) raise
+:class:`~confkv.errors.UnsupportedModelError`; run them through ``model(...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from confkv.errors import UnsupportedModelError
+from confkv.hf.cache import ConfKVCache
+from confkv.hf.enable import enable
+from confkv.hf.generate import padding_positions
+from confkv.hf.support import text_config
+
+LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's modules, bound once."""
+
+    input_norm: Any
+    q_proj: Any
+    k_proj: Any
+    v_proj: Any
+    o_proj: Any
+    post_norm: Any
+    gate_proj: Any
+    up_proj: Any
+    down_proj: Any
+    act: Any
+    head_dim: int
+    scaling: float
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanDecoder:
+    """Forward passes of a Llama-family causal LM over a :class:`ConfKVCache`, without transformers' wrappers.
+
+    Args:
+        model: a ``LlamaForCausalLM``-like model (``model.model.layers``, ``model.lm_head``)
+            of a type in :data:`LEAN_MODEL_TYPES`; switched to confkv attention here.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = text_config(model.config)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in LEAN_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"confkv: the lean decoder supports model_type {', '.join(LEAN_MODEL_TYPES)}, got {model_type!r}; "
+                f"run this model through model(...) or confkv.hf.generate instead")
+        enable(model)
+        inner = model.model
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        self.layers = [self._bind(layer) for layer in inner.layers]
+
+    @staticmethod
+    def _bind(layer: torch.nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        return _Layer(layer.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                      layer.post_attention_layernorm, mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn,
+                      attn.head_dim, attn.scaling)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, cache: ConfKVCache,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ``input_ids`` [B, q] (appended to ``cache``); returns the last position's logits [B, V].
+
+        ``attention_mask`` [B, cached + q] (1 = real token) as ``model(...)`` takes it, for
+        left-padded batches; positions then follow it as in ``generate``. The step is closed
+        (confidence, budgets, eviction, trace) by the LM head's hook.
+        """
+        if not isinstance(cache, ConfKVCache):
+            raise TypeError(f"the lean decoder runs over a ConfKVCache, got {type(cache).__name__}")
+        batch, length = input_ids.shape
+        seen = cache.get_seq_length()
+        if attention_mask is not None:
+            if tuple(attention_mask.shape) != (batch, seen + length):
+                raise ValueError(f"attention_mask must be [batch, cached + new tokens] = {(batch, seen + length)}, "
+                                 f"got {tuple(attention_mask.shape)}")
+            positions = padding_positions(attention_mask)[:, seen:]
+        else:
+            positions = torch.arange(seen, seen + length, device=input_ids.device)[None].expand(batch, -1)
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden, positions)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]: broadcast over heads
+        for index, layer in enumerate(self.layers):
+            hidden = hidden + self._attention(layer, layer.input_norm(hidden), cache, index, cos, sin, attention_mask)
+            normed = layer.post_norm(hidden)
+            hidden = hidden + layer.down_proj(layer.act(layer.gate_proj(normed)) * layer.up_proj(normed))
+        return self.lm_head(self.norm(hidden[:, -1:]))[:, -1]
+
+    @staticmethod
+    def _attention(layer: _Layer, x: torch.Tensor, cache: ConfKVCache, index: int, cos: torch.Tensor,
+                   sin: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """One layer's attention block on normed ``x`` [B, q, hidden] -> [B, q, hidden]."""
+        batch, length, _ = x.shape
+        shape = (batch, length, -1, layer.head_dim)
+        query = layer.q_proj(x).view(shape).transpose(1, 2)
+        key = layer.k_proj(x).view(shape).transpose(1, 2)
+        value = layer.v_proj(x).view(shape).transpose(1, 2)
+        query = query * cos + _rotate_half(query) * sin
+        key = key * cos + _rotate_half(key) * sin
+        cache_layer = cache.layers[index]
+        cache_layer.update(key, value)  # appends and hands the store to the attention glue, as the model does
+        store = cache_layer.store
+        from confkv.hf import attention as glue  # noqa: PLC0415
+
+        glue._take()  # read the store directly (the glue's hand-off is not needed)
+        out = store.attend(query, scaling=layer.scaling, padding=attention_mask, softcap=None)
+        return layer.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -49,7 +49,7 @@ import torch
 
 from confkv import profiling
 from confkv.eval.bench_dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
-from confkv.eval.bench_llamacpp import (SKIP_MESSAGE, LlamaCppRunner, gguf_source, import_llama_cpp,
+from confkv.eval.bench_llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, gguf_source, import_llama_cpp,
                                         kv_bytes_per_token_f16)
 from confkv.eval.bench_loops import _latency_grid, _throughput
 from confkv.eval.bench_machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
@@ -314,7 +314,12 @@ def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None,
     """The llama.cpp row's runner, or None (not asked, not installed, no GGUF, or it failed: logged)."""
     if not enabled:
         return None
-    llama_cpp = import_llama_cpp()
+    try:
+        llama_cpp = import_llama_cpp()
+    except Exception as error:  # noqa: BLE001 - installed but broken (e.g. its shared library fails to load)
+        log(f"[bench] llama.cpp row skipped: llama_cpp failed to import ({type(error).__name__}: {error}); "
+            f"reinstall it: {INSTALL_HINT}")
+        return None
     if llama_cpp is None:
         log(SKIP_MESSAGE)
         return None

@@ -31,7 +31,7 @@ LABEL = "llama.cpp"
 
 
 def import_llama_cpp() -> Any | None:
-    """The ``llama_cpp`` module, or None when it is not installed."""
+    """The ``llama_cpp`` module, or None when it is not installed (other import errors propagate)."""
     try:
         import llama_cpp  # noqa: PLC0415 - optional dependency
     except ImportError:

@@ -91,7 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--breakdown-steps", type=int, default=8)
     bench.add_argument("--configs", nargs="*", default=None, help="subset of configuration names")
     bench.add_argument("--out", type=Path, default=Path("results/bench"))
-    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.add_argument("--threads", type=int, default=2,
+                       help="torch CPU threads, and llama.cpp's n_threads for its row (default 2)")
+    bench.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                       help="model dtype(s): the whole grid runs once per dtype, rows labelled (e.g. confkv@bf16)")
+    bench.add_argument("--quality-tokens", type=int, default=2048,
+                       help="perplexity check per dtype on the text's first N tokens, ratio to float32 (0: skip)")
+    bench.add_argument("--no-llamacpp", action="store_true",
+                       help="leave out the llama.cpp peer row (it runs when llama_cpp is installed: "
+                            'pip install "confkv[llamacpp]")')
 
     from confkv.commands_eval import COMMANDS as EVAL_COMMANDS, add_eval_subcommands
 
@@ -127,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 model_name=args.model, contexts=args.contexts, budget=args.budget, slack=args.slack,
                 steps=args.steps, repeats=args.repeats, warmup=args.warmup, chunk=args.chunk,
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
-                configs=args.configs, log=log)
+                configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
+                llamacpp=not args.no_llamacpp, log=log)
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

@@ -253,29 +253,26 @@ class ColdTier:
     def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool) -> KVSegment | PagedSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
-        prof = profiling.ACTIVE
         if int(read_pages.min()) >= count:  # every sequence reads every page: no ranking needed
             index = torch.arange(count, device=device).expand(batch, heads, count)
         else:
-            started = profiling.clock() if prof is not None else 0.0
-            bound = self.digest_bound(query)  # [B, H, N]
-            # best first: a sequence that reads k pages reads the first k of the width
-            index = bound.topk(width, dim=-1, sorted=True).indices
-            if prof is not None:
-                prof.add("cold page selection (digest bound + top-k)", profiling.clock() - started)
+            with profiling.section("cold page selection (digest bound + top-k)"):
+                bound = self.digest_bound(query)  # [B, H, N]
+                # best first: a sequence that reads k pages reads the first k of the width
+                index = bound.topk(width, dim=-1, sorted=True).indices
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
-        started = profiling.clock() if prof is not None else 0.0
-        storage = {name: self.pages[name] for name in _STORAGE[self.config.bits == 16]}
-        segment = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
-                               self.config.group_size, self.head_dim, **storage)
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
         if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
-            return segment
-        dense = segment.to_dense()
-        if prof is not None:
-            prof.add("cold pages (gather + dequantize)", profiling.clock() - started)
-        return dense
+            return self._paged(index, read_pages, width)
+        with profiling.section("cold pages (gather + dequantize)"):
+            return self._paged(index, read_pages, width).to_dense()
+
+    def _paged(self, index: Tensor, read_pages: Tensor, width: int) -> PagedSegment:
+        """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B])."""
+        storage = {name: self.pages[name] for name in _STORAGE[self.config.bits == 16]}
+        return PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
+                            self.config.group_size, self.head_dim, **storage)
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
         if self.config.bits == 16:

@@ -1,7 +1,13 @@
 """Opt-in wall-clock timers around the policy's functions (``confkv bench`` breakdown).
 
-Off by default: each instrumented section then costs one module-attribute read and a
-comparison. ``with profiling.enabled(timers): ...`` turns them on for the block.
+Instrumented code wraps a section in ``with profiling.section("attention read"): ...``.
+Off by default: :func:`section` then returns a shared do-nothing context manager (one
+global read, no clock, no allocation). ``with profiling.enabled(timers): ...`` turns the
+timers on for the block; each section then adds its wall time and one call to ``timers``,
+also when the block raises (the exception propagates unchanged).
+
+Sections may nest (e.g. the cold tier's demotion inside "compaction gather"): each records
+its own span, so a nested section's time is also inside its parent's.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 #: the active :class:`Timers`, or None (the hot path checks this and nothing else)
 ACTIVE: "Timers | None" = None
@@ -27,6 +33,51 @@ class Timers:
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
         self.calls[name] += 1
+
+
+class _Off:
+    """The section when no timers are active: enters and exits doing nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_OFF = _Off()
+
+
+class _Timed:
+    """One timed span of a section, recorded into the timers active when it was opened."""
+
+    __slots__ = ("name", "timers", "started")
+
+    def __init__(self, name: str, timers: Timers) -> None:
+        self.name = name
+        self.timers = timers
+        self.started = 0.0
+
+    def __enter__(self) -> None:
+        self.started = clock()
+
+    def __exit__(self, *exc: Any) -> bool:
+        self.timers.add(self.name, clock() - self.started)
+        return False  # an exception inside the section propagates
+
+
+def section(name: str) -> "_Off | _Timed":
+    """Context manager timing its block as section ``name`` while timers are active.
+
+    A plain class, not a generator-based ``contextmanager``: with no timers active this
+    costs one call and the ``with`` statement itself (about 0.2 us on CPython 3.11).
+    """
+    timers = ACTIVE
+    if timers is None:
+        return _OFF
+    return _Timed(name, timers)
 
 
 @contextmanager

@@ -183,29 +183,25 @@ class LayerStore:
 
         Their positions and validity are filled in by :meth:`attend`, which knows the padding.
         """
-        prof = profiling.ACTIVE
-        if prof is not None:
-            started = profiling.clock()
-        batch, kv_heads, new, head_dim = keys.shape
-        if not self.is_initialized:
-            self.old = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names, self.int8)
-            self.recent = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names)
-            self.seen_real = torch.zeros(batch, dtype=torch.int64, device=keys.device)
-        if self.pending:
-            raise RuntimeError("confkv: a layer received new keys twice without an attention read in between; "
-                               "the model must run with attn_implementation='confkv' (use confkv.hf.enable(model))")
-        fresh = Region(
-            keys=keys, values=values,
-            positions=torch.zeros((batch, kv_heads, new), dtype=torch.int64, device=keys.device),
-            valid=torch.ones((batch, new), dtype=torch.bool, device=keys.device),
-            stats={name: keys.new_zeros((batch, kv_heads, new), dtype=torch.float32) for name in self.stat_names},
-            dense=True,  # until `_place_new_tokens` sees padding
-        )
-        self.recent = concat(self.recent, fresh)
-        self.seen_tokens += new
-        self.pending = new
-        if prof is not None:
-            prof.add("append (FP window)", profiling.clock() - started)
+        with profiling.section("append (FP window)"):
+            batch, kv_heads, new, head_dim = keys.shape
+            if not self.is_initialized:
+                self.old = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names, self.int8)
+                self.recent = Region.empty(batch, kv_heads, head_dim, keys.dtype, keys.device, self.stat_names)
+                self.seen_real = torch.zeros(batch, dtype=torch.int64, device=keys.device)
+            if self.pending:
+                raise RuntimeError("confkv: a layer received new keys twice without an attention read in between; "
+                                   "the model must run with attn_implementation='confkv' (use confkv.hf.enable(model))")
+            fresh = Region(
+                keys=keys, values=values,
+                positions=torch.zeros((batch, kv_heads, new), dtype=torch.int64, device=keys.device),
+                valid=torch.ones((batch, new), dtype=torch.bool, device=keys.device),
+                stats={name: keys.new_zeros((batch, kv_heads, new), dtype=torch.float32) for name in self.stat_names},
+                dense=True,  # until `_place_new_tokens` sees padding
+            )
+            self.recent = concat(self.recent, fresh)
+            self.seen_tokens += new
+            self.pending = new
 
     def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
         """Set positions/validity of the pending tokens; return query positions [B, q]."""
@@ -256,37 +252,26 @@ class LayerStore:
         if new != query.shape[2]:
             raise RuntimeError(f"confkv: {query.shape[2]} queries but {new} new keys in this layer; "
                                "the cache and the attention read are out of step")
-        prof = profiling.ACTIVE
-        if prof is not None:
-            started = profiling.clock()
-        query_positions = self._place_new_tokens(padding)
-        regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
-        segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
-                    for r in regions]
-        need_mass = bool(self.stat_names) and self.policy.needs_attention
-        if prof is not None:
-            now = profiling.clock()
-            prof.add("positions and masks", now - started)
+        with profiling.section("positions and masks"):
+            query_positions = self._place_new_tokens(padding)
+            regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
+            segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
+                        for r in regions]
+            need_mass = bool(self.stat_names) and self.policy.needs_attention
         if self.cold is not None:  # every cold token is older than every query: no causal mask
             paged = reads_pages(query, self.config.read_backend)  # the Triton read takes packed pages
             segments += self.cold.segments(query, self._cold_read_pages(), paged=paged)  # timed inside
-        if prof is not None:
-            started = profiling.clock()
-        out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
-                                     softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
-        if prof is not None:
-            now = profiling.clock()
-            prof.add("attention read", now - started)
-            started = now
+        with profiling.section("attention read"):
+            out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
+                                         softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
         if need_mass:
-            for region, mass in zip(regions, masses):
-                self.policy.observe(region.stats, mass, new)
-            if self.cold is not None and len(masses) > len(regions):
-                self.cold.observe(masses[-1])
-                if self.cold.config.promote is not None and new == 1:
-                    self._promote(masses[-1])
-            if prof is not None:
-                prof.add("EMA / stats update", profiling.clock() - started)
+            with profiling.section("EMA / stats update"):
+                for region, mass in zip(regions, masses):
+                    self.policy.observe(region.stats, mass, new)
+                if self.cold is not None and len(masses) > len(regions):
+                    self.cold.observe(masses[-1])
+                    if self.cold.config.promote is not None and new == 1:
+                        self._promote(masses[-1])
         return out
 
     def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
@@ -310,19 +295,15 @@ class LayerStore:
             self.cold_read = cold_read.to(torch.int64)
         if not self.is_initialized or self.pending:
             return
-        prof = profiling.ACTIVE
-        if prof is not None:
-            started = profiling.clock()
-        if self.sliding_window is not None:
-            budget = torch.full_like(self.seen_real, self.sliding_window - 1)
-        if budget is None:
-            over_budget = False
-        elif self.old.dense and self.recent.dense:
-            over_budget = self.physical_length > min(budget.tolist())
-        else:
-            over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
-        if prof is not None:
-            prof.add("eviction bookkeeping", profiling.clock() - started)
+        with profiling.section("eviction bookkeeping"):
+            if self.sliding_window is not None:
+                budget = torch.full_like(self.seen_real, self.sliding_window - 1)
+            if budget is None:
+                over_budget = False
+            elif self.old.dense and self.recent.dense:
+                over_budget = self.physical_length > min(budget.tolist())
+            else:
+                over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
         self._age(force=over_budget)
         self._evict(budget)
 
@@ -335,20 +316,13 @@ class LayerStore:
         surplus = self.recent.length - self.recent_len
         if surplus <= 0 or (surplus < self.config.move_block and not force):
             return
-        prof = profiling.ACTIVE
         moving = self.recent.slice(0, surplus)
         self.recent = self.recent.slice(surplus, self.recent.length, copy=True)  # frees the old window
         if self.int8:
-            if prof is not None:
-                started = profiling.clock()
-            moving = self._quantize(moving)
-            if prof is not None:
-                prof.add("quantization", profiling.clock() - started)
-        if prof is not None:
-            started = profiling.clock()
-        self.old = concat(self.old, moving)
-        if prof is not None:
-            prof.add("ageing (old-region concat)", profiling.clock() - started)
+            with profiling.section("quantization"):
+                moving = self._quantize(moving)
+        with profiling.section("ageing (old-region concat)"):
+            self.old = concat(self.old, moving)
 
     def _quantize(self, region: Region) -> Region:
         from confkv import quant  # noqa: PLC0415 - the INT8 path only
@@ -362,53 +336,41 @@ class LayerStore:
                       stats=region.stats, key_scale=key_scale, value_scale=value_scale, dense=region.dense)
 
     def _evict(self, budget: torch.Tensor | None) -> None:
-        prof = profiling.ACTIVE
-        if prof is not None:
-            started = profiling.clock()
-        old = self.old
-        if old.dense and self.recent.dense:
-            # every slot valid: counts are lengths, no holes; nothing to do unless over budget
-            if budget is None or old.length + self.recent.length <= min(budget.tolist()):
-                if prof is not None:
-                    prof.add("eviction bookkeeping", profiling.clock() - started)
-                return
-        old_count = old.valid.sum(-1)
-        if budget is None:
-            keep = old_count
-        else:
-            budget = budget.to(old_count.device).clamp(max=UNLIMITED)
-            keep = (budget - self.recent.valid.sum(-1)).clamp_min(0)
-        current = self.seen_real - 1
-        protect = self.policy.protect if self.sliding_window is None else 0
-        sinks = self.policy.sinks if self.sliding_window is None else 0
-        over_budget = bool((old_count > keep).any())
-        has_holes = old.length > int(old_count.max()) if old.length else False
-        if prof is not None:
-            now = profiling.clock()
-            prof.add("eviction bookkeeping", now - started)
-            started = now
+        with profiling.section("eviction bookkeeping"):
+            old = self.old
+            if old.dense and self.recent.dense:
+                # every slot valid: counts are lengths, no holes; nothing to do unless over budget
+                if budget is None or old.length + self.recent.length <= min(budget.tolist()):
+                    return
+            old_count = old.valid.sum(-1)
+            if budget is None:
+                keep = old_count
+            else:
+                budget = budget.to(old_count.device).clamp(max=UNLIMITED)
+                keep = (budget - self.recent.valid.sum(-1)).clamp_min(0)
+            current = self.seen_real - 1
+            protect = self.policy.protect if self.sliding_window is None else 0
+            sinks = self.policy.sinks if self.sliding_window is None else 0
+            over_budget = bool((old_count > keep).any())
+            has_holes = old.length > int(old_count.max()) if old.length else False
         if not (over_budget or has_holes):
             return
-        slack = self.config.evict_slack if self.sliding_window is None else 0
-        if slack and over_budget:
-            # evict down to budget - slack: the next `slack` steps need no compaction
-            keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
-        protected = protection_mask(old.positions, old.valid, current, protect, sinks)
-        keep = torch.maximum(keep, protected.sum(-1).amax(-1))
-        if self.sliding_window is not None:
-            scores = old.positions.float()
-        else:
-            scores = self.policy.scores(old.stats, old.positions, current)
-        index, valid = select_kept(scores, old.valid, protected, keep)
-        if prof is not None:
-            now = profiling.clock()
-            prof.add("ranking and top-k", now - started)
-            started = now
-        if self.cold is not None:
-            tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype)
-        self.old = old.gather(index, valid, dense=bool(valid.all()))
-        if prof is not None:
-            prof.add("compaction gather", profiling.clock() - started)
+        with profiling.section("ranking and top-k"):
+            slack = self.config.evict_slack if self.sliding_window is None else 0
+            if slack and over_budget:
+                # evict down to budget - slack: the next `slack` steps need no compaction
+                keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
+            protected = protection_mask(old.positions, old.valid, current, protect, sinks)
+            keep = torch.maximum(keep, protected.sum(-1).amax(-1))
+            if self.sliding_window is not None:
+                scores = old.positions.float()
+            else:
+                scores = self.policy.scores(old.stats, old.positions, current)
+            index, valid = select_kept(scores, old.valid, protected, keep)
+        with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
+            if self.cold is not None:
+                tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype)
+            self.old = old.gather(index, valid, dense=bool(valid.all()))
 
 
     def _promote(self, page_mass: torch.Tensor) -> None:

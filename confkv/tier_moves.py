@@ -22,22 +22,18 @@ def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_v
 
     INT8 slots are dequantized to ``dtype`` with their per-token scales and ``channel_scale`` [B, Hkv, D].
     """
-    prof = profiling.ACTIVE
-    if prof is not None:
-        started = profiling.clock()
     index, valid = dropped_slots(kept_index, kept_valid, old.valid)
     if not bool(valid.any()):
         return
-    dropped = old.gather(index, valid)
-    keys, values = dropped.keys, dropped.values
-    if dropped.is_int8:
-        from confkv import quant  # noqa: PLC0415 - the INT8 path only
+    with profiling.section("cold demotion (quantize + seal)"):
+        dropped = old.gather(index, valid)
+        keys, values = dropped.keys, dropped.values
+        if dropped.is_int8:
+            from confkv import quant  # noqa: PLC0415 - the INT8 path only
 
-        keys = quant.dequantize_keys(keys, dropped.key_scale, channel_scale, dtype)
-        values = quant.dequantize_values(values, dropped.value_scale, dtype)
-    cold.demote(keys, values, dropped.positions, valid)
-    if prof is not None:
-        prof.add("cold demotion (quantize + seal)", profiling.clock() - started)
+            keys = quant.dequantize_keys(keys, dropped.key_scale, channel_scale, dtype)
+            values = quant.dequantize_values(values, dropped.value_scale, dtype)
+        cold.demote(keys, values, dropped.positions, valid)
 
 
 def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: tuple[str, ...],

@@ -15,30 +15,45 @@ Protocol
   next tokens (teacher forcing), so every configuration sees the same tokens.
 * ``DynamicCache`` and ``QuantizedCache`` run with ``attn_implementation="sdpa"``;
   confkv caches with ``"confkv"`` (set before each configuration's turn).
+* dtypes (``--dtype float32 bfloat16``): every configuration runs once per dtype, with the
+  model loaded in that dtype, all of them interleaved in the same loop; rows of a dtype
+  other than float32 are labelled ``name@bf16`` and compared with that dtype's
+  ``DynamicCache`` (:mod:`confkv.eval.bench_dtypes`). Before the grid, a perplexity check
+  per dtype (streaming, policy ``full``, the text's first ``quality_tokens`` tokens) with its
+  ratio to float32's.
+* llama.cpp peer row (optional ``llama_cpp``; :mod:`confkv.eval.bench_llamacpp`): the same
+  GGUF, threads and contexts, its steps interleaved with the other rows' steps; every row
+  also carries its ratio to it (``x llama`` = llama.cpp time / this time).
 * Throughput at batch B (after the latency grid): each configuration's cache at the
   last context is grown in place from the previous batch size with
   ``batch_repeat_interleave`` and row ``b`` is fed the text ``8 * b`` tokens further on,
   so the rows (and confkv's per-sequence budgets) diverge; tokens/s = B / step time.
   (transformers' ``QuantizedCache`` cannot repeat its quantized part: reported as such.)
 * Floor: memory bandwidth from a large tensor copy measured in the same run; each
-  configuration's floor is (weight bytes + KV bytes read) / bandwidth.
+  configuration's floor is (weight bytes + KV bytes read) / bandwidth (llama.cpp: the GGUF
+  file's bytes + its float16 KV).
 * Breakdown: :mod:`confkv.profiling` timers around the policy's functions, for a
   few steps of the ``confkv`` configuration at the last context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
-import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from confkv import profiling
-from confkv.eval.bench_machine import _loadavg, _peak_rss_bytes, _rss_bytes, measure_bandwidth, weight_bytes_read
-from confkv.eval.bench_output import format_breakdown, format_latency_rows, format_throughput_rows
+from confkv.eval.bench_dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
+from confkv.eval.bench_llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, gguf_source, import_llama_cpp,
+                                        kv_bytes_per_token_f16)
+from confkv.eval.bench_loops import _latency_grid, _throughput
+from confkv.eval.bench_machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
+from confkv.eval.bench_output import format_breakdown
 
 
 @dataclass
@@ -92,9 +107,11 @@ def default_configs(budget: int, slack: int) -> list[BenchConfig]:
 class _Runner:
     """One configuration's model state and cache."""
 
-    def __init__(self, config: BenchConfig, model: Any) -> None:
+    def __init__(self, config: BenchConfig, model: Any, dtype: str = "float32") -> None:
         self.config = config
         self.model = model
+        self.dtype = dtype
+        self.label = row_label(config.name, dtype)
         self.cache: Any = None
         self.error: str | None = None
         self.fed = 0
@@ -151,6 +168,10 @@ class _Runner:
         self.fed += 1
         return elapsed
 
+    def next_step(self, ids: torch.Tensor) -> float:
+        """One decode step of the text's next token (``ids`` [1, N]); returns seconds."""
+        return self.step(ids[:, self.fed:self.fed + 1])
+
     def kv_bytes(self) -> int:
         cache = self.cache
         if cache is None:
@@ -187,158 +208,136 @@ def _tensor_bytes(t: Any) -> int:
     return total
 
 
-def _summary(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    def q(f: float) -> float:
-        return ordered[min(len(ordered) - 1, int(round(f * (len(ordered) - 1))))]
-    return {"median_ms": 1e3 * statistics.median(times), "p10_ms": 1e3 * q(0.1), "p90_ms": 1e3 * q(0.9),
-            "n": len(times)}
-
-
 def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int = 1024, slack: int = 64,
               steps: int = 4, repeats: int = 3, warmup: int = 2, chunk: int = 1024, batches: list[int] | None = None,
               batch_steps: int = 3, breakdown_steps: int = 8, configs: list[str] | None = None,
-              corpus: str = "pydoc-topics", log: Callable[[str], None] = print,
+              corpus: str = "pydoc-topics", dtypes: list[str] | None = None, quality_tokens: int = 0,
+              llamacpp: bool = True, gguf: str | Path | None = None, log: Callable[[str], None] = print,
               model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
-    ``model``/``tokenizer``: an already loaded model (default: load ``model_name``).
+    Args:
+        dtypes: ``--dtype`` names (``"float32"``, ``"bfloat16"``; default float32): the grid runs
+            once per dtype, interleaved, with the model in that dtype (rows labelled, see
+            :mod:`confkv.eval.bench_dtypes`).
+        quality_tokens: perplexity check on this many tokens of the text per dtype (0, the default
+            here: skip; the CLI asks for 2048).
+        llamacpp: add the llama.cpp row when ``llama_cpp`` is installed (else one line says how).
+        gguf: that row's GGUF file (default: the file ``model_name`` is loaded from; with
+            ``model`` given there is none unless passed here).
+        model, tokenizer: an already loaded model (default: load ``model_name`` per dtype).
     """
-    from confkv.data import corpus_tokens
+    from confkv.data import corpus_tokens, load_corpus
     from confkv.hf import ConfKVCache  # noqa: F401 - registers nothing, fails early if transformers is broken
     from confkv.models import load_model
 
+    dtypes = parse_dtypes(dtypes)
+    check_quality_tokens(quality_tokens)
     batches = batches or []
     contexts = sorted(contexts)
-    if model is None:
-        model, tokenizer = load_model(model_name)
     all_configs = default_configs(budget, slack)
     if configs:
         unknown = set(configs) - {c.name for c in all_configs}
         if unknown:
             raise ValueError(f"unknown bench configs {sorted(unknown)}; known: {[c.name for c in all_configs]}")
         all_configs = [c for c in all_configs if c.name in configs]
+    model_given = model is not None
+    models, tokenizer = models_by_dtype(dtypes, model_name, model, tokenizer, load_model)
     decode_budget = len(contexts) * (warmup + steps * repeats) + 2
     max_batch = max(batches, default=1)
     need = (contexts[-1] + decode_budget + breakdown_steps * 4 + (batch_steps + warmup + 2) * (len(batches) + 1)
             + max_batch * 8 + 64)
-    ids = corpus_tokens(tokenizer, corpus, need)
+    ids = corpus_tokens(tokenizer, corpus, max(need, quality_tokens))
     ids = ids if ids.ndim == 2 else ids[None]
-    runners = [_Runner(c, model) for c in all_configs]
+    runners = [_Runner(c, models[d], d) for d in dtypes for c in all_configs]
+    log(f"[bench] {torch.get_num_threads()} thread(s), dtypes {', '.join(dtypes)}")
 
     # the quantized cache's backend may not be installed: try it on a few tokens first
     for runner in runners:
         if runner.config.kind == "quantized":
             try:
-                probe = _Runner(runner.config, model)
+                probe = _Runner(runner.config, runner.model, runner.dtype)
                 probe.feed_to(ids, 16, chunk)
                 probe.step(ids[:, 16:17])
             except Exception as error:  # noqa: BLE001 - report any backend failure
                 runner.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-                log(f"[bench] {runner.config.name}: not available ({runner.error})")
+                log(f"[bench] {runner.label}: not available ({runner.error})")
     runners_ok = [r for r in runners if r.error is None]
 
     bandwidth = measure_bandwidth()
-    weights = weight_bytes_read(model)
-    log(f"[bench] bandwidth {bandwidth['median_gbps']:.2f} GB/s (copy), weights read/step {weights / 1e6:.1f} MB")
+    weights = {d: weight_bytes_read(m) for d, m in models.items()}
+    log(f"[bench] bandwidth {bandwidth['median_gbps']:.2f} GB/s (copy), weights read/step "
+        + ", ".join(f"{d} {w / 1e6:.1f} MB" for d, w in weights.items()))
     result: dict[str, Any] = {
         "model": model_name, "contexts": contexts, "budget": budget, "slack": slack, "steps": steps,
         "repeats": repeats, "warmup": warmup, "chunk": chunk, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "platform": platform.platform(), "bandwidth": bandwidth,
-        "weight_bytes": weights,
-        "configs": {r.config.name: {"kind": r.config.kind, "policy": r.config.policy, "params": r.config.params,
-                                    "store": r.config.store, "note": r.config.note, "error": r.error}
+        "dtypes": dtypes, "torch": torch.__version__, "platform": platform.platform(), "bandwidth": bandwidth,
+        "weight_bytes": weights[dtypes[0]], "weight_bytes_by_dtype": weights,
+        "configs": {r.label: {"config": r.config.name, "dtype": r.dtype, "kind": r.config.kind,
+                              "policy": r.config.policy, "params": r.config.params, "store": r.config.store,
+                              "note": r.config.note, "error": r.error}
                     for r in runners},
-        "latency": {}, "throughput": {}, "breakdown": {}, "load": {},
+        "quality": {}, "latency": {}, "throughput": {}, "breakdown": {}, "load": {},
     }
     result["load"]["start"] = _loadavg()
+    if quality_tokens:
+        result["quality"] = quality_check(models, ids, quality_tokens, log)
 
-    for context in contexts:
-        for runner in runners_ok:
-            start = time.perf_counter()
-            runner.feed_to(ids, context, chunk)
-            log(f"[bench] ctx {context} {runner.config.name}: prefill to {runner.fed} in "
-                f"{time.perf_counter() - start:.1f}s")
-        times: dict[str, list[float]] = {r.config.name: [] for r in runners_ok}
-        for rep in range(warmup + repeats):
-            for runner in runners_ok:
-                n = 1 if rep < warmup else steps
-                for _ in range(n):
-                    t = runner.step(ids[:, runner.fed:runner.fed + 1])
-                    if rep >= warmup:
-                        times[runner.config.name].append(t)
-        rows = {}
-        ref = statistics.median(times["dynamic"]) if "dynamic" in times else None
-        for runner in runners_ok:
-            name = runner.config.name
-            summary = _summary(times[name])
-            kv = runner.kv_bytes()
-            floor_s = (weights + kv) / (bandwidth["median_gbps"] * 1e9)
-            summary.update({
-                "kv_bytes": kv, "kept_tokens": runner.kept_tokens(), "floor_ms": 1e3 * floor_s,
-                "speedup_vs_dynamic": (ref / statistics.median(times[name])) if ref else None,
-                "times_ms": [round(1e3 * t, 3) for t in times[name]],
-            })
-            rows[name] = summary
-        rows["_rss_bytes"] = _rss_bytes()
-        rows["_load"] = _loadavg()
-        result["latency"][str(context)] = rows
-        log(format_latency_rows(context, rows))
+    with contextlib.ExitStack() as stack:
+        peer = _peer_runner(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
+                            contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log)
+        if peer is not None:
+            result["configs"][peer.label] = {**peer.describe(), "error": None}
+        _latency_grid(result, runners_ok + ([peer] if peer is not None else []), ids, contexts, chunk, warmup,
+                      steps, repeats, weights, bandwidth, dtypes, log)
 
     if breakdown_steps:  # every listed configuration that ran
-        for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
-                     f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
-                     f"confkv-r-offload+slack{slack}"):
-            runner = next((r for r in runners_ok if r.config.name == name), None)
-            if runner is not None:
-                result["breakdown"][name] = step_breakdown(runner, ids, breakdown_steps)
-                log(format_breakdown(name, result["breakdown"][name]))
+        for dtype in dtypes:
+            for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
+                         f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
+                         f"confkv-r-offload+slack{slack}"):
+                label = row_label(name, dtype)
+                runner = next((r for r in runners_ok if r.label == label), None)
+                if runner is not None:
+                    result["breakdown"][label] = step_breakdown(runner, ids, breakdown_steps)
+                    log(format_breakdown(label, result["breakdown"][label]))
 
-    # Throughput: the caches are grown in place from batch to batch (batch_repeat_interleave
-    # by batch / previous batch); the rows then diverge (row b reads the text 8 * b tokens on).
-    current = 1
-    for batch in sorted(batches):
-        if batch % current:
-            log(f"[bench] batch {batch}: not a multiple of {current}, skipped")
-            continue
-        rows = {}
-        for runner in runners_ok:
-            if batch > current and runner.error is None:
-                try:
-                    runner.cache.batch_repeat_interleave(batch // current)
-                except Exception as error:  # noqa: BLE001 - e.g. a backend without batch ops
-                    runner.error = f"throughput: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-                    log(f"[bench] {runner.config.name}: {runner.error}")
-        current = batch
-        active = [r for r in runners_ok if r.error is None]
-        times = {r.config.name: [] for r in active}
-        for rep in range(warmup + batch_steps):
-            for runner in list(active):
-                tokens = ids[0, [runner.fed + 8 * b for b in range(batch)]][:, None]
-                try:
-                    t = runner.step(tokens)
-                except Exception as error:  # noqa: BLE001 - QuantizedCache has no working batch repeat
-                    runner.error = f"batch {batch}: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-                    log(f"[bench] {runner.config.name}: {runner.error}")
-                    active.remove(runner)
-                    del times[runner.config.name]
-                    continue
-                if rep >= warmup:
-                    times[runner.config.name].append(t)
-        ref = statistics.median(times["dynamic"]) if "dynamic" in times else None
-        for runner in active:
-            name = runner.config.name
-            med = statistics.median(times[name])
-            rows[name] = {**_summary(times[name]), "tokens_per_s": batch / med, "kv_bytes": runner.kv_bytes(),
-                          "context": runner.fed, "speedup_vs_dynamic": (ref / med) if ref else None}
-        rows["_rss_bytes"] = _rss_bytes()
-        rows["_load"] = _loadavg()
-        result["throughput"][str(batch)] = rows
-        log(format_throughput_rows(batch, rows))
-
+    _throughput(result, runners_ok, ids, batches, batch_steps, warmup, log)
     result["load"]["end"] = _loadavg()
     result["peak_rss_bytes"] = _peak_rss_bytes()
     return result
+
+
+def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
+                 kv_bytes_per_token: int, stack: contextlib.ExitStack,
+                 log: Callable[[str], None]) -> LlamaCppRunner | None:
+    """The llama.cpp row's runner, or None (not asked, not installed, no GGUF, or it failed: logged)."""
+    if not enabled:
+        return None
+    try:
+        llama_cpp = import_llama_cpp()
+    except Exception as error:  # noqa: BLE001 - installed but broken (e.g. its shared library fails to load)
+        log(f"[bench] llama.cpp row skipped: llama_cpp failed to import ({type(error).__name__}: {error}); "
+            f"reinstall it: {INSTALL_HINT}")
+        return None
+    if llama_cpp is None:
+        log(SKIP_MESSAGE)
+        return None
+    if gguf is None:
+        source = gguf_source(model_name) if model_name is not None else None
+        if source is None:
+            log(f"[bench] llama.cpp row skipped: no GGUF file for model {model_name!r} "
+                "(the row needs a bundled model or a .gguf path)")
+            return None
+        gguf = stack.enter_context(source)
+    try:
+        peer = LlamaCppRunner(llama_cpp, Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token)
+    except Exception as error:  # noqa: BLE001 - the other rows still run
+        log(f"[bench] llama.cpp row skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        return None
+    log(f"[bench] llama.cpp row: {Path(gguf).name}, n_ctx {n_ctx}, {peer.threads} thread(s), "
+        f"{len(peer.tokens)} tokens of the text with its own tokenizer")
+    return peer
 
 
 #: The policy's own work as issue 6 lists it (confidence, EMA update, ranking and top-k,

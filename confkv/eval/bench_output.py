@@ -7,27 +7,35 @@ from pathlib import Path
 from typing import Any
 
 
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value else "-"
+
+
 def format_latency_rows(context: int, rows: dict[str, Any]) -> str:
+    """One context's latency table: a row per configuration and dtype (and llama.cpp), with
+    ``x dyn`` (that dtype's DynamicCache time / this time) and, when the llama.cpp row ran,
+    ``x llama`` (llama.cpp's time / this time)."""
+    named = {name: r for name, r in rows.items() if not name.startswith("_")}
+    peer = any(r.get("speedup_vs_llamacpp") for r in named.values())
     lines = [f"context {context}  (load {rows.get('_load')}, RSS {rows['_rss_bytes'] / 2**20:.0f} MiB)",
-             f"  {'config':26s} {'median ms':>9s} {'p10-p90 ms':>15s} {'x dyn':>6s} {'floor ms':>8s} "
-             f"{'kept':>6s} {'KV MB':>8s}"]
-    for name, r in rows.items():
-        if name.startswith("_"):
-            continue
-        speed = f"{r['speedup_vs_dynamic']:.2f}" if r.get("speedup_vs_dynamic") else "-"
-        lines.append(f"  {name:26s} {r['median_ms']:9.1f} {r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} {speed:>6s} "
+             f"  {'config':32s} {'dtype':>8s} {'median ms':>9s} {'p10-p90 ms':>15s} {'x dyn':>6s} "
+             + (f"{'x llama':>7s} " if peer else "") + f"{'floor ms':>8s} {'kept':>6s} {'KV MB':>8s}"]
+    for name, r in named.items():
+        llama = f"{_ratio(r.get('speedup_vs_llamacpp')):>7s} " if peer else ""
+        lines.append(f"  {name:32s} {r.get('dtype', 'float32'):>8s} {r['median_ms']:9.1f} "
+                     f"{r['p10_ms']:7.1f}-{r['p90_ms']:<7.1f} {_ratio(r.get('speedup_vs_dynamic')):>6s} {llama}"
                      f"{r['floor_ms']:8.1f} {r['kept_tokens']:6.0f} {r['kv_bytes'] / 1e6:8.1f}")
     return "\n".join(lines)
 
 
 def format_throughput_rows(batch: int, rows: dict[str, Any]) -> str:
     lines = [f"batch {batch}  (load {rows.get('_load')}, RSS {rows['_rss_bytes'] / 2**20:.0f} MiB)",
-             f"  {'config':26s} {'step ms':>8s} {'tok/s':>7s} {'x dyn':>6s} {'KV MB':>8s}"]
+             f"  {'config':32s} {'step ms':>8s} {'tok/s':>7s} {'x dyn':>6s} {'KV MB':>8s}"]
     for name, r in rows.items():
         if name.startswith("_"):
             continue
-        speed = f"{r['speedup_vs_dynamic']:.2f}" if r.get("speedup_vs_dynamic") else "-"
-        lines.append(f"  {name:26s} {r['median_ms']:8.1f} {r['tokens_per_s']:7.2f} {speed:>6s} "
+        speed = _ratio(r.get("speedup_vs_dynamic"))
+        lines.append(f"  {name:32s} {r['median_ms']:8.1f} {r['tokens_per_s']:7.2f} {speed:>6s} "
                      f"{r['kv_bytes'] / 1e6:8.1f}")
     return "\n".join(lines)
 
@@ -51,15 +59,19 @@ def plot_latency(result: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     contexts = result["contexts"]
-    names = [n for n in result["configs"] if result["configs"][n]["error"] is None]
+    # every row that ran at every context (configurations x dtypes, llama.cpp)
+    names = [n for n in result["latency"][str(contexts[0])] if not n.startswith("_")
+             and all(n in result["latency"][str(c)] for c in contexts)]
     for name in names:
         ys = [result["latency"][str(c)][name]["median_ms"] for c in contexts]
-        ax.plot(contexts, ys, marker="o", label=name, linestyle="--" if name == "dynamic" else "-")
+        reference = name.split("@")[0] in ("dynamic", "llama.cpp")
+        ax.plot(contexts, ys, marker="o", label=name, linestyle="--" if reference else "-")
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [str(c) for c in contexts])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("decode step latency, median (ms)")
-    ax.set_title(f"{result['model']} on CPU ({result['threads']} thread(s)), budget {result['budget']}")
+    dtypes = ", ".join(result.get("dtypes", ["float32"]))
+    ax.set_title(f"{result['model']} on CPU ({result['threads']} thread(s), {dtypes}), budget {result['budget']}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -218,26 +218,16 @@ class ConfKVCache(Cache):
                 "confkv: keys were cached but never read by confkv attention; the model is not running with "
                 "attn_implementation='confkv'. Build the cache with ConfKVCache.for_model(model, ...) "
                 "or call confkv.hf.enable(model) first.")
-        prof = profiling.ACTIVE
-        if prof is not None:
-            started = profiling.clock()
-        conf = confidence_of(logits.detach(), self.confidence_config)
-        if prof is not None:
-            now = profiling.clock()
-            prof.add("confidence", now - started)
-            started = now
-        budgets = self.controller.step(conf)
-        budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
-        if prof is not None:
-            prof.add("budget gate", profiling.clock() - started)
+        with profiling.section("confidence"):
+            conf = confidence_of(logits.detach(), self.confidence_config)
+        with profiling.section("budget gate"):
+            budgets = self.controller.step(conf)
+            budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
         cold_read = self.policy.cold_read_pages(self.controller.gated) if isinstance(self.policy, TieredPolicy) else None
         for layer_idx, store in enumerate(stores):
             store.end_step(budget_of.get(layer_idx) if self.evict else None, cold_read)
-        if prof is not None:
-            started = profiling.clock()
-        self._record(conf, budgets, stores)
-        if prof is not None:
-            prof.add("trace record", profiling.clock() - started)
+        with profiling.section("trace record"):
+            self._record(conf, budgets, stores)
 
     def _record(self, conf: torch.Tensor, budgets: torch.Tensor, stores: list[LayerStore]) -> None:
         self.trace.record(StepRecord(

@@ -1,0 +1,148 @@
+"""`confkv bench`'s options on a tiny model: dtypes, the perplexity check, the llama.cpp row (a fake
+``llama_cpp`` module, so no package is needed) and its skip message, the CLI defaults. Structure
+only: no timing is asserted."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from confkv import cli
+from confkv.data import corpus_tokens, load_corpus
+from confkv.eval import bench
+from confkv.eval.bench_llamacpp import SKIP_MESSAGE
+from confkv.eval.ppl import streaming_ppl
+from confkv.models import tiny_model, tiny_tokenizer
+
+SMALL = dict(budget=96, slack=0, steps=2, repeats=2, warmup=1, chunk=32, batches=[], breakdown_steps=0)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_each_dtype_runs_the_grid_with_labelled_rows_and_a_quality_check():
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    result = bench.run_bench(contexts=[48, 64], configs=["dynamic", "full", "confkv"], dtypes=["float32", "bfloat16"],
+                             quality_tokens=40, llamacpp=False, model=model, tokenizer=tok, log=lines.append, **SMALL)
+    assert result["dtypes"] == ["float32", "bfloat16"]
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model is not converted
+    for context in ("48", "64"):
+        rows = {k: v for k, v in result["latency"][context].items() if not k.startswith("_")}
+        assert set(rows) == {"dynamic", "full", "confkv", "dynamic@bf16", "full@bf16", "confkv@bf16"}
+        assert {r["dtype"] for k, r in rows.items() if k.endswith("@bf16")} == {"bfloat16"}
+        assert rows["dynamic@bf16"]["speedup_vs_dynamic"] == pytest.approx(1.0)  # its own dtype's reference
+        # the store follows the model's dtype: half the bytes in bfloat16, and the same as DynamicCache
+        assert rows["full@bf16"]["kv_bytes"] * 2 == rows["full"]["kv_bytes"] == rows["dynamic"]["kv_bytes"]
+        assert rows["full@bf16"]["kv_bytes"] == rows["dynamic@bf16"]["kv_bytes"]
+        assert rows["confkv@bf16"]["speedup_vs_llamacpp"] is None
+    assert result["weight_bytes_by_dtype"]["bfloat16"] * 2 == result["weight_bytes_by_dtype"]["float32"]
+    quality = result["quality"]
+    expected = streaming_ppl(model, corpus_tokens(tok, "pydoc-topics", 40), "full", progress=False).ppl
+    assert quality["float32"]["ppl"] == pytest.approx(expected, rel=1e-9)
+    assert quality["float32"]["ratio_to_float32"] == pytest.approx(1.0) and quality["float32"]["tokens"] == 39
+    assert quality["bfloat16"]["ratio_to_float32"] == pytest.approx(quality["bfloat16"]["ppl"] / expected)
+    assert quality["bfloat16"]["ppl"] != expected  # really run in bfloat16
+    assert any(line.startswith("[bench] quality bfloat16: perplexity") for line in lines)
+    assert any("confkv@bf16" in line and "bfloat16" in line for line in lines)  # the table labels the row
+
+
+def _fake_llama_cpp(events):
+    """A stand-in for llama_cpp with the three methods the bench calls."""
+    module = types.ModuleType("llama_cpp")
+
+    class Llama:
+        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
+            self.args = dict(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
+                             n_threads_batch=n_threads_batch, verbose=verbose)
+            self.n_tokens = 0
+            events.append(("load", self.args))
+
+        def tokenize(self, text, add_bos=True, special=False):
+            assert isinstance(text, bytes) and not add_bos
+            return [1000 + b for b in text]  # its own tokenizer: not the HF token ids
+
+        def eval(self, tokens):
+            assert self.n_tokens + len(tokens) <= self.args["n_ctx"], "past n_ctx"
+            self.n_tokens += len(tokens)
+            events.append(("llama", list(tokens)))
+
+    module.Llama = Llama
+    return module
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_llamacpp_row_interleaved_in_the_same_table(monkeypatch, tmp_path):
+    events = []
+    monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp(events))
+    step = bench._Runner.step
+    monkeypatch.setattr(bench._Runner, "step",
+                        lambda self, tokens: events.append(("hf", self.label)) or step(self, tokens))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(96))
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    result = bench.run_bench(contexts=[64, 48], configs=["dynamic", "confkv"], gguf=gguf, model=model, tokenizer=tok,
+                             log=lines.append, **SMALL)
+    (load, args), *calls = events
+    assert load == "load" and args["model_path"] == str(gguf)
+    assert args["n_threads"] == args["n_threads_batch"] == torch.get_num_threads()
+    decode_steps = 2 * (1 + 2 * 2)  # contexts x (warmup + repeats x steps)
+    assert args["n_ctx"] >= 64 + decode_steps
+    fed = [t for kind, tokens in calls if kind == "llama" for t in tokens]
+    assert len(fed) == 64 + decode_steps // 2  # up to the last context, then its decode steps
+    assert fed == [1000 + b for b in load_corpus("pydoc-topics").encode()[:len(fed)]]  # the text, in order
+    llama = [tokens for kind, tokens in calls if kind == "llama"]
+    assert len(llama[0]) == 48 and len(llama[6]) == 64 - 48 - 5  # prefills to each context, then single steps
+    assert all(len(t) == 1 for t in llama[1:6] + llama[7:])
+    # interleaved: per context, 1 warmup + 2 repeats, each a run of llama.cpp steps after the other rows' steps
+    kinds = [kind if kind == "hf" else ("llama-step" if len(tokens) == 1 else "llama-prefill")
+             for kind, tokens in calls]
+    runs = [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+    assert runs.count("llama-step") == 2 * 3
+    assert all(runs[i - 1] == "hf" for i, k in enumerate(runs) if k == "llama-step")
+    for context, position in (("48", 48 + 5), ("64", 64 + 5)):
+        rows = result["latency"][context]
+        assert rows["llama.cpp"]["kept_tokens"] == position  # its own tokens: context + the decode steps so far
+        assert rows["llama.cpp"]["speedup_vs_llamacpp"] == pytest.approx(1.0)
+        assert rows["confkv"]["speedup_vs_llamacpp"] > 0 and rows["llama.cpp"]["dtype"] == "gguf"
+        assert rows["llama.cpp"]["kv_bytes"] == position * bench.kv_bytes_per_token_f16(model)
+        assert len(rows["llama.cpp"]["times_ms"]) == 4
+    assert result["configs"]["llama.cpp"]["gguf_bytes"] == 100
+    assert any("x llama" in line for line in lines)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_without_llama_cpp_one_line_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    result = bench.run_bench(contexts=[48], configs=["dynamic"], gguf=tmp_path / "m.gguf", model=model, tokenizer=tok,
+                             log=lines.append, **SMALL)
+    assert lines.count(SKIP_MESSAGE) == 1
+    assert 'pip install "confkv[llamacpp]"' in SKIP_MESSAGE and "pip install llama-cpp-python==0.3.16" in SKIP_MESSAGE
+    assert "llama.cpp" not in result["latency"]["48"] and "dynamic" in result["latency"]["48"]
+
+
+def test_cli_defaults_two_threads_float32_and_a_2048_token_quality_check(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.update(kw) or {"peak_rss_bytes": 0, "load": {}})
+    monkeypatch.setattr("confkv.eval.bench_output.write_outputs", lambda *a: None)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.update(threads=n))
+    assert cli.main(["bench", "--out", str(tmp_path)]) == 0
+    assert seen["threads"] == 2 and seen["dtypes"] == ["float32"] and seen["quality_tokens"] == 2048
+    assert seen["llamacpp"] is True
+    assert cli.main(["bench", "--dtype", "float32", "bfloat16", "--quality-tokens", "0", "--no-llamacpp",
+                     "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert seen["threads"] == 1 and seen["dtypes"] == ["float32", "bfloat16"] and seen["quality_tokens"] == 0
+    assert seen["llamacpp"] is False
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--dtype", "float16"])
+
+
+def test_bad_dtype_and_quality_tokens_name_the_option():
+    from confkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--dtype float16"):
+        bench.run_bench(contexts=[48], dtypes=["float16"], model=object(), tokenizer=object())
+    with pytest.raises(ConfigError, match="--quality-tokens 1"):
+        bench.run_bench(contexts=[48], quality_tokens=1, model=object(), tokenizer=object())

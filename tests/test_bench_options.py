@@ -146,3 +146,41 @@ def test_bad_dtype_and_quality_tokens_name_the_option():
         bench.run_bench(contexts=[48], dtypes=["float16"], model=object(), tokenizer=object())
     with pytest.raises(ConfigError, match="--quality-tokens 1"):
         bench.run_bench(contexts=[48], quality_tokens=1, model=object(), tokenizer=object())
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_weight_int8_dtype_and_the_lean_row():
+    """``bfloat16-w8`` quantizes a copy's linear layers (rows ``@bf16w8``); the ``-lean`` row decodes
+    through the lean decoder and holds the same KV as its model(...) twin."""
+    from confkv.hf.weights import Int8Linear
+
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    configs = ["dynamic", "confkv+slack8", "confkv+slack8-lean"]
+    small = {**SMALL, "slack": 8}
+    seen_models = []
+    original = bench._Runner.__init__
+
+    def spy(self, config, model, dtype="float32"):
+        seen_models.append((dtype, model))
+        original(self, config, model, dtype)
+
+    bench._Runner.__init__ = spy
+    try:
+        result = bench.run_bench(contexts=[64], configs=configs, dtypes=["bfloat16", "bfloat16-w8"],
+                                 quality_tokens=40, llamacpp=False, model=model, tokenizer=tok, log=lines.append,
+                                 **small)
+    finally:
+        bench._Runner.__init__ = original
+    rows = {k: v for k, v in result["latency"]["64"].items() if not k.startswith("_")}
+    assert set(rows) == {f"{c}@{d}" for c in configs for d in ("bf16", "bf16w8")}
+    w8 = {id(m) for d, m in seen_models if d == "bfloat16-w8"}
+    bf16 = {id(m) for d, m in seen_models if d == "bfloat16"}
+    assert len(w8) == 1 and not w8 & bf16
+    w8_model = next(m for d, m in seen_models if d == "bfloat16-w8")
+    assert any(isinstance(m, Int8Linear) for m in w8_model.modules())
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())  # the caller's model is untouched
+    for d in ("bf16", "bf16w8"):
+        assert rows[f"confkv+slack8-lean@{d}"]["kv_bytes"] == rows[f"confkv+slack8@{d}"]["kv_bytes"]
+    quality = result["quality"]
+    assert quality["bfloat16-w8"]["ppl"] != quality["bfloat16"]["ppl"]  # really quantized

@@ -66,6 +66,7 @@ class BenchConfig:
     params: dict[str, Any] = field(default_factory=dict)
     store: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    lean: bool = False  # decode steps through confkv.hf.lean.LeanDecoder instead of model(...)
 
 
 def default_configs(budget: int, slack: int) -> list[BenchConfig]:
@@ -91,6 +92,8 @@ def default_configs(budget: int, slack: int) -> list[BenchConfig]:
             BenchConfig(f"confkv+slack{slack}", "confkv", "confkv", dict(gate), {"evict_slack": slack}),
             BenchConfig(f"confkv-int8+slack{slack}", "confkv", "confkv", dict(gate),
                         {**int8, "evict_slack": slack}),
+            BenchConfig(f"confkv+slack{slack}-lean", "confkv", "confkv", dict(gate), {"evict_slack": slack},
+                        note="the same, decode steps through the lean decoder (Llama family)", lean=True),
         ]
     # the tiered store at the same hot budget: 2-bit cold pages, 4 / 16 pages read when confident / not
     tiered = {"budget": budget, "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16}
@@ -115,6 +118,7 @@ class _Runner:
         self.cache: Any = None
         self.error: str | None = None
         self.fed = 0
+        self.decoder: Any = None  # LeanDecoder for lean configurations, built on first use
 
     def attn(self) -> None:
         wanted = "confkv" if self.config.kind == "confkv" else "sdpa"
@@ -162,8 +166,15 @@ class _Runner:
     def step(self, tokens: torch.Tensor) -> float:
         """One decode step with ``tokens`` [B, 1]; returns seconds."""
         self.attn()
+        if self.config.lean and self.decoder is None:
+            from confkv.hf.lean import LeanDecoder
+
+            self.decoder = LeanDecoder(self.model)
         start = time.perf_counter()
-        self.model(input_ids=tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+        if self.decoder is not None:
+            self.decoder(tokens, self.cache)
+        else:
+            self.model(input_ids=tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
         elapsed = time.perf_counter() - start
         self.fed += 1
         return elapsed

@@ -3,7 +3,9 @@
 The whole latency grid runs once per dtype with the model loaded in that dtype (confkv's
 store keeps keys and values in the dtype the model hands it; its statistics stay float32).
 Rows of float32 keep the configuration's name (``confkv``), rows of another dtype carry it
-(``confkv@bf16``); every row also records its ``dtype``.
+(``confkv@bf16``); every row also records its ``dtype``. ``bfloat16-w8`` is the bfloat16 model with
+weight-only INT8 linear layers (:func:`confkv.hf.weights.quantize_linear_weights`; rows
+``confkv@bf16w8``).
 
 Quality: streaming perplexity (:func:`confkv.eval.ppl.streaming_ppl`, policy ``full``) of
 the first ``quality_tokens`` tokens of the bench's text, per dtype, with its ratio to
@@ -24,7 +26,12 @@ from confkv.errors import ConfigError
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float32": (torch.float32, "fp32"),
     "bfloat16": (torch.bfloat16, "bf16"),
+    # bfloat16 activations and KV, weight-only INT8 linear layers (confkv.hf.weights)
+    "bfloat16-w8": (torch.bfloat16, "bf16w8"),
 }
+
+#: ``--dtype`` names whose linear weights are quantized to INT8 after loading
+WEIGHT_INT8 = ("bfloat16-w8",)
 
 
 def parse_dtypes(names: list[str] | tuple[str, ...] | None) -> list[str]:
@@ -59,6 +66,12 @@ def models_by_dtype(dtypes: list[str], model_name: str, model: Any, tokenizer: A
             models[name] = model
         else:
             models[name] = copy.deepcopy(model).to(dtype)
+        if name in WEIGHT_INT8:
+            from confkv.hf.weights import quantize_linear_weights  # noqa: PLC0415
+
+            if models[name] is model:
+                models[name] = copy.deepcopy(model)
+            quantize_linear_weights(models[name])
     return models, tokenizer
 
 

@@ -40,14 +40,17 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict[str, float]:
 
 
 def weight_bytes_read(model: Any) -> int:
-    """Bytes of parameters read per decode step: every unique parameter but the embedding table
-    (only one row of it is read; when it is tied to the LM head the head reads it all)."""
+    """Bytes of parameters read per decode step: every unique parameter and buffer but the
+    embedding table (only one row of it is read; when it is tied to the LM head the head reads
+    it all). Weight-only INT8 layers (:class:`confkv.hf.weights.Int8Linear`) count their int8
+    weights and scales, which are buffers; the rotary tables are buffers too (a few KB)."""
     seen: set[int] = set()
     total = 0
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
-    for p in model.parameters():
+    head_weight = getattr(head, "weight", None)
+    tied = head_weight is not None and head_weight.data_ptr() == embed.data_ptr()
+    for p in [*model.parameters(), *model.buffers()]:
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())

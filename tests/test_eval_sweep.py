@@ -178,3 +178,21 @@ def test_an_offloaded_cold_tier_is_matched_on_resident_bytes(model, tmp_path):
                                         resident=True)
     assert offloaded["budget"] > in_ram["budget"]  # the pages' codes are not in RAM: more hot tokens fit
     assert predicted <= target
+
+
+def test_sweeps_of_other_texts_and_dtypes_keep_their_own_trace_files(model, tmp_path):
+    """One traces folder for several sweeps: names carry the corpus and dtype unless they are the defaults."""
+    tok = tiny_tokenizer()
+    traces, out = tmp_path / "traces", tmp_path / "rows.jsonl"
+    base = dict(policies=("window",), reference_windows=(24,), tokens=40, model="tiny")
+    for corpus in ("pydoc-topics", "stdlib-docs"):
+        run_sweep(SweepConfig(**base, corpus=corpus), out, model=model, tokenizer=tok, progress=False,
+                  traces_dir=traces)
+    names = sorted(p.name for p in traces.iterdir())
+    assert names == ["stdlib-docs_window_int8-0_ref-24_budget24.json", "window_int8-0_ref-24_budget24.json"]
+    rows = load_rows(out)
+    for row in rows:  # each row points at its own trace, whose summary is that row's
+        summary = json.loads(open(row["trace_file"]).read())["summary"]
+        assert summary["corpus"] == row["corpus"] and summary["ppl"] == row["ppl"]
+    from confkv.eval.sweep import _trace_name
+    assert _trace_name(rows[0], SweepConfig(**base, dtype="bfloat16")) == "bfloat16_window_int8-0_ref-24_budget24.json"

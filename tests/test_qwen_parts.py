@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import json
 import shutil
 import subprocess
 import sys
@@ -190,6 +191,14 @@ def test_load_by_name_converts_once_in_bfloat16(parts: FakeParts, monkeypatch: p
     assert fake.calls == 1, "the second load reads the cache"
     assert next(again.parameters()).dtype == torch.float32, "an explicit dtype wins"
     assert _joins_left(tmp_path) == []
+    marker_file = root / "qwen2.5-coder-1.5b" / model_cache._MARKER_FILE
+    marker = json.loads(marker_file.read_text())
+    assert marker["dtype"] == "bfloat16", "the cached copy is bf16 (half the disk of fp32)"
+    assert json.loads((root / "qwen2.5-coder-1.5b" / "config.json").read_text())["dtype"] == "bfloat16"
+    marker["dtype"] = "float32"  # a copy converted before the cache kept bf16: rebuilt
+    marker_file.write_text(json.dumps(marker))
+    load_model("qwen1.5b", cache_dir=root)
+    assert fake.calls == 2
 
 
 @pytest.mark.parametrize("failure", ["hash", "missing"])

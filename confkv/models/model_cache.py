@@ -4,9 +4,10 @@ transformers dequantizes a GGUF file to full precision on load, which takes
 20-60 s on two CPU cores. The first load therefore saves a converted copy
 (safetensors + tokenizer) under the cache directory and later loads read that
 copy (well under a second plus the tokenizer). The copy is fp32 unless the model's
-``cache_dtype`` says otherwise (the 1.5B Qwen keeps bf16: half the disk and load memory). The copy is written into a
-temporary directory and renamed into place, so an interrupted conversion never
-leaves a half-written cache; a cache that fails validation is rebuilt.
+``cache_dtype`` says otherwise (the 1.5B Qwen keeps bf16: half the disk and load
+memory). The copy is written into a temporary directory and renamed into place, so an
+interrupted conversion never leaves a half-written cache; a cache that fails
+validation is rebuilt.
 """
 
 from __future__ import annotations

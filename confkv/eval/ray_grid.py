@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,10 @@ class ModelSpec:
         return load_model(self.name, dtype=getattr(torch, self.dtype))
 
 
+#: seconds between two calls to an actor that is restarting
+RESTART_POLL_SECONDS = 0.5
+
+
 @dataclass(frozen=True)
 class RayOptions:
     """``--ray [ADDRESS]``, ``--ray-workers``, ``--ray-retries`` of the grid commands.
@@ -73,6 +78,8 @@ class RayOptions:
         retries: times a failed unit is tried again (a raised error or a dead worker).
         connect_timeout: seconds to wait for the head node to answer before giving up.
         threads: torch threads per actor.
+        restart_timeout: seconds to wait for a dead actor's restart (its model load) before the
+            slot is given up; calls meanwhile find it "unavailable", which costs the unit no retry.
     """
 
     address: str | None = None
@@ -80,6 +87,7 @@ class RayOptions:
     retries: int = 2
     connect_timeout: float = 5.0
     threads: int = 1
+    restart_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
@@ -270,9 +278,10 @@ class RayGrid:
                    failures: list[str]) -> Iterator[WorkUnit]:
         """Submit, wait, land, retry; yields each unit once, when it is finished (landed or given up)."""
         ray = self.ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
 
         last_error = ""
+        unavailable_since: dict[int, float] = {}  # slot -> when its actor was first found restarting
         queue = deque(sorted(units, key=lambda unit: -unit.cost))  # longest first: workers finish together
         attempts: dict[Hashable, int] = {}
         idle = deque(range(len(self.actors)))
@@ -291,6 +300,20 @@ class RayGrid:
             unit, slot = pending.pop(ref)
             try:
                 rows = ray.get(ref)
+            except ActorUnavailableError as error:
+                # the actor is restarting after a death (max_restarts): the call never ran there, and it is
+                # neither a new death nor the unit's fault. Wait for the restart (a model load, slow on a
+                # busy machine) instead of spending the unit's retries on it.
+                last_error = _first_lines(error)
+                first = unavailable_since.setdefault(slot, time.monotonic())
+                if time.monotonic() - first <= self.options.restart_timeout:
+                    time.sleep(RESTART_POLL_SECONDS)
+                    idle.append(slot)
+                    queue.appendleft(unit)
+                    continue
+                self.deaths[slot] = self.options.retries + 1  # never came back: retire the slot
+                queue.appendleft(unit)
+                continue
             except (RayActorError, RayTaskError) as error:
                 last_error = _first_lines(error)
                 died = isinstance(error, RayActorError)
@@ -305,6 +328,7 @@ class RayGrid:
                 failures.append(f"unit {unit.key!r}: {'its worker died: ' if died else ''}{last_error}")
                 yield unit
                 continue
+            unavailable_since.pop(slot, None)
             idle.append(slot)
             land(unit, rows)  # once: a unit is resubmitted only after its attempt failed (no Ray task retries)
             yield unit

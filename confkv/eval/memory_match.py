@@ -153,8 +153,9 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
     """Budget parameters for ``policy_name`` whose predicted ``stat`` KV bytes are the largest <= ``target_bytes``.
 
     ``resident=True``: an offloaded cold tier's sealed pages count only their digests (the
-    bytes that stay in RAM; :func:`simulate_kv_bytes`). Returns ``(params, predicted_bytes)``; params are the policy's budget fields
-    (``budget``, or ``n_low``/``n_high`` for gated policies) merged with ``extra``.
+    bytes that stay in RAM; :func:`simulate_kv_bytes`). Returns ``(params, predicted_bytes)``;
+    params are the policy's budget fields (``budget``, or ``n_low``/``n_high`` for gated
+    policies) merged with ``extra``.
     Raises :class:`ConfKVError` when even the smallest valid budget exceeds the target.
     """
     extra = dict(extra or {})

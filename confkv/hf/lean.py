@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from confkv.errors import UnsupportedModelError
+from confkv.hf import attention as glue
 from confkv.hf.cache import ConfKVCache
 from confkv.hf.enable import enable
 from confkv.hf.generate import padding_positions
@@ -130,8 +131,6 @@ class LeanDecoder:
         cache_layer = cache.layers[index]
         cache_layer.update(key, value)  # appends and hands the store to the attention glue, as the model does
         store = cache_layer.store
-        from confkv.hf import attention as glue  # noqa: PLC0415
-
         glue._take()  # read the store directly (the glue's hand-off is not needed)
         out = store.attend(query, scaling=layer.scaling, padding=attention_mask, softcap=None)
         return layer.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

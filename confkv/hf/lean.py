@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from confkv.errors import UnsupportedModelError
-from confkv.hf import attention as glue
 from confkv.hf.cache import ConfKVCache
 from confkv.hf.enable import enable
 from confkv.hf.generate import padding_positions
@@ -108,6 +107,7 @@ class LeanDecoder:
             positions = padding_positions(attention_mask)[:, seen:]
         else:
             positions = torch.arange(seen, seen + length, device=input_ids.device)[None].expand(batch, -1)
+        cache._mark_active()  # the LM head's hook closes this cache's step, as after model(...)
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]: broadcast over heads
@@ -128,9 +128,7 @@ class LeanDecoder:
         value = layer.v_proj(x).view(shape).transpose(1, 2)
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        cache_layer = cache.layers[index]
-        cache_layer.update(key, value)  # appends and hands the store to the attention glue, as the model does
-        store = cache_layer.store
-        glue._take()  # read the store directly (the glue's hand-off is not needed)
+        store = cache.layers[index].store
+        store.append(key, value)
         out = store.attend(query, scaling=layer.scaling, padding=attention_mask, softcap=None)
         return layer.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

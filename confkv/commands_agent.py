@@ -23,7 +23,9 @@ def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> N
     agent.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
     agent.add_argument("--max-new-tokens", type=int, default=24, help="tokens per generated action")
     agent.add_argument("--max-steps", type=int, default=None, help="cap on steps per episode")
-    agent.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
+    agent.add_argument("--param", action="append", metavar="[POLICY:]KEY=VALUE",
+                       help="extra policy parameter, repeatable; POLICY: gives it to that policy only "
+                            "(e.g. confkv-r:budget=256)")
     agent.add_argument("--fresh", action="store_true", help="move <out-dir>/agent.jsonl aside first")
     agent.add_argument("--collect-only", action="store_true", help="run nothing: summarize the records on disk")
     agent.add_argument("--out-dir", type=Path, default=Path("results/agent"))

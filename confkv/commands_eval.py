@@ -83,7 +83,9 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
                       help="run nothing, load no model: redraw <out-dir>/niah_heatmap.png from <out-dir>/niah.json")
     niah.add_argument("--fresh", action="store_true",
                       help="ignore the records already in <out-dir>/niah.jsonl (default: resume from them)")
-    niah.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
+    niah.add_argument("--param", action="append", metavar="[POLICY:]KEY=VALUE",
+                       help="extra policy parameter, repeatable; POLICY: gives it to that policy only "
+                            "(e.g. confkv-r:budget=256)")
     niah.add_argument("--out-dir", type=Path, default=Path("results/niah"))
     add_ray_arguments(niah)
 

@@ -33,7 +33,9 @@ def add_ruler_subcommand(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=1, help="samples per batch (left-padded)")
     p.add_argument("--fp-window", type=int, default=128)
     p.add_argument("--ratio", type=float, default=0.5, help="n_high / n_low for the gated policies")
-    p.add_argument("--param", action="append", metavar="KEY=VALUE", help="extra policy parameter, repeatable")
+    p.add_argument("--param", action="append", metavar="[POLICY:]KEY=VALUE",
+                       help="extra policy parameter, repeatable; POLICY: gives it to that policy only "
+                            "(e.g. confkv-r:budget=256)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true",

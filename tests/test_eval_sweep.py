@@ -180,6 +180,27 @@ def test_an_offloaded_cold_tier_is_matched_on_resident_bytes(model, tmp_path):
     assert predicted <= target
 
 
+def test_a_fixed_hot_budget_gets_its_cold_budget_matched(model):
+    """``budget`` fixed in the extra parameters: the bytes the hot tier leaves go to cold pages."""
+    bm = BytesModel.for_model(model)
+    steps = 400
+    target = reference_bytes(bm, 128, steps, "peak")
+    extra = {"budget": 24, "protect": 4, "bits": 4, "page_size": 8, "group_size": 8, "k": 2}
+    params, predicted = match_budget("confkv-r", target, bm, steps, extra=extra)
+    assert params["budget"] == 24 and params["cold_budget"] < steps  # the hot tier untouched, the cold one bounded
+
+    def peak(cold_budget):
+        policy = make_policy("confkv-r", **{**extra, "cold_budget": cold_budget})
+        return simulate_kv_bytes(policy, bm, steps, StoreConfig()).max()
+    assert predicted == peak(params["cold_budget"]) <= target < peak(params["cold_budget"] + 8)
+    # 4-bit pages hold more tokens than the 128-token FP window they are matched to
+    assert params["budget"] + params["cold_budget"] > 128
+    # the cold budget fixed instead: the hot budget is searched, as before
+    hot_extra = {**{k: v for k, v in extra.items() if k != "budget"}, "cold_budget": 64}
+    hot, _ = match_budget("confkv-r", target, bm, steps, extra=hot_extra)
+    assert hot["cold_budget"] == 64 and hot["budget"] > 24
+
+
 def test_sweeps_of_other_texts_and_dtypes_keep_their_own_trace_files(model, tmp_path):
     """One traces folder for several sweeps: names carry the corpus and dtype unless they are the defaults."""
     tok = tiny_tokenizer()

@@ -59,6 +59,9 @@ class AgentConfig:
             raise ValueError(f"protocols: unknown {bad[0]!r}; choose from {PROTOCOLS}")
         for spec in self.policies:
             parse_spec(spec)
+        from confkv.eval.niah.budgets import check_scoped_params
+
+        check_scoped_params(self.extra_params, self.policies)
         if any(c < 1 for c in self.compressions):
             raise ValueError(f"compressions must be >= 1 (full bytes / policy bytes), got {self.compressions}")
         for name in ("chunk", "max_new_tokens", "max_steps", "limit"):

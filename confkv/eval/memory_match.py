@@ -140,10 +140,23 @@ def reference_bytes(bytes_model: BytesModel, window: int, steps: int, stat: str)
     return float(trace.max() if stat == "peak" else trace.mean())
 
 
-def _budget_params(name: str, n: int, ratio: float) -> dict[str, Any]:
+def _budget_params(name: str, n: int, ratio: float, *, cold: bool = False) -> dict[str, Any]:
+    if cold:
+        return {"cold_budget": n}
     if name in GATED:
         return {"n_low": n, "n_high": max(1, round(ratio * n))}
     return {"budget": n}
+
+
+def matches_cold_budget(policy_name: str, extra: dict[str, Any] | None) -> bool:
+    """True when matching searches a tiered policy's ``cold_budget`` rather than its hot budget.
+
+    That is the case when ``extra`` fixes the hot ``budget`` of a policy with a cold tier and
+    leaves ``cold_budget`` free: the bytes left over by the fixed hot tier go to low-bit pages.
+    """
+    extra = extra or {}
+    return (policy_name in POLICIES and hasattr(POLICIES[policy_name], "cold_read_pages")
+            and "budget" in extra and "cold_budget" not in extra)
 
 
 def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel, steps: int, *,
@@ -155,7 +168,8 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
     ``resident=True``: an offloaded cold tier's sealed pages count only their digests (the
     bytes that stay in RAM; :func:`simulate_kv_bytes`). Returns ``(params, predicted_bytes)``;
     params are the policy's budget fields (``budget``, or ``n_low``/``n_high`` for gated
-    policies) merged with ``extra``.
+    policies) merged with ``extra``. A tiered policy whose hot ``budget`` is fixed in ``extra``
+    gets its ``cold_budget`` searched instead (:func:`matches_cold_budget`).
     Raises :class:`ConfKVError` when even the smallest valid budget exceeds the target.
     """
     extra = dict(extra or {})
@@ -168,9 +182,11 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
         sinks = extra.get("sinks", fields["sinks"])
         extra["min_layer_budget"] = max(fields["min_layer_budget"], store.fp_window + sinks + 1)
 
+    cold = matches_cold_budget(policy_name, extra)
+
     def predicted(n: int) -> float | None:
         try:
-            policy = make_policy(policy_name, **{**extra, **_budget_params(policy_name, n, ratio)})
+            policy = make_policy(policy_name, **{**extra, **_budget_params(policy_name, n, ratio, cold=cold)})
             if store is not None and store.kv_int8 and store.fp_window + policy.sinks >= policy.min_budget():
                 return None
         except ConfKVError:
@@ -209,5 +225,5 @@ def match_budget(policy_name: str, target_bytes: float, bytes_model: BytesModel,
             lo = mid
         else:
             hi = mid - 1
-    return {**extra, **_budget_params(policy_name, lo, ratio)}, float(predicted(lo))
+    return {**extra, **_budget_params(policy_name, lo, ratio, cold=cold)}, float(predicted(lo))
 

@@ -69,6 +69,9 @@ class RulerConfig:
             raise ConfigError("--samples and --batch must be >= 1, --first-sample >= 0")
         for spec in self.policies:
             parse_policy_spec(spec)
+        from confkv.eval.niah.budgets import check_scoped_params
+
+        check_scoped_params(self.extra_params, self.policies)
 
 
 @dataclass

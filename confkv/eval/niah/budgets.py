@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from confkv.config import StoreConfig
+from confkv.errors import ConfigError
 from confkv.eval.niah.config import NiahConfig
 
 
@@ -42,13 +43,47 @@ def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, 
 
 
 def _policy_extra(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
-    """Extra parameters that ``name`` accepts (one ``--param`` list for several policies)."""
+    """Extra parameters that ``name`` accepts (one ``--param`` list for several policies).
+
+    A key ``<policy>:<parameter>`` (``confkv-r:budget=256``, as ``confkv sweep`` spells it;
+    ``-`` and ``_`` alike in the policy's name) applies to that policy only and wins over the
+    same unscoped key.
+    """
     from confkv.policies.registry import accepted_parameters
 
     if not extra:
         return {}
     fields = accepted_parameters(name)
-    return {k: v for k, v in extra.items() if k in fields}
+    plain = {k: v for k, v in extra.items() if ":" not in k and k in fields}
+    scoped = {}
+    for key, value in extra.items():
+        owner, _, field = key.partition(":")
+        if field and _same_policy(owner, name):
+            if field not in fields:
+                raise ConfigError(f"--param {key}: {name} has no parameter {field!r}; "
+                                  f"it takes {', '.join(sorted(fields))}")
+            scoped[field] = value
+    return {**plain, **scoped}
+
+
+def _same_policy(a: str, b: str) -> bool:
+    return a.replace("-", "_") == b.replace("-", "_")
+
+
+def check_scoped_params(extra: dict[str, Any] | None, policies: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` for a ``<policy>:<parameter>`` key whose policy is not in ``policies``.
+
+    ``policies`` are names or specs (``confkv+int8``: the part before ``+``).
+    """
+    names = [spec.split("+", 1)[0] for spec in policies]
+    for key in extra or {}:
+        owner, colon, field = key.partition(":")
+        if colon and not any(_same_policy(owner, n) for n in names):
+            raise ConfigError(f"--param {key}: {owner!r} is not one of the policies run ({', '.join(names)}); "
+                              f"name one of them before the colon, or drop the prefix to give it to "
+                              f"every policy that takes {field!r}")
+        if colon:
+            _policy_extra(next(n for n in names if _same_policy(owner, n)), {key: extra[key]})
 
 
 def full_kv_bytes(model: Any, tokens: int, store: StoreConfig | None = None) -> float:

@@ -56,6 +56,9 @@ class NiahConfig:
             raise ValueError(f"first_trial must be a non-negative integer, got {self.first_trial!r}")
         if not 0 < self.budget_fraction <= 1:
             raise ValueError("budget_fraction must be in (0, 1]")
+        from confkv.eval.niah.budgets import check_scoped_params
+
+        check_scoped_params(self.extra_params, self.policies)
 
 
 def parse_spec(spec: str) -> tuple[str, bool]:

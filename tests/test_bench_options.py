@@ -1,9 +1,8 @@
-"""`confkv bench`'s options on a tiny model: dtypes, the perplexity check, the llama.cpp row (a fake
-``llama_cpp`` module, so no package is needed) and its skip message, the CLI defaults. Structure
+"""`confkv bench`'s options on a tiny model: dtypes, the perplexity check, the llama.cpp row (a stand-in
+``llama_cpp`` module in the child process, so no package is needed; its crash) and its skip message, the CLI defaults. Structure
 only: no timing is asserted."""
 
-import sys
-import types
+import json
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from confkv import cli
 from confkv.data import corpus_tokens, load_corpus
 from confkv.eval import bench
-from confkv.eval.bench_llamacpp import SKIP_MESSAGE
+from confkv.eval.bench_llamacpp import SKIP_MESSAGE, LlamaCppRunner, describe_exit
 from confkv.eval.ppl import streaming_ppl
 from confkv.models import tiny_model, tiny_tokenizer
 
@@ -46,44 +45,71 @@ def test_each_dtype_runs_the_grid_with_labelled_rows_and_a_quality_check():
     assert any("confkv@bf16" in line and "bfloat16" in line for line in lines)  # the table labels the row
 
 
-def _fake_llama_cpp(events):
-    """A stand-in for llama_cpp with the three methods the bench calls."""
-    module = types.ModuleType("llama_cpp")
+FAKE_LLAMA_CPP = """
+import json, os, signal
 
-    class Llama:
-        def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
-            self.args = dict(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
-                             n_threads_batch=n_threads_batch, verbose=verbose)
-            self.n_tokens = 0
-            events.append(("load", self.args))
+__version__ = "fake"
+EVENTS = os.environ["FAKE_LLAMA_EVENTS"]
+CRASH_AT = int(os.environ.get("FAKE_LLAMA_CRASH_AT", "0"))
 
-        def tokenize(self, text, add_bos=True, special=False):
-            assert isinstance(text, bytes) and not add_bos
-            return [1000 + b for b in text]  # its own tokenizer: not the HF token ids
 
-        def eval(self, tokens):
-            assert self.n_tokens + len(tokens) <= self.args["n_ctx"], "past n_ctx"
-            self.n_tokens += len(tokens)
-            events.append(("llama", list(tokens)))
+def _log(kind, value):
+    with open(EVENTS, "a") as f:
+        f.write(json.dumps([kind, value]) + "\\n")
 
-    module.Llama = Llama
-    return module
+
+class Llama:
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
+        self.args = dict(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
+                         n_threads_batch=n_threads_batch, verbose=verbose)
+        self.n_tokens = 0
+        _log("load", self.args)
+
+    def tokenize(self, text, add_bos=True, special=False):
+        assert isinstance(text, bytes) and not add_bos
+        return [1000 + b for b in text]  # its own tokenizer: not the HF token ids
+
+    def eval(self, tokens):
+        assert self.n_tokens + len(tokens) <= self.args["n_ctx"], "past n_ctx"
+        if CRASH_AT and self.n_tokens + len(tokens) >= CRASH_AT:
+            os.kill(os.getpid(), signal.SIGSEGV)  # as libggml-cpu once did
+        self.n_tokens += len(tokens)
+        _log("llama", list(tokens))
+"""
+
+
+@pytest.fixture
+def fake_llama_cpp(tmp_path, monkeypatch):
+    """A stand-in ``llama_cpp`` module file for the child process; returns (its folder, the events file)."""
+    folder = tmp_path / "fake"
+    folder.mkdir()
+    (folder / "fake_llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    events = tmp_path / "events.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_EVENTS", str(events))
+    return str(folder), events
+
+
+def _events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_llamacpp_row_interleaved_in_the_same_table(monkeypatch, tmp_path):
-    events = []
-    monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp(events))
+def test_llamacpp_row_interleaved_in_the_same_table(monkeypatch, tmp_path, fake_llama_cpp):
+    folder, events_file = fake_llama_cpp
     step = bench._Runner.step
-    monkeypatch.setattr(bench._Runner, "step",
-                        lambda self, tokens: events.append(("hf", self.label)) or step(self, tokens))
+
+    def hf_step(self, tokens):
+        with open(events_file, "a") as f:
+            f.write(json.dumps(["hf", self.label]) + "\n")
+        return step(self, tokens)
+    monkeypatch.setattr(bench._Runner, "step", hf_step)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(96))
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     lines = []
     result = bench.run_bench(contexts=[64, 48], configs=["dynamic", "confkv"], gguf=gguf, model=model, tokenizer=tok,
-                             log=lines.append, **SMALL)
-    (load, args), *calls = events
+                             log=lines.append, llamacpp_module="fake_llama_cpp", llamacpp_path=(folder,), **SMALL)
+    (load, args), *calls = _events(events_file)
     assert load == "load" and args["model_path"] == str(gguf)
     assert args["n_threads"] == args["n_threads_batch"] == torch.get_num_threads()
     decode_steps = 2 * (1 + 2 * 2)  # contexts x (warmup + repeats x steps)
@@ -108,19 +134,58 @@ def test_llamacpp_row_interleaved_in_the_same_table(monkeypatch, tmp_path):
         assert rows["llama.cpp"]["kv_bytes"] == position * bench.kv_bytes_per_token_f16(model)
         assert len(rows["llama.cpp"]["times_ms"]) == 4
     assert result["configs"]["llama.cpp"]["gguf_bytes"] == 100
+    assert result["configs"]["llama.cpp"]["process"] == "child" and result["configs"]["llama.cpp"]["error"] is None
     assert any("x llama" in line for line in lines)
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_without_llama_cpp_one_line_says_how_to_install_it(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+def test_a_prefill_in_chunks_of_n_batch(tmp_path, fake_llama_cpp):
+    folder, events_file = fake_llama_cpp
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    runner = LlamaCppRunner(gguf, "x" * 300, 260, 1, 4, module="fake_llama_cpp", sys_path=(folder,), n_batch=100)
+    try:
+        runner.feed_to(None, 250, 0)
+        assert runner.next_step(None) >= 0 and runner.fed == 251 and runner.kv_bytes() == 251 * 4
+    finally:
+        runner.close()
+    assert [len(t) for kind, t in _events(events_file) if kind == "llama"] == [100, 100, 50, 1]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_llama_cpp_crash_ends_its_row_not_the_bench(monkeypatch, tmp_path, fake_llama_cpp):
+    folder, _ = fake_llama_cpp
+    monkeypatch.setenv("FAKE_LLAMA_CRASH_AT", "60")  # dies while prefilling to the second context
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
     lines = []
-    result = bench.run_bench(contexts=[48], configs=["dynamic"], gguf=tmp_path / "m.gguf", model=model, tokenizer=tok,
-                             log=lines.append, **SMALL)
+    result = bench.run_bench(contexts=[32, 64], configs=["dynamic"], gguf=gguf, model=model, tokenizer=tok,
+                             log=lines.append, llamacpp_module="fake_llama_cpp", llamacpp_path=(folder,), **SMALL)
+    assert "llama.cpp" in result["latency"]["32"]
+    assert "llama.cpp" not in result["latency"]["64"] and "dynamic" in result["latency"]["64"]
+    error = result["configs"]["llama.cpp"]["error"]
+    assert error.startswith("context 64: LlamaCppCrashed") and "killed by signal SIGSEGV" in error
+    assert "feed to 64 tokens" in error
+    assert result["latency"]["64"]["dynamic"]["speedup_vs_llamacpp"] is None
+    assert any("llama.cpp failed, row dropped" in line for line in lines)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_without_llama_cpp_one_line_says_how_to_install_it(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    result = bench.run_bench(contexts=[48], configs=["dynamic"], gguf=gguf, model=model, tokenizer=tok,
+                             log=lines.append, llamacpp_module="no_such_llama_cpp_module", **SMALL)
     assert lines.count(SKIP_MESSAGE) == 1
     assert 'pip install "confkv[llamacpp]"' in SKIP_MESSAGE and "pip install llama-cpp-python==0.3.16" in SKIP_MESSAGE
     assert "llama.cpp" not in result["latency"]["48"] and "dynamic" in result["latency"]["48"]
+
+
+def test_exit_codes_are_described():
+    assert describe_exit(-11) == "killed by signal SIGSEGV" and describe_exit(3) == "exit status 3"
 
 
 def test_cli_defaults_two_threads_float32_and_a_2048_token_quality_check(monkeypatch, tmp_path):

@@ -49,7 +49,7 @@ import torch
 
 from confkv import profiling
 from confkv.eval.bench_dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
-from confkv.eval.bench_llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, gguf_source, import_llama_cpp,
+from confkv.eval.bench_llamacpp import (SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable, gguf_source,
                                         kv_bytes_per_token_f16)
 from confkv.eval.bench_loops import _latency_grid, _throughput
 from confkv.eval.bench_machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
@@ -224,7 +224,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
               batch_steps: int = 3, breakdown_steps: int = 8, configs: list[str] | None = None,
               corpus: str = "pydoc-topics", dtypes: list[str] | None = None, quality_tokens: int = 0,
               llamacpp: bool = True, gguf: str | Path | None = None, log: Callable[[str], None] = print,
-              model: Any = None, tokenizer: Any = None) -> dict[str, Any]:
+              model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
+              llamacpp_path: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -237,6 +238,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         gguf: that row's GGUF file (default: the file ``model_name`` is loaded from; with
             ``model`` given there is none unless passed here).
         model, tokenizer: an already loaded model (default: load ``model_name`` per dtype).
+        llamacpp_module, llamacpp_path: the module llama.cpp's child process imports and the
+            folders it searches first (a stand-in module in the tests).
     """
     from confkv.data import corpus_tokens, load_corpus
     from confkv.hf import ConfKVCache  # noqa: F401 - registers nothing, fails early if transformers is broken
@@ -296,11 +299,15 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
 
     with contextlib.ExitStack() as stack:
         peer = _peer_runner(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
-                            contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log)
+                            contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
+                            llamacpp_module, llamacpp_path)
         if peer is not None:
+            stack.callback(peer.close)
             result["configs"][peer.label] = {**peer.describe(), "error": None}
         _latency_grid(result, runners_ok + ([peer] if peer is not None else []), ids, contexts, chunk, warmup,
                       steps, repeats, weights, bandwidth, dtypes, log)
+        if peer is not None:
+            result["configs"][peer.label]["error"] = peer.error
 
     if breakdown_steps:  # every listed configuration that ran
         for dtype in dtypes:
@@ -320,19 +327,10 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
 
 
 def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
-                 kv_bytes_per_token: int, stack: contextlib.ExitStack,
-                 log: Callable[[str], None]) -> LlamaCppRunner | None:
+                 kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None],
+                 module: str = "llama_cpp", sys_path: tuple[str, ...] = ()) -> LlamaCppRunner | None:
     """The llama.cpp row's runner, or None (not asked, not installed, no GGUF, or it failed: logged)."""
     if not enabled:
-        return None
-    try:
-        llama_cpp = import_llama_cpp()
-    except Exception as error:  # noqa: BLE001 - installed but broken (e.g. its shared library fails to load)
-        log(f"[bench] llama.cpp row skipped: llama_cpp failed to import ({type(error).__name__}: {error}); "
-            f"reinstall it: {INSTALL_HINT}")
-        return None
-    if llama_cpp is None:
-        log(SKIP_MESSAGE)
         return None
     if gguf is None:
         source = gguf_source(model_name) if model_name is not None else None
@@ -342,12 +340,16 @@ def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None,
             return None
         gguf = stack.enter_context(source)
     try:
-        peer = LlamaCppRunner(llama_cpp, Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token)
+        peer = LlamaCppRunner(Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token,
+                              module=module, sys_path=sys_path)
+    except LlamaCppUnavailable:
+        log(SKIP_MESSAGE)
+        return None
     except Exception as error:  # noqa: BLE001 - the other rows still run
         log(f"[bench] llama.cpp row skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
         return None
     log(f"[bench] llama.cpp row: {Path(gguf).name}, n_ctx {n_ctx}, {peer.threads} thread(s), "
-        f"{len(peer.tokens)} tokens of the text with its own tokenizer")
+        f"{peer.token_count} tokens of the text with its own tokenizer, in a child process")
     return peer
 
 

@@ -30,21 +30,45 @@ def _summary(times: list[float]) -> dict[str, float]:
 def _latency_grid(result: dict[str, Any], runners: list[Any], ids: torch.Tensor, contexts: list[int], chunk: int,
                   warmup: int, steps: int, repeats: int, weights: dict[str, int], bandwidth: dict[str, float],
                   dtypes: list[str], log: Callable[[str], None]) -> None:
-    """Per-step latency at each context, every runner (the llama.cpp one too) interleaved; fills ``result``."""
+    """Per-step latency at each context, every runner (the llama.cpp one too) interleaved; fills ``result``.
+
+    A llama.cpp failure (its child process crashed, or an error it reported) is logged and
+    recorded as the runner's ``error``; the row is dropped from that context on and the others
+    go on. A failure of confkv's own rows propagates.
+    """
+    runners = list(runners)
+
+    def peer_failed(runner: Any, context: int, error: Exception) -> None:
+        runner.error = f"context {context}: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        log(f"[bench] {runner.label} failed, row dropped from here on: {runner.error}")
+        runners.remove(runner)
+
     for context in contexts:
-        for runner in runners:
+        for runner in list(runners):
             start = time.perf_counter()
-            runner.feed_to(ids, context, chunk)
+            try:
+                runner.feed_to(ids, context, chunk)
+            except Exception as error:  # noqa: BLE001 - llama.cpp's row only; ours propagate
+                if not isinstance(runner, LlamaCppRunner):
+                    raise
+                peer_failed(runner, context, error)
+                continue
             log(f"[bench] ctx {context} {runner.label}: prefill to {runner.fed} in "
                 f"{time.perf_counter() - start:.1f}s")
         times: dict[str, list[float]] = {r.label: [] for r in runners}
         for rep in range(warmup + repeats):
-            for runner in runners:
+            for runner in list(runners):
                 n = 1 if rep < warmup else steps
-                for _ in range(n):
-                    t = runner.next_step(ids)
-                    if rep >= warmup:
-                        times[runner.label].append(t)
+                try:
+                    for _ in range(n):
+                        t = runner.next_step(ids)
+                        if rep >= warmup:
+                            times[runner.label].append(t)
+                except Exception as error:  # noqa: BLE001 - llama.cpp's row only; ours propagate
+                    if not isinstance(runner, LlamaCppRunner):
+                        raise
+                    peer_failed(runner, context, error)
+                    del times[runner.label]
         medians = {label: statistics.median(t) for label, t in times.items()}
         peer_ms = medians.get(LLAMA_LABEL)
         rows = {}

@@ -61,7 +61,7 @@ def run_ruler(args: argparse.Namespace) -> int:
                          kv_fractions=tuple(args.kv_fractions), samples=args.samples, first_sample=args.first_sample,
                          seed=args.seed, protocol=args.protocol, chunk=args.chunk, query_window=args.query_window,
                          batch=args.batch, fp_window=args.fp_window, ratio=args.ratio,
-                         extra_params=parse_params(args.param))
+                         extra_params=parse_params(args.param), dtype=args.dtype)
     jsonl = args.out_dir / "ruler.jsonl"
     if args.fresh and jsonl.exists():
         jsonl.unlink()

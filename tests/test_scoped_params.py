@@ -34,3 +34,14 @@ def test_a_grid_matches_each_policy_with_its_own_parameters():
     assert out["tova"] == {"budget": 100}  # a quarter of 400 tokens at full precision
     assert out["confkv-r"]["budget"] == 24 and out["confkv-r"]["bits"] == 4
     assert 100 - 24 < out["confkv-r"]["cold_budget"] < 400  # 4-bit pages: more tokens than the FP bytes buy
+
+
+def test_the_model_dtype_is_part_of_a_grids_run_key():
+    """A bfloat16 run never resumes into a float32 run's records (nor the other way round)."""
+    from confkv.agent.grid import AgentConfig
+    from confkv.agent.grid import run_key as agent_key
+    from confkv.eval.ruler import run_key as ruler_key
+
+    assert ruler_key(RulerConfig(), "smollm2") != ruler_key(RulerConfig(dtype="bfloat16"), "smollm2")
+    assert '"dtype": "bfloat16"' in ruler_key(RulerConfig(dtype="bfloat16"), "smollm2")
+    assert agent_key(AgentConfig(), "smollm2") != agent_key(AgentConfig(dtype="bfloat16"), "smollm2")

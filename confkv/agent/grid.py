@@ -50,6 +50,7 @@ class AgentConfig:
     fp_window: int = 128
     ratio: float = 0.5  # n_high / n_low of the gated policies
     extra_params: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"  # the model's dtype (recorded in the run key; the caller loads the model)
 
     def __post_init__(self) -> None:
         from confkv.eval.niah.config import parse_spec
@@ -87,7 +88,7 @@ def run_key(config: AgentConfig, model_name: str) -> str:
     """Settings shared by every record of one grid (another run never resumes into it)."""
     parts = {"model": model_name, "seed": config.seed, "chunk": config.chunk, "max_new_tokens": config.max_new_tokens,
              "max_steps": config.max_steps, "extra_steps": config.extra_steps, "fp_window": config.fp_window,
-             "ratio": config.ratio, "extra": config.extra_params}
+             "ratio": config.ratio, "extra": config.extra_params, "dtype": config.dtype}
     return json.dumps(parts, sort_keys=True)
 
 

@@ -53,6 +53,7 @@ class RulerConfig:
     fp_window: int = 128
     ratio: float = 0.5
     extra_params: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"  # the model's dtype (recorded in the run key; the caller loads the model)
 
     def __post_init__(self) -> None:
         from confkv.hf.protocols import PROTOCOLS
@@ -103,7 +104,7 @@ def run_key(config: RulerConfig, model_name: str) -> str:
     parts = {"model": model_name, "seed": config.seed, "protocol": config.protocol, "chunk": config.chunk,
              "query_window": config.query_window if config.protocol == "query-aware" else None,
              "fp_window": config.fp_window, "ratio": config.ratio, "extra": config.extra_params,
-             "version": RULER_VERSION}
+             "dtype": config.dtype, "version": RULER_VERSION}
     return json.dumps(parts, sort_keys=True)
 
 

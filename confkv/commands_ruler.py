@@ -69,6 +69,12 @@ def run_ruler(args: argparse.Namespace) -> int:
     if args.collect_only:
         run = run_key(config, args.model)
         records = [RulerRecord(**r) for r in load_rows(jsonl) if r.get("run") == run]
+        if not records:
+            from confkv.errors import ConfKVError
+
+            raise ConfKVError(f"--collect-only: {jsonl} has no records of this run (model {args.model}, --dtype "
+                              f"{args.dtype}, --param, --protocol, --chunk, --seed, --fp-window and --ratio must be "
+                              f"those of the run that wrote them)")
     else:
         from confkv.eval.ray_grid import ModelSpec, ray_options
 

@@ -35,6 +35,9 @@ def test_grid_writes_records_table_and_plot_and_resumes(tmp_path, capsys):
     assert len((out / "ruler.jsonl").read_text().splitlines()) == len(rows)
     assert main(ARGS + ["--out-dir", str(out), "--collect-only"]) == 0
     assert "| full | 100% |" in capsys.readouterr().out
+    # collecting with another run's settings finds nothing: a clear error, not an empty plot
+    assert main(ARGS + ["--out-dir", str(out), "--collect-only", "--dtype", "bfloat16"]) != 0
+    assert "has no records of this run (model tiny-llama, --dtype bfloat16" in capsys.readouterr().err
 
 
 def test_table_averages_tasks():

@@ -188,6 +188,20 @@ def test_registry_parameters_and_flat_gate_fields():
         make_policy("nope")
 
 
+def test_registry_parameters_of_tiered_policies_fold_in_their_cold_tier_defaults():
+    # quest.py: streaming's budget 256, protect 0, sinks 4; its cold tier: unquantized (16-bit)
+    # pages of 16 tokens, 16 read per step; the rest are ColdConfig's defaults
+    assert policy_parameters("quest") == {
+        "budget": 256, "protect": 0, "sinks": 4, "bits": 16, "page_size": 16, "group_size": 16,
+        "k_high": 16, "k_low": 16, "cold_budget": None, "offload": False, "offload_dir": None, "promote": None}
+    params = policy_parameters("confkv-r")  # confkv_r.py: 2-bit pages of 32, 4 pages when confident, 16 not
+    assert {k: params[k] for k in ("bits", "page_size", "group_size", "k_high", "k_low", "promote")} == {
+        "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16, "promote": None}
+    assert "cold" not in params and params["tau"] == 0.5 and params["budget"] == 256
+    # every listed default is accepted back by make_policy and rebuilds the default policy
+    assert make_policy("quest", **policy_parameters("quest")) == make_policy("quest")
+
+
 def test_tee_names_its_members_statistics_and_feeds_each():
     h2o, tova, window = make_policy("h2o", budget=64), make_policy("tova", budget=64, protect=5), make_policy("window")
     tee = TeePolicy.of([h2o, window, tova])

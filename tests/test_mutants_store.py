@@ -92,3 +92,76 @@ def test_select_batch_keeps_the_chosen_rows_of_every_part():
     keys = fp.recent.keys.clone()
     fp.select_batch(torch.tensor([1]))
     assert torch.equal(fp.recent.keys, keys[[1]]) and fp.channel_scale is None and fp.old.key_scale is None
+
+
+# -- the cold tier (tiered policies) -------------------------------------------------------------
+def _tiered(bits: int = 16, k: int = 1, promote: float | None = None) -> LayerStore:
+    """confkv-r, 4 hot tokens (2 protected, no sinks), cold pages of 2 tokens, ``k`` read per step."""
+    return LayerStore(make_policy("confkv-r", budget=4, protect=2, sinks=0, bits=bits, page_size=2, group_size=2,
+                                  k=k, promote=promote), StoreConfig(move_block=1))
+
+
+def _tiered_step(store: LayerStore, gen: torch.Generator, batch: int, cold_read: list[int] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+    store.append(torch.randn(batch, 2, 1, 4, generator=gen).to(dtype), torch.randn(batch, 2, 1, 4, generator=gen).to(dtype))
+    store.attend(torch.randn(batch, 4, 1, 4, generator=gen).to(dtype), scaling=0.5)
+    store.end_step(torch.full((batch,), 4, dtype=torch.int64),
+                   cold_read=None if cold_read is None else torch.tensor(cold_read))
+
+
+def _tiered_steps(store: LayerStore, steps: int, batch: int, cold_read: list[int]) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        _tiered_step(store, gen, batch, cold_read)
+
+
+def test_select_batch_of_a_tiered_store_keeps_the_rows_of_its_cold_tier_and_read_budgets():
+    store, twin = _tiered(), _tiered()
+    for s in (store, twin):  # 9 tokens: 4 hot, 5 cold (2 sealed pages of 2, 1 in the open page)
+        _tiered_steps(s, 9, batch=3, cold_read=[1, 2, 0])
+    assert store.cold.num_pages == 2 and store.cold.token_count().tolist() == [5, 5, 5]
+    cold_before = {name: t.clone() for name, t in store.cold.pages.items()}
+    open_before = {name: t.clone() for name, t in store.cold.open.items()}
+    store.select_batch(torch.tensor([2, 0]))
+    for name, t in cold_before.items():
+        assert torch.equal(store.cold.pages[name], t[[2, 0]]), name
+    for name, t in open_before.items():
+        assert torch.equal(store.cold.open[name], t[[2, 0]]), name
+    # the next read of the kept rows is the read the original rows make: each row reads its own
+    # number of cold pages (row 2 none, row 0 one), not the first step's budget
+    gen = torch.Generator().manual_seed(5)
+    keys, values, query = (torch.randn(3, h, 1, 4, generator=gen) for h in (2, 2, 4))
+    store.append(keys[[2, 0]], values[[2, 0]])
+    twin.append(keys, values)
+    out, ref = store.attend(query[[2, 0]], scaling=0.5), twin.attend(query, scaling=0.5)
+    assert torch.allclose(out, ref[[2, 0]], atol=1e-6, rtol=0)
+    assert store.cold_read.tolist() == [0, 1]
+
+
+def test_bookkeeping_bytes_of_a_tiered_store_count_its_cold_tier():
+    store = _tiered()
+    _tiered_steps(store, 9, batch=3, cold_read=[1, 1, 1])
+    assert (store.old.length, store.recent.length, store.cold.open_length, store.cold.num_pages) == (2, 2, 1, 2)
+    # hot slots (old + recent), per row: 2 heads * (int64 position + float32 EMA) + a bool
+    hot = 3 * (2 + 2) * (2 * (8 + 4) + 1)
+    # open page: 1 slot per row, 2 heads * int64 position + a bool
+    cold_open = 3 * 1 * (2 * 8 + 1)
+    # 2 sealed pages per row and head: 2 int64 positions, 2 bools, a float32 heat, an int64 sealing time
+    sealed = 3 * 2 * 2 * (2 * 8 + 2 * 1 + 4 + 8)
+    assert store.bookkeeping_bytes() == hot + cold_open + sealed == 711
+
+
+def test_a_promoted_page_comes_back_in_the_hot_tier_s_dtype():
+    """bfloat16 keys, 2-bit cold pages (dequantized to float32): the page a read promotes is cast
+    back to the model's dtype, so the hot tier stays bfloat16."""
+    store = _tiered(bits=2, k=2, promote=0.01)
+    gen = torch.Generator().manual_seed(0)
+    bf, came_back = torch.bfloat16, 0
+    for _ in range(12):
+        sealed = store.cold.pages["positions"][0, 0, :store.cold.num_pages] if store.cold.num_pages else torch.zeros(0)
+        store.append(torch.randn(1, 2, 1, 4, generator=gen).to(bf), torch.randn(1, 2, 1, 4, generator=gen).to(bf))
+        store.attend(torch.randn(1, 4, 1, 4, generator=gen).to(bf), scaling=0.5)  # promotes during the read
+        came_back += len(set(sealed.flatten().tolist()) & set(store.old.positions[0, 0].tolist()))
+        store.end_step(torch.full((1,), 4, dtype=torch.int64))
+        assert store.old.keys.dtype == store.old.values.dtype == store.recent.keys.dtype == bf
+    assert came_back  # some page was promoted at a 1% attention threshold

@@ -60,7 +60,8 @@ def pack(codes: Tensor, bits: int) -> Tensor:
 
 
 def unpack(packed: Tensor, bits: int, head_dim: int) -> Tensor:
-    """Inverse of :func:`pack`: [..., packed_width] uint8 -> [..., head_dim] integer codes (int32 at 8 bits, else int64)."""
+    """Inverse of :func:`pack`: [..., packed_width] uint8 -> [..., head_dim] integer codes
+    (int32 at 8 bits, int64 otherwise)."""
     if bits == 8:
         return packed.to(torch.int32)
     per_word, word_bytes = _word_layout(bits)

@@ -13,8 +13,8 @@ Protocol (as the other rows, see :mod:`confkv.eval.bench`): the bench's text is 
 with the GGUF's own tokenizer (no BOS; it may split the text differently from the Hugging
 Face tokenizer), the first ``C`` tokens are evaluated to reach context ``C`` (in chunks of
 ``n_batch`` tokens), then each timed step evaluates ONE token, the text's next one (teacher
-forcing), with ``Llama.eval``; the step is timed inside the child. The row is a runner of the bench's interleaved loop, so its steps alternate
-with the other configurations' steps.
+forcing), with ``Llama.eval``; the step is timed inside the child. The row is a runner of
+the bench's interleaved loop, so its steps alternate with the other configurations' steps.
 
 The KV cache is llama.cpp's default (float16 keys and values, allocated for ``n_ctx``
 tokens at load); its bytes below count the tokens held, as for the other rows.

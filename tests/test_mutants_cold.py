@@ -1,0 +1,238 @@
+"""The cold tier of :mod:`confkv.cold` on tiny tiers whose contents are written out by hand.
+
+Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md): a read page taken
+back (:meth:`ColdTier.take_best_read_page`, dequantized at 16, 8 and 4 bits), the bookkeeping
+byte count, batch selection and clones (in RAM and offloaded). Expectations are the demoted
+tokens themselves, KIVI's half-step error bound and byte counts worked out from shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.cold import ColdTier
+from confkv.config import ColdConfig
+from confkv.page_file import PageFile
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PAGE = 4
+DIM = 8
+
+
+def _tier(bits=16, batch=1, heads=2, tokens=12, seed=0, page_file=None, **extra):
+    """A tier holding ``tokens`` demoted tokens (pages of 4, head_dim 8), and its keys, values [B, H, T, D]."""
+    gen = torch.Generator().manual_seed(seed)
+    offload = page_file is not None
+    tier = ColdTier(ColdConfig(bits=bits, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2, offload=offload,
+                               **extra), page_file)
+    keys = torch.randn(batch, heads, tokens, DIM, generator=gen)
+    values = torch.randn(batch, heads, tokens, DIM, generator=gen)
+    positions = torch.arange(tokens).expand(batch, heads, tokens).clone()
+    tier.demote(keys, values, positions, torch.ones(batch, tokens, dtype=torch.bool))
+    return tier, keys, values
+
+
+def _read_all(tier: ColdTier) -> None:
+    """A read of every page (no ranking: pages 0..N-1 in order, in every head)."""
+    batch = tier.open["keys"].shape[0]
+    tier.segments(torch.zeros(batch, tier.open["keys"].shape[1], 1, DIM), torch.full((batch,), tier.num_pages))
+
+
+def _mass(batch, heads, pages, hot):
+    """[B, H, N * P] attention mass: 0.125 on each slot of page ``hot[h]`` (0.5 a page), 0.01 elsewhere."""
+    mass = torch.full((batch, heads, pages, PAGE), 0.01)
+    for head, page in enumerate(hot):
+        mass[:, head, page] = 0.125
+    return mass.reshape(batch, heads, pages * PAGE)
+
+
+def _page_positions(tier: ColdTier, row=0) -> list[list[list[int]]]:
+    return tier.pages["positions"][row, :, :tier.num_pages].tolist()
+
+
+# ------------------------------------------------------------------ take_best_read_page / _dequantized
+
+@pytest.mark.parametrize("bits", [16, 8, 4])
+def test_taken_page_holds_the_demoted_tokens_of_each_heads_hottest_page(bits):
+    tier, keys, values = _tier(bits=bits, tokens=12)  # 3 pages of 4 tokens, no open page
+    _read_all(tier)
+    mass = _mass(1, 2, 3, hot=[1, 2])  # head 0's hottest page: tokens 4..7; head 1's: tokens 8..11
+    mass[0, 0, 4:8] = torch.tensor([0.25, 0.125, 0.0625, 0.0625])  # still 0.5 on page 1
+    taken = tier.take_best_read_page(mass, threshold=0.5)
+    assert taken is not None
+    assert taken["positions"].tolist() == [[[4, 5, 6, 7], [8, 9, 10, 11]]]
+    assert taken["valid"].tolist() == [[True] * 4]
+    assert taken["mass"].dtype == torch.float32
+    assert taken["mass"].tolist() == [[[0.25, 0.125, 0.0625, 0.0625], [0.125] * 4]]
+    want_keys = torch.stack([keys[0, 0, 4:8], keys[0, 1, 8:12]])[None]  # [1, 2, 4, 8]
+    want_values = torch.stack([values[0, 0, 4:8], values[0, 1, 8:12]])[None]
+    assert taken["keys"].shape == (1, 2, PAGE, DIM) and taken["values"].shape == (1, 2, PAGE, DIM)
+    if bits == 16:
+        assert torch.equal(taken["keys"], want_keys) and torch.equal(taken["values"], want_values)
+    else:
+        levels = (1 << bits) - 1
+        # KIVI: keys per channel over the page's 4 tokens, values per token over groups of 4 channels;
+        # the error is at most half a step (range / levels) plus float16 rounding of scale and minimum
+        key_range = want_keys.amax(2, keepdim=True) - want_keys.amin(2, keepdim=True)
+        grouped = want_values.reshape(1, 2, PAGE, DIM // PAGE, PAGE)
+        value_range = (grouped.amax(-1, keepdim=True) - grouped.amin(-1, keepdim=True)).expand_as(grouped)
+        value_range = value_range.reshape(1, 2, PAGE, DIM)
+        assert ((taken["keys"] - want_keys).abs() <= key_range / levels / 2 + 1e-2).all()
+        assert ((taken["values"] - want_values).abs() <= value_range / levels / 2 + 1e-2).all()
+    # the page left every head; the others stay in their order
+    assert tier.num_pages == 2
+    assert _page_positions(tier) == [[[0, 1, 2, 3], [8, 9, 10, 11]], [[0, 1, 2, 3], [4, 5, 6, 7]]]
+
+
+def test_a_page_exactly_at_the_threshold_is_taken_and_one_below_is_not():
+    tier, _, _ = _tier(tokens=12)
+    _read_all(tier)
+    assert tier.take_best_read_page(_mass(1, 2, 3, hot=[2, 0]), threshold=0.5 + 1e-6) is None
+    assert tier.num_pages == 3  # nothing taken
+    taken = tier.take_best_read_page(_mass(1, 2, 3, hot=[2, 0]), threshold=0.5)  # 4 x 0.125 = 0.5 exactly
+    assert taken["positions"].tolist() == [[[8, 9, 10, 11], [0, 1, 2, 3]]]
+    assert _page_positions(tier) == [[[0, 1, 2, 3], [4, 5, 6, 7]], [[4, 5, 6, 7], [8, 9, 10, 11]]]
+
+
+def test_one_hot_head_is_enough_and_each_batch_row_takes_its_own_page():
+    tier, _, _ = _tier(batch=2, heads=2, tokens=12)
+    _read_all(tier)
+    mass = torch.full((2, 2, 3, PAGE), 0.01)
+    mass[0, 0, 2] = 0.2  # row 0: head 0 hot on page 2, head 1 cold but still best on page 1
+    mass[0, 1, 1] = 0.02
+    mass[1, 0, 0] = 0.02  # row 1: both heads below the threshold (best pages 0 and 2)
+    mass[1, 1, 2] = 0.02
+    taken = tier.take_best_read_page(mass.reshape(2, 2, 12), threshold=0.5)
+    assert taken["positions"].tolist() == [[[8, 9, 10, 11], [4, 5, 6, 7]], [[0, 1, 2, 3], [8, 9, 10, 11]]]
+    assert _page_positions(tier, 0) == [[[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1, 2, 3], [8, 9, 10, 11]]]
+    assert _page_positions(tier, 1) == [[[4, 5, 6, 7], [8, 9, 10, 11]], [[0, 1, 2, 3], [4, 5, 6, 7]]]
+
+
+def _ragged_tier(heads):
+    """Two sequences: row 0 demotes 8 tokens, row 1 only 2 then 4: its page 0 holds 2 valid slots."""
+    tier = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+    keys = torch.randn(2, heads, 4, DIM, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(8).reshape(2, 4)[:, None].expand(2, heads, 4).clone()
+    tier.demote(keys, keys, positions[..., :4], torch.tensor([[True] * 4, [True, True, False, False]]))
+    tier.demote(keys, keys, positions + 4, torch.ones(2, 4, dtype=torch.bool))
+    assert tier.num_pages == 2 and tier.pages["valid"][1, 0, 0].tolist() == [True, True, False, False]
+    return tier
+
+
+def test_pages_with_different_valid_slots_per_head_are_not_taken():
+    tier = _ragged_tier(heads=2)
+    _read_all(tier)
+    assert tier.take_best_read_page(_mass(2, 2, 2, hot=[0, 1]), threshold=0.1) is None  # row 1: 2 vs 4 slots
+    assert tier.num_pages == 2
+    taken = tier.take_best_read_page(_mass(2, 2, 2, hot=[0, 0]), threshold=0.1)
+    assert taken["valid"].tolist() == [[True] * 4, [True, True, False, False]]
+    assert tier.num_pages == 1
+
+
+def test_one_head_tier_returns_its_page_validity():
+    tier = _ragged_tier(heads=1)
+    _read_all(tier)
+    taken = tier.take_best_read_page(_mass(2, 1, 2, hot=[0]), threshold=0.1)
+    assert taken["valid"].tolist() == [[True] * 4, [True, True, False, False]]
+    assert taken["positions"][:, 0, :2].tolist() == [[0, 1], [4, 5]]
+
+
+def test_after_a_take_the_read_is_spent_observe_and_take_do_nothing():
+    tier, _, _ = _tier(tokens=12)
+    _read_all(tier)
+    assert tier.take_best_read_page(_mass(1, 2, 3, hot=[0, 0]), threshold=0.5) is not None
+    heat = tier.pages["heat"].clone()
+    tier.observe(_mass(1, 2, 3, hot=[0, 0]))
+    assert torch.equal(tier.pages["heat"], heat)
+    assert tier.take_best_read_page(_mass(1, 2, 3, hot=[0, 0]), threshold=0.5) is None
+    assert tier.num_pages == 2
+
+
+def test_taking_pages_keeps_the_rest_in_order_across_many_pages():
+    tier, _, _ = _tier(heads=1, tokens=40 * PAGE)  # 40 pages
+    _read_all(tier)
+    taken = tier.take_best_read_page(_mass(1, 1, 40, hot=[17]), threshold=0.5)
+    assert taken["positions"][0, 0].tolist() == list(range(68, 72))
+    starts = [row[0] for row in _page_positions(tier)[0]]
+    assert starts == [4 * p for p in range(40) if p != 17]
+
+
+# ------------------------------------------------------------------ bookkeeping_bytes
+
+def test_bookkeeping_bytes_count_positions_validity_heat_and_clock_of_used_pages():
+    assert ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2)).bookkeeping_bytes() == 0
+    tier, _, _ = _tier(bits=8, tokens=10)  # B=1, H=2: 2 sealed pages (capacity 8) and 2 open tokens
+    # open: positions 1*2*2 int64 = 32, valid 1*2 bool = 2
+    # per page: positions 2*4 int64 = 64, valid 2*4 bool = 8, heat 2 float32 = 8, sealed_at 2 int64 = 16
+    got = tier.bookkeeping_bytes()
+    assert type(got) is int
+    assert got == 32 + 2 + 2 * (64 + 8 + 8 + 16)
+    tier.demote(*(torch.zeros(1, 2, 3, DIM),) * 2, torch.zeros(1, 2, 3, dtype=torch.int64),
+                torch.ones(1, 3, dtype=torch.bool))  # 5 open tokens: one more page, 1 open
+    assert tier.num_pages == 3
+    assert tier.bookkeeping_bytes() == 16 + 1 + 3 * (64 + 8 + 8 + 16)
+
+
+# ------------------------------------------------------------------ select_batch
+
+def test_select_batch_keeps_the_chosen_rows_of_open_and_sealed_tokens():
+    tier, keys, _ = _tier(batch=3, heads=2, tokens=6)  # 1 page + 2 open tokens per row
+    tier.pages["positions"][:, :, 0] += torch.tensor([0, 100, 200])[:, None, None]  # rows told apart
+    tier.open["positions"] += torch.tensor([0, 100, 200])[:, None, None]
+    tier.select_batch(torch.tensor([2, 0]))
+    assert tier.open["positions"][:, 0].tolist() == [[204, 205], [4, 5]]
+    assert torch.equal(tier.open["keys"], keys[[2, 0]][:, :, 4:])
+    assert tier.open["valid"].shape == (2, 2)
+    assert tier.pages["positions"][:, 0, 0].tolist() == [[200, 201, 202, 203], [0, 1, 2, 3]]
+    assert torch.equal(tier.pages["keys"][:, :, 0], keys[[2, 0]][:, :, :4])
+    assert all(t.shape[:2] == (2, 2) for t in tier.pages.values())
+    assert tier.token_count().tolist() == [6, 6]
+
+
+def test_select_batch_of_an_empty_tier_does_nothing():
+    tier = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+    tier.select_batch(torch.tensor([0]))
+    assert tier.open is None and tier.pages == {} and tier.token_count() is None
+
+
+# ------------------------------------------------------------------ clone
+
+def test_a_clone_holds_the_same_tokens_and_lives_on_its_own():
+    empty = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2)).clone()
+    assert empty.open is None and empty.pages == {} and empty.num_pages == 0
+    tier, keys, _ = _tier(bits=4, tokens=10)
+    _read_all(tier)
+    twin = tier.clone()
+    assert twin.config is tier.config and twin.page_file is None
+    assert twin.num_pages == 2 and twin.reads == 1 and twin.head_dim == DIM and twin.dtype == torch.float32
+    assert sorted(twin.open) == sorted(tier.open) and sorted(twin.pages) == sorted(tier.pages)
+    for name in tier.open:
+        assert torch.equal(twin.open[name], tier.open[name])
+    for name in tier.pages:
+        assert torch.equal(twin.pages[name], tier.pages[name])
+    # the twin demotes on its own: one more page there, none here
+    more = torch.zeros(1, 2, 2, DIM)
+    twin.demote(more, more, torch.full((1, 2, 2), 99), torch.ones(1, 2, dtype=torch.bool))
+    assert twin.num_pages == 3 and tier.num_pages == 2 and tier.open_length == 2
+    assert twin.pages["positions"][0, 0, 2].tolist() == [8, 9, 99, 99]
+    assert torch.equal(tier.open["keys"], keys[:, :, 8:])
+
+
+def test_a_clone_of_an_offloaded_tier_puts_only_its_page_data_in_the_page_file(tmp_path):
+    page_file = PageFile(str(tmp_path))
+    try:
+        tier, _, _ = _tier(bits=8, tokens=10, page_file=page_file)
+        before = page_file.live_bytes
+        twin = tier.clone()
+        assert twin.page_file is page_file and twin.config is tier.config
+        # capacity 8 pages, B=1, H=2: key/value codes 8*4*8 uint8 = 256 bytes a head, scales and minima
+        # 8*(1*8 | 4*2) float16 = 128 bytes a head each; positions, validity, heat, clock, digests stay in RAM
+        assert page_file.live_bytes - before == 2 * (256 + 128 + 128) * 2
+        assert twin.offloaded_bytes() == tier.offloaded_bytes() > 0
+        for name, tensor in twin.pages.items():
+            assert torch.equal(tensor, tier.pages[name])
+            assert tensor.data_ptr() != tier.pages[name].data_ptr()
+    finally:
+        page_file.close()

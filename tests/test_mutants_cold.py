@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from confkv.cold import ColdTier
-from confkv.config import ColdConfig
+from confkv.config import ALL_PAGES, ColdConfig
 from confkv.page_file import PageFile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -157,6 +157,51 @@ def test_taking_pages_keeps_the_rest_in_order_across_many_pages():
     assert taken["positions"][0, 0].tolist() == list(range(68, 72))
     starts = [row[0] for row in _page_positions(tier)[0]]
     assert starts == [4 * p for p in range(40) if p != 17]
+
+
+# ------------------------------------------------------------------ sizes
+
+@pytest.mark.parametrize("bits, dtype, k, page_bytes, digest", [
+    # B=2, H=2, P=4, D=8; digest: min and max, float16, per head and channel = 2*2*8*2 = 64
+    (16, torch.float32, 2, 2 * 2 * 4 * 8 * 4 + 64, 64),  # keys and values in the model's dtype
+    (16, torch.float16, 2, 2 * 2 * 4 * 8 * 2 + 64, 64),
+    # codes 2*H*P*D*bits/8; key scale+min per channel and group of 4 tokens 2*H*1*8*2 = 64;
+    # value scale+min per token and group of 4 channels 2*H*4*2*2 = 64
+    (8, torch.float32, 2, 128 + 64 + 64 + 64, 64),
+    (4, torch.bfloat16, 2, 64 + 64 + 64 + 64, 64),
+    (8, torch.float32, ALL_PAGES, 128 + 64 + 64, 0),  # every page read: no digest
+])
+def test_byte_counts_of_pages_and_tier_by_hand(bits, dtype, k, page_bytes, digest, tmp_path):
+    config = ColdConfig(bits=bits, page_size=PAGE, group_size=PAGE, k_high=k, k_low=k)
+    empty = ColdTier(config)
+    assert empty.kv_bytes() == 0 and empty.offloaded_bytes() == 0
+    keys = torch.randn(2, 2, 10, DIM).to(dtype)
+    positions = torch.arange(10).expand(2, 2, 10).clone()
+    tier = ColdTier(config)
+    tier.demote(keys, keys, positions, torch.ones(2, 10, dtype=torch.bool))  # 2 pages + 2 open tokens a row
+    assert tier.page_nbytes() == page_bytes
+    assert tier._digest_nbytes() == digest
+    element = torch.empty((), dtype=dtype).element_size()
+    assert tier.kv_bytes() == 2 * (2 * 2 * 2 * DIM * element) + 2 * 2 * page_bytes
+    assert tier.offloaded_bytes() == 0  # in RAM
+    page_file = PageFile(str(tmp_path))
+    try:
+        offloaded = ColdTier(ColdConfig(bits=bits, page_size=PAGE, group_size=PAGE, k_high=k, k_low=k, offload=True),
+                             page_file)
+        offloaded.demote(keys, keys, positions, torch.ones(2, 10, dtype=torch.bool))
+        assert offloaded.offloaded_bytes() == 2 * 2 * (page_bytes - digest)  # digests stay resident
+        assert offloaded.kv_bytes() == tier.kv_bytes()
+    finally:
+        page_file.close()
+
+
+def test_token_count_adds_open_and_sealed_valid_tokens_per_row():
+    assert ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2)).token_count() is None
+    tier = _ragged_tier(heads=1)
+    assert tier.token_count().tolist() == [8, 6]
+    one = torch.zeros(2, 1, 2, DIM)
+    tier.demote(one, one, torch.zeros(2, 1, 2, dtype=torch.int64), torch.tensor([[True, True], [True, False]]))
+    assert tier.open_length == 2 and tier.token_count().tolist() == [10, 7]
 
 
 # ------------------------------------------------------------------ bookkeeping_bytes

@@ -162,7 +162,7 @@ def test_taking_pages_keeps_the_rest_in_order_across_many_pages():
 # ------------------------------------------------------------------ sizes
 
 @pytest.mark.parametrize("bits, dtype, k, page_bytes, digest", [
-    # B=2, H=2, P=4, D=8; digest: min and max, float16, per head and channel = 2*2*8*2 = 64
+    # H=2, P=4, D=8; digest: min and max, float16, per head and channel = 2*2*8*2 = 64
     (16, torch.float32, 2, 2 * 2 * 4 * 8 * 4 + 64, 64),  # keys and values in the model's dtype
     (16, torch.float16, 2, 2 * 2 * 4 * 8 * 2 + 64, 64),
     # codes 2*H*P*D*bits/8; key scale+min per channel and group of 4 tokens 2*H*1*8*2 = 64;
@@ -175,24 +175,31 @@ def test_byte_counts_of_pages_and_tier_by_hand(bits, dtype, k, page_bytes, diges
     config = ColdConfig(bits=bits, page_size=PAGE, group_size=PAGE, k_high=k, k_low=k)
     empty = ColdTier(config)
     assert empty.kv_bytes() == 0 and empty.offloaded_bytes() == 0
-    keys = torch.randn(2, 2, 10, DIM).to(dtype)
-    positions = torch.arange(10).expand(2, 2, 10).clone()
+    keys = torch.randn(3, 2, 10, DIM).to(dtype)  # B=3, H=2
+    positions = torch.arange(10).expand(3, 2, 10).clone()
     tier = ColdTier(config)
-    tier.demote(keys, keys, positions, torch.ones(2, 10, dtype=torch.bool))  # 2 pages + 2 open tokens a row
+    tier.demote(keys, keys, positions, torch.ones(3, 10, dtype=torch.bool))  # 2 pages + 2 open tokens a row
     assert tier.page_nbytes() == page_bytes
     assert tier._digest_nbytes() == digest
     element = torch.empty((), dtype=dtype).element_size()
-    assert tier.kv_bytes() == 2 * (2 * 2 * 2 * DIM * element) + 2 * 2 * page_bytes
+    assert tier.kv_bytes() == 2 * (3 * 2 * 2 * DIM * element) + 3 * 2 * page_bytes
     assert tier.offloaded_bytes() == 0  # in RAM
     page_file = PageFile(str(tmp_path))
     try:
         offloaded = ColdTier(ColdConfig(bits=bits, page_size=PAGE, group_size=PAGE, k_high=k, k_low=k, offload=True),
                              page_file)
-        offloaded.demote(keys, keys, positions, torch.ones(2, 10, dtype=torch.bool))
-        assert offloaded.offloaded_bytes() == 2 * 2 * (page_bytes - digest)  # digests stay resident
+        offloaded.demote(keys, keys, positions, torch.ones(3, 10, dtype=torch.bool))
+        assert offloaded.offloaded_bytes() == 3 * 2 * (page_bytes - digest)  # digests stay resident
         assert offloaded.kv_bytes() == tier.kv_bytes()
     finally:
         page_file.close()
+
+
+def test_a_fresh_tier_has_read_nothing():
+    tier = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+    assert tier.bytes_read == 0 and tier.reads == 0 and tier.num_pages == 0
+    assert tier.segments(torch.zeros(1, 2, 1, DIM), torch.tensor([2])) == []  # nothing demoted yet
+    assert tier.bytes_read == 0 and tier.reads == 1
 
 
 def test_token_count_adds_open_and_sealed_valid_tokens_per_row():
@@ -202,6 +209,23 @@ def test_token_count_adds_open_and_sealed_valid_tokens_per_row():
     one = torch.zeros(2, 1, 2, DIM)
     tier.demote(one, one, torch.zeros(2, 1, 2, dtype=torch.int64), torch.tensor([[True, True], [True, False]]))
     assert tier.open_length == 2 and tier.token_count().tolist() == [10, 7]
+
+
+def test_page_storage_doubles_when_full_so_the_page_file_holds_twice_the_pages(tmp_path):
+    page_file = PageFile(str(tmp_path))
+    try:
+        tier, _, _ = _tier(bits=8, heads=1, tokens=8 * PAGE, page_file=page_file)  # 8 pages in one go
+        assert tier.pages["valid"].shape[2] == 8
+        per_page = 4 * 8 + 8 * 2 + 8 * 2 + 4 * 8 + 4 * 2 * 2 + 4 * 2 * 2  # codes, scales, minima (B=H=1)
+        assert page_file.live_bytes == 8 * per_page
+        for extra in range(2):  # the 9th page doubles the storage to 16 pages; the 10th fits
+            one = torch.zeros(1, 1, PAGE, DIM)
+            tier.demote(one, one, torch.zeros(1, 1, PAGE, dtype=torch.int64), torch.ones(1, PAGE, dtype=torch.bool))
+            assert tier.num_pages == 9 + extra and tier.pages["valid"].shape[2] == 16
+            assert page_file.live_bytes == 16 * per_page
+        assert tier.token_count().tolist() == [10 * PAGE]
+    finally:
+        page_file.close()
 
 
 # ------------------------------------------------------------------ bookkeeping_bytes

@@ -200,6 +200,11 @@ def test_a_fresh_tier_has_read_nothing():
     assert tier.bytes_read == 0 and tier.reads == 0 and tier.num_pages == 0
     assert tier.segments(torch.zeros(1, 2, 1, DIM), torch.tensor([2])) == []  # nothing demoted yet
     assert tier.bytes_read == 0 and tier.reads == 1
+    fresh, _, _ = _tier(tokens=12)  # 3 pages, never read: no attention to add, no page to take
+    heat = fresh.pages["heat"].clone()
+    fresh.observe(_mass(1, 2, 3, hot=[0, 1]))
+    assert torch.equal(fresh.pages["heat"], heat)
+    assert fresh.take_best_read_page(_mass(1, 2, 3, hot=[0, 1]), threshold=0.1) is None and fresh.num_pages == 3
 
 
 def test_token_count_adds_open_and_sealed_valid_tokens_per_row():

@@ -233,6 +233,56 @@ def test_page_storage_doubles_when_full_so_the_page_file_holds_twice_the_pages(t
         page_file.close()
 
 
+# ------------------------------------------------------------------ reading the open page
+
+def test_open_page_slots_a_sequence_lacks_are_invisible_to_its_queries():
+    tier = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+    keys = torch.randn(2, 2, 2, DIM, generator=torch.Generator().manual_seed(5))
+    tier.demote(keys, keys, torch.zeros(2, 2, 2, dtype=torch.int64), torch.tensor([[True, True], [True, False]]))
+    (segment,) = tier.segments(torch.zeros(2, 2, 1, DIM), torch.tensor([2, 2]))  # no page sealed yet
+    assert torch.equal(segment.keys, keys)
+    assert segment.visible.shape == (2, 1, 1, 2)  # broadcast over heads and queries
+    assert segment.visible[:, 0, 0].tolist() == [[True, True], [True, False]]
+    full = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+    full.demote(keys, keys, torch.zeros(2, 2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.bool))
+    assert full.segments(torch.zeros(2, 2, 1, DIM), torch.tensor([2, 2]))[0].visible is None
+
+
+# ------------------------------------------------------------------ cold budget
+
+def _budget_tier(budget, tokens, heads=1):
+    tier = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=1, k_low=1, cold_budget=budget))
+    keys = torch.zeros(1, heads, tokens, DIM)
+    tier.demote(keys, keys, torch.arange(tokens).expand(1, heads, tokens).clone(), torch.ones(1, tokens, dtype=torch.bool))
+    return tier
+
+
+def test_cold_budget_counts_the_open_page_against_the_sealed_pages():
+    tier = _budget_tier(12, 14)  # 3 pages + 2 open tokens: (12 - 2) // 4 = 2 pages stay, the newest (none read)
+    assert tier.num_pages == 2 and tier.open_length == 2
+    assert [row[0] for row in _page_positions(tier)[0]] == [4, 8]
+    assert tier.token_count().tolist() == [10]
+    exact = _budget_tier(12, 12)  # 3 pages, no open token: exactly the budget, all stay
+    assert [row[0] for row in _page_positions(exact)[0]] == [0, 4, 8]
+
+
+def test_a_budget_of_one_page_with_open_tokens_keeps_no_sealed_page():
+    tier = _budget_tier(PAGE, 6)  # 1 page + 2 open tokens: (4 - 2) // 4 = 0 pages
+    assert tier.num_pages == 0 and tier.token_count().tolist() == [2]
+    assert tier.open["positions"][0, 0].tolist() == [4, 5]
+
+
+def test_among_many_equally_cold_pages_the_oldest_are_evicted_first():
+    tier = _budget_tier(20 * PAGE, 40 * PAGE, heads=2)  # 40 unread pages (equal heat), 20 may stay
+    assert [row[0] for row in _page_positions(tier)[1]] == [4 * p for p in range(20, 40)]
+    _read_all(tier)
+    tier.observe(torch.zeros(1, 2, 20 * PAGE))  # read once, no attention: all equal at heat 0
+    more = torch.zeros(1, 2, 10 * PAGE, DIM)
+    tier.demote(more, more, torch.arange(160, 200).expand(1, 2, 40).clone(), torch.ones(1, 40, dtype=torch.bool))
+    # 30 pages: the 10 new ones (unread) stay, and of the 20 equally cold read ones the newest 10
+    assert [row[0] for row in _page_positions(tier)[0]] == [120 + 4 * p for p in range(10)] + [160 + 4 * p for p in range(10)]
+
+
 # ------------------------------------------------------------------ bookkeeping_bytes
 
 def test_bookkeeping_bytes_count_positions_validity_heat_and_clock_of_used_pages():

@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from confkv.attention import KVSegment
+from confkv.attention.paged import PagedSegment
 from confkv.cold import ColdTier
+from confkv import profiling
 from confkv.config import ALL_PAGES, ColdConfig
 from confkv.page_file import PageFile
 
@@ -246,6 +249,47 @@ def test_open_page_slots_a_sequence_lacks_are_invisible_to_its_queries():
     full = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
     full.demote(keys, keys, torch.zeros(2, 2, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.bool))
     assert full.segments(torch.zeros(2, 2, 1, DIM), torch.tensor([2, 2]))[0].visible is None
+
+
+def test_bytes_read_by_hand_open_page_digests_and_read_pages():
+    tier, _, _ = _tier(bits=16, tokens=14)  # B=1, H=2: 3 pages of 576 bytes (512 data + 64 digest), 2 open
+    query = torch.zeros(1, 2, 1, DIM)
+    open_bytes = 2 * (2 * 2 * DIM * 4)  # keys and values [1, 2, 2, 8] float32
+    tier.segments(query, torch.tensor([0]))
+    assert tier.bytes_read == open_bytes
+    tier.segments(query, torch.tensor([3]))  # every page: no ranking, no digest read
+    assert tier.bytes_read == open_bytes + 3 * 512
+    tier.segments(query, torch.tensor([1]))  # ranking reads all 3 digests, then one page
+    assert tier.bytes_read == open_bytes + 3 * 64 + 512
+
+
+def test_paged_read_hands_over_the_pages_and_dense_read_gathers_them():
+    tier, keys, _ = _tier(bits=16, tokens=14)
+    query = torch.zeros(1, 2, 1, DIM)
+    open_segment, pages = tier.segments(query, torch.tensor([3]), paged=True)
+    assert isinstance(pages, PagedSegment) and isinstance(open_segment, KVSegment)
+    assert pages.index.tolist() == [[[0, 1, 2], [0, 1, 2]]]
+    _, dense = tier.segments(query, torch.tensor([3]))
+    assert isinstance(dense, KVSegment)
+    assert torch.equal(dense.keys, keys[:, :, :12])
+
+
+def test_the_page_ranking_and_the_gather_are_timed_as_their_own_sections():
+    tier, _, _ = _tier(bits=4, tokens=14)
+    timers = profiling.Timers()
+    with profiling.enabled(timers):
+        tier.segments(torch.zeros(1, 2, 1, DIM), torch.tensor([1]))  # ranks the 3 pages, gathers one
+        tier.segments(torch.zeros(1, 2, 1, DIM), torch.tensor([3]), paged=True)  # no ranking, no gather
+    assert dict(timers.calls) == {"cold page selection (digest bound + top-k)": 1, "cold pages (gather + dequantize)": 1}
+
+
+def test_an_empty_batch_reads_only_its_open_page():
+    tier = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=1, k_low=1))
+    empty = torch.zeros(0, 2, 6, DIM)
+    tier.demote(empty, empty, torch.zeros(0, 2, 6, dtype=torch.int64), torch.ones(0, 6, dtype=torch.bool))
+    assert tier.num_pages == 1 and tier.open_length == 2
+    segments = tier.segments(torch.zeros(0, 2, 1, DIM), torch.zeros(0, dtype=torch.int64))
+    assert len(segments) == 1 and segments[0].keys.shape == (0, 2, 2, DIM) and tier.bytes_read == 0
 
 
 # ------------------------------------------------------------------ cold budget

@@ -283,6 +283,24 @@ def test_the_page_ranking_and_the_gather_are_timed_as_their_own_sections():
     assert dict(timers.calls) == {"cold page selection (digest bound + top-k)": 1, "cold pages (gather + dequantize)": 1}
 
 
+def test_digest_bound_is_quests_sum_of_per_channel_maxima():
+    """sum_d max(q_d min_d, q_d max_d) per page, largest over a KV head's query heads and queries."""
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randint(-8, 9, (1, 2, 12, DIM), generator=gen) / 4  # exact in float16
+    tier = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=1, k_low=1))
+    tier.demote(keys, keys, torch.zeros(1, 2, 12, dtype=torch.int64), torch.ones(1, 12, dtype=torch.bool))
+    query = torch.randint(-6, 7, (1, 4, 3, DIM), generator=gen) / 8  # GQA: query heads 0, 1 -> KV head 0
+    bound = tier.digest_bound(query)
+    assert bound.shape == (1, 2, 3) and bound.dtype == torch.float32
+    for head in range(2):
+        for page in range(3):
+            block = keys[0, head, 4 * page:4 * page + 4]
+            low, high = block.amin(0).tolist(), block.amax(0).tolist()
+            want = max(sum(max(q * lo, q * hi) for q, lo, hi in zip(row.tolist(), low, high))
+                       for q_head in (2 * head, 2 * head + 1) for row in query[0, q_head])
+            assert bound[0, head, page].item() == pytest.approx(want, abs=1e-5)
+
+
 def test_an_empty_batch_reads_only_its_open_page():
     tier = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=1, k_low=1))
     empty = torch.zeros(0, 2, 6, DIM)

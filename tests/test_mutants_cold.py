@@ -162,6 +162,26 @@ def test_taking_pages_keeps_the_rest_in_order_across_many_pages():
     assert starts == [4 * p for p in range(40) if p != 17]
 
 
+# ------------------------------------------------------------------ demotion
+
+def test_a_group_size_that_does_not_divide_head_dim_is_refused_by_name():
+    tier = ColdTier(ColdConfig(bits=8, page_size=16, group_size=8, k_high=1, k_low=1))
+    keys = torch.zeros(1, 1, 2, 12)
+    with pytest.raises(ValueError, match=r"^group_size: must divide head_dim=12 .*got 8$"):
+        tier.demote(keys, keys, torch.zeros(1, 1, 2, dtype=torch.int64), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_later_tokens_are_stored_in_the_dtype_of_the_first():
+    tier = ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=1, k_low=1))
+    first = torch.full((1, 1, 1, DIM), 0.5, dtype=torch.float16)
+    tier.demote(first, first, torch.zeros(1, 1, 1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.bool))
+    later = torch.full((1, 1, 1, DIM), 0.25, dtype=torch.float32)
+    tier.demote(later, later * 2, torch.ones(1, 1, 1, dtype=torch.int64), torch.ones(1, 1, dtype=torch.bool))
+    assert tier.open["keys"].dtype == tier.open["values"].dtype == torch.float16
+    assert tier.open["keys"][0, 0, :, 0].tolist() == [0.5, 0.25] and tier.open["values"][0, 0, :, 0].tolist() == [0.5, 0.5]
+    assert tier.kv_bytes() == 2 * (2 * DIM * 2)
+
+
 # ------------------------------------------------------------------ sizes
 
 @pytest.mark.parametrize("bits, dtype, k, page_bytes, digest", [
@@ -222,15 +242,15 @@ def test_token_count_adds_open_and_sealed_valid_tokens_per_row():
 def test_page_storage_doubles_when_full_so_the_page_file_holds_twice_the_pages(tmp_path):
     page_file = PageFile(str(tmp_path))
     try:
-        tier, _, _ = _tier(bits=8, heads=1, tokens=8 * PAGE, page_file=page_file)  # 8 pages in one go
-        assert tier.pages["valid"].shape[2] == 8
+        tier, _, _ = _tier(bits=8, heads=1, tokens=7 * PAGE, page_file=page_file)  # 7 pages in one go
+        assert tier.pages["valid"].shape[2] == 8  # at least 8 pages of room
         per_page = 4 * 8 + 8 * 2 + 8 * 2 + 4 * 8 + 4 * 2 * 2 + 4 * 2 * 2  # codes, scales, minima (B=H=1)
         assert page_file.live_bytes == 8 * per_page
-        for extra in range(2):  # the 9th page doubles the storage to 16 pages; the 10th fits
+        for pages, capacity in ((8, 8), (9, 16), (10, 16)):  # the 8th page fits; the 9th doubles the storage
             one = torch.zeros(1, 1, PAGE, DIM)
             tier.demote(one, one, torch.zeros(1, 1, PAGE, dtype=torch.int64), torch.ones(1, PAGE, dtype=torch.bool))
-            assert tier.num_pages == 9 + extra and tier.pages["valid"].shape[2] == 16
-            assert page_file.live_bytes == 16 * per_page
+            assert tier.num_pages == pages and tier.pages["valid"].shape[2] == capacity
+            assert page_file.live_bytes == capacity * per_page
         assert tier.token_count().tolist() == [10 * PAGE]
     finally:
         page_file.close()

@@ -182,6 +182,22 @@ def test_later_tokens_are_stored_in_the_dtype_of_the_first():
     assert tier.kv_bytes() == 2 * (2 * DIM * 2)
 
 
+def test_demoted_valid_slots_move_to_the_front_in_order_and_empty_slots_are_dropped():
+    tier = ColdTier(ColdConfig(bits=16, page_size=64, group_size=64, k_high=1, k_low=1))
+    keys = torch.arange(80.0).reshape(2, 1, 40, 1).expand(2, 1, 40, DIM)
+    positions = torch.arange(40).expand(2, 1, 40).clone()
+    valid = torch.zeros(2, 40, dtype=torch.bool)
+    valid[0, ::2] = True  # row 0: the 20 even slots
+    valid[1, :5] = True  # row 1: the first 5
+    tier.demote(keys, keys, positions, valid)
+    assert tier.open_length == 20  # the most valid slots of a row; the rest are empty in every row
+    assert tier.open["positions"][0, 0].tolist() == list(range(0, 40, 2))
+    assert tier.open["keys"][0, 0, :, 0].tolist() == [float(p) for p in range(0, 40, 2)]
+    assert tier.open["positions"][1, 0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert tier.open["valid"].tolist() == [[True] * 20, [True] * 5 + [False] * 15]
+    assert tier.token_count().tolist() == [20, 5]
+
+
 # ------------------------------------------------------------------ sizes
 
 @pytest.mark.parametrize("bits, dtype, k, page_bytes, digest", [

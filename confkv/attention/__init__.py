@@ -60,7 +60,8 @@ def attention_read(
             :func:`~confkv.attention.fused_cpu.fused_read_eligible`), "triton" (CUDA
             tensors and the ``triton`` package required; raises otherwise), or "auto":
             triton when the query is on CUDA and triton imports, else fused where
-            eligible, else (the mass needed) :func:`mass_read` where eligible, else torch. ``block_size`` only applies to the torch backend.
+            eligible, else (the mass needed) :func:`mass_read` where eligible, else torch.
+            ``block_size`` only applies to the torch backend.
             Every backend but triton reads a :class:`PagedSegment` via its ``to_dense``.
     """
     if backend not in BACKENDS:

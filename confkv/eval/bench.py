@@ -49,8 +49,8 @@ import torch
 
 from confkv import profiling
 from confkv.eval.bench_dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
-from confkv.eval.bench_llamacpp import (SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable, gguf_source,
-                                        kv_bytes_per_token_f16)
+from confkv.eval.bench_llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
+                                        gguf_source, kv_bytes_per_token_f16)
 from confkv.eval.bench_loops import _latency_grid, _throughput
 from confkv.eval.bench_machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
 from confkv.eval.bench_output import format_breakdown
@@ -346,7 +346,8 @@ def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None,
         log(SKIP_MESSAGE)
         return None
     except Exception as error:  # noqa: BLE001 - the other rows still run
-        log(f"[bench] llama.cpp row skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        log(f"[bench] llama.cpp row skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]} "
+            f"(if llama_cpp itself fails to load, reinstall it: {INSTALL_HINT})")
         return None
     log(f"[bench] llama.cpp row: {Path(gguf).name}, n_ctx {n_ctx}, {peer.threads} thread(s), "
         f"{peer.token_count} tokens of the text with its own tokenizer, in a child process")

@@ -45,6 +45,12 @@ def make_segment(
     return KVSegment(key_q, value_q, visible, key_ts, channel, value_ts)
 
 
+def unmasked_segments(lengths, batch=2, kv_heads=3, dim=16, num_queries=1, dtype=torch.float32, seed=0):
+    """Full-precision segments of the given lengths, every slot visible (the fused and mass reads' case)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [make_segment(gen, batch, kv_heads, n, dim, num_queries, False, "none", dtype) for n in lengths]
+
+
 @st.composite
 def attention_cases(draw, max_length: int = 12):
     batch = draw(st.integers(1, 3))

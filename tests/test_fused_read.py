@@ -12,21 +12,16 @@ from confkv.attention.fused_cpu import fused_attention, fused_read_available, fu
 from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from segment_cases import make_segment
+from segment_cases import make_segment, unmasked_segments
 
 pytestmark = pytest.mark.skipif(not fused_read_available(), reason="this torch build has no fused CPU attention")
-
-
-def _segments(lengths, batch=2, kv_heads=3, dim=16, num_queries=1, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [make_segment(gen, batch, kv_heads, n, dim, num_queries, False, "none", dtype) for n in lengths]
 
 
 @pytest.mark.parametrize("lengths", [[37], [64, 5], [0, 40, 3], [1, 1, 1]])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("num_queries", [1, 4])
 def test_fused_equals_dense_reference(lengths, group, num_queries):
-    segments = _segments(lengths, num_queries=num_queries)
+    segments = unmasked_segments(lengths, num_queries=num_queries)
     query = torch.randn(2, 3 * group, num_queries, 16, generator=torch.Generator().manual_seed(1))
     assert fused_read_eligible(query, segments, None, need_mass=False)
     out = fused_attention(query, segments, 0.25)
@@ -36,7 +31,7 @@ def test_fused_equals_dense_reference(lengths, group, num_queries):
 
 
 def test_fused_bfloat16_matches_blockwise():
-    segments = _segments([300, 20], dtype=torch.bfloat16)
+    segments = unmasked_segments([300, 20], dtype=torch.bfloat16)
     query = torch.randn(2, 9, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     fused = fused_attention(query, segments, 0.25)
     blockwise, _ = blockwise_attention(query, segments, 0.25, need_mass=False)

@@ -11,19 +11,14 @@ from confkv.attention.mass_read import MAX_SCORES, mass_read, mass_read_eligible
 from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from segment_cases import make_segment
-
-
-def _segments(lengths, batch=2, kv_heads=3, dim=16, num_queries=1, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [make_segment(gen, batch, kv_heads, n, dim, num_queries, False, "none", dtype) for n in lengths]
+from segment_cases import make_segment, unmasked_segments
 
 
 @pytest.mark.parametrize("lengths", [[37], [64, 5], [0, 40, 3], [1, 1, 1]])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("num_queries", [1, 4])
 def test_mass_read_equals_the_block_wise_read(lengths, group, num_queries):
-    segments = _segments(lengths, num_queries=num_queries)
+    segments = unmasked_segments(lengths, num_queries=num_queries)
     query = torch.randn(2, 3 * group, num_queries, 16, generator=torch.Generator().manual_seed(1))
     assert mass_read_eligible(query, segments, None)
     out, mass = mass_read(query, segments, 0.25)
@@ -54,7 +49,7 @@ def test_mass_by_hand_on_one_head():
 
 
 def test_bfloat16_segments_read_in_float32():
-    segments = _segments([300, 20], dtype=torch.bfloat16)
+    segments = unmasked_segments([300, 20], dtype=torch.bfloat16)
     query = torch.randn(2, 9, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     out, mass = mass_read(query, segments, 0.25)
     ref_out, ref_mass = blockwise_attention(query, segments, 0.25, need_mass=True)

@@ -3,7 +3,8 @@ GPU-to-host KV offload: ShadowKV, Sun et al. 2024; ArkVale, Chen et al. 2024; In
 Lee et al. 2024).
 
 One file per cache, created by :func:`tempfile.mkstemp` (mode 0600, an unpredictable name)
-in ``directory`` (default: the system temp dir) and unlinked at once: the pages live only
+in ``directory`` (default: the system temp dir), named ``confkv-pages-XXXXXXXX.bin`` so that
+``lsof`` shows whose deleted file holds the disk space, and unlinked at once: the pages live only
 as long as the process holds the open file, so neither :meth:`close` nor a crash leaves a
 file behind, and nothing else can open it by name. Tensors are carved from the file with
 ``numpy.memmap`` at growing offsets; space of released tensors is not reused (the file

@@ -165,3 +165,32 @@ def test_a_promoted_page_comes_back_in_the_hot_tier_s_dtype():
         store.end_step(torch.full((1,), 4, dtype=torch.int64))
         assert store.old.keys.dtype == store.old.values.dtype == store.recent.keys.dtype == bf
     assert came_back  # some page was promoted at a 1% attention threshold
+
+
+def test_a_page_promoted_into_an_int8_hot_tier_is_quantized_and_keeps_its_keys():
+    """kv_int8 hot tier (FP window 2), full-precision cold pages: a promoted page joins the older
+    region as INT8 like every other old token, and dequantizes back to the key it was appended with
+    (two INT8 roundings: in the hot tier before demotion, again on promotion)."""
+    store = LayerStore(make_policy("confkv-r", budget=4, protect=2, sinks=0, bits=16, page_size=2, group_size=2,
+                                   k=2, promote=0.01), StoreConfig(kv_int8=True, fp_window=2, move_block=1))
+    gen = torch.Generator().manual_seed(0)
+    appended, came_back = {}, 0
+    for step in range(12):
+        sealed = store.cold.pages["positions"][0, 0, :store.cold.num_pages] if store.cold.num_pages else torch.zeros(0)
+        keys = torch.randn(1, 2, 1, 4, generator=gen)
+        appended[step] = keys[0, :, 0]  # [H, D]
+        store.append(keys, torch.randn(1, 2, 1, 4, generator=gen))
+        store.attend(torch.randn(1, 4, 1, 4, generator=gen), scaling=0.5)  # promotes during the read
+        came_back += len(set(sealed.flatten().tolist()) & set(store.old.positions[0, 0].tolist()))
+        old = store.old
+        assert old.keys.dtype == old.values.dtype == torch.int8
+        assert old.key_scale.shape == old.value_scale.shape == old.positions.shape
+        channel = store.channel_scale[0] if old.length else None  # [H, D]; none before the first quantization
+        for h in range(2 if old.length else 0):
+            for slot in torch.nonzero(old.valid[0]).flatten().tolist():
+                original = appended[int(old.positions[0, h, slot])][h]
+                key = old.keys[0, h, slot].float() * old.key_scale[0, h, slot] * channel[h]
+                bound = channel[h] * (original.abs() / channel[h]).max() / 127 + 1e-5
+                assert ((key - original).abs() <= bound).all(), (step, h, slot)
+        store.end_step(torch.full((1,), 4, dtype=torch.int64))
+    assert came_back  # some page was promoted at a 1% attention threshold

@@ -6,7 +6,7 @@ value below is spelled out, not computed with the code under test.
 
 import torch
 
-from confkv.eviction import protection_mask, select_kept
+from confkv.eviction import dropped_slots, protection_mask, select_kept
 
 
 def test_protection_mask_marks_the_last_protect_positions_and_the_sinks():
@@ -113,3 +113,31 @@ def test_select_kept_shorter_sequences_get_their_best_slots_not_any_of_the_wides
     assert kept_valid[1].sum().item() == 5 and index[1, 0, :5].tolist() == best5
     best600 = sorted(sorted(range(1000), key=lambda j: -scores[0, 0, j].item())[:600])
     assert index[0, 0].tolist() == best600
+
+
+def test_dropped_slots_lists_each_heads_unkept_valid_slots_in_slot_order():
+    # 18 slots (long enough for an unstable sort to reorder ties); per head a different kept set of equal size
+    valid = torch.ones(2, 18, dtype=torch.bool)
+    valid[1, :2] = False  # sequence 1: two padding slots, 16 valid
+    kept_index = torch.tensor([[[0, 5, 17], [2, 3, 4]], [[6, 9, 12], [7, 8, 12]]])
+    kept_valid = torch.tensor([[True, True, True], [True, True, False]])  # slot 12 of sequence 1 is not kept
+    index, dropped_valid = dropped_slots(kept_index, kept_valid, valid)
+    expected = [[[s for s in range(18) if s not in (0, 5, 17)], [s for s in range(18) if s not in (2, 3, 4)]],
+                [[s for s in range(2, 18) if s not in (6, 9)], [s for s in range(2, 18) if s not in (7, 8)]]]
+    assert [len(e) for e in expected[0] + expected[1]] == [15, 15, 14, 14]
+    assert index.shape == (2, 2, 15) and index.dtype == torch.int64
+    assert index[0].tolist() == expected[0]
+    assert index[1, :, :14].tolist() == expected[1]  # the 15th entry of sequence 1 is filler
+    assert dropped_valid.tolist() == [[True] * 15, [True] * 14 + [False]]
+
+
+def test_dropped_slots_with_one_kv_head():
+    index, dropped_valid = dropped_slots(torch.tensor([[[1, 2]]]), torch.tensor([[True, True]]),
+                                         torch.ones(1, 4, dtype=torch.bool))
+    assert index.tolist() == [[[0, 3]]] and dropped_valid.tolist() == [[True, True]]
+
+
+def test_dropped_slots_of_an_empty_batch():
+    index, dropped_valid = dropped_slots(torch.zeros(0, 2, 3, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.bool),
+                                         torch.zeros(0, 5, dtype=torch.bool))
+    assert index.shape == (0, 2, 0) and dropped_valid.shape == (0, 0)

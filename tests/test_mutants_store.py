@@ -194,3 +194,22 @@ def test_a_page_promoted_into_an_int8_hot_tier_is_quantized_and_keeps_its_keys()
                 assert ((key - original).abs() <= bound).all(), (step, h, slot)
         store.end_step(torch.full((1,), 4, dtype=torch.int64))
     assert came_back  # some page was promoted at a 1% attention threshold
+
+
+def test_cold_counts_are_zeros_without_a_cold_tier_and_the_demoted_tokens_with_one():
+    plain = LayerStore(make_policy("h2o", budget=4, protect=2), StoreConfig(move_block=1))
+    before = plain.cold_counts()  # nothing appended yet: no sequences
+    assert before.shape == (0,) and before.dtype == torch.int64
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(6):
+        _step(plain, gen, budget=4, batch=2)
+    assert plain.kept_list() == [4, 4]  # two tokens of each sequence evicted for good, none held cold
+    counts = plain.cold_counts()
+    assert counts.dtype == torch.int64 and counts.tolist() == [0, 0]
+    tiered = _tiered()
+    assert tiered.cold_counts().shape == (0,) and tiered.cold_counts().dtype == torch.int64
+    for steps in range(1, 8):
+        _tiered_step(tiered, gen, batch=2)
+        # 4 tokens stay hot; every token past them has been demoted to the cold tier
+        assert tiered.cold_counts().tolist() == [max(0, steps - 4)] * 2, steps
+    assert tiered.cold_counts().dtype == torch.int64

@@ -13,7 +13,7 @@ from confkv.errors import ConfigError
 from confkv.policies import UNLIMITED, make_policy
 from confkv.policies.base import Policy
 from confkv.policies.fixed_budget import recent_first, recent_part
-from confkv.policies.registry import policy_parameters
+from confkv.policies.registry import accepted_parameters, policy_parameters
 from confkv.policies.tee import TeePolicy
 
 
@@ -333,3 +333,15 @@ def test_confkv_gate_must_be_a_gate_config():
 
     with pytest.raises(ConfigError, match=r"^gate: must be a GateConfig, got dict$"):
         ConfKVPolicy(gate={"tau": 0.5})
+
+
+def test_accepted_parameters_fold_in_gate_confidence_and_cold_fields_only_where_the_policy_has_them():
+    assert accepted_parameters("window") == {"protect", "sinks", "budget"}
+    gate = {"gate", "tau", "n_high", "n_low", "smoothing", "w_entropy", "w_margin", "w_top", "margin_form"}
+    cold = {"cold", "bits", "page_size", "group_size", "k_high", "k_low", "k", "cold_budget", "offload",
+            "offload_dir", "promote"}
+    assert accepted_parameters("confkv") == {"protect", "sinks", "ema_decay", "recency_weight",
+                                             "recency_halflife"} | gate
+    assert accepted_parameters("quest") == {"protect", "sinks", "budget"} | cold
+    assert accepted_parameters("confkv-r") == {"protect", "sinks", "ema_decay", "recency_weight",
+                                               "recency_halflife", "budget"} | gate | cold

@@ -7,9 +7,12 @@ Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 
 import torch
 
+from confkv import profiling
+from confkv.cold import ColdTier
+from confkv.config import ColdConfig
 from confkv.policies import make_policy
 from confkv.region import Region
-from confkv.tier_moves import merge_in_position_order, promoted_region
+from confkv.tier_moves import demote_dropped, merge_in_position_order, promoted_region
 
 
 def _taken(valid: list[bool]) -> dict[str, torch.Tensor]:
@@ -57,3 +60,28 @@ def test_merge_puts_every_head_in_position_order_with_the_invalid_slots_first():
     dense = merge_in_position_order(_region([[[3, 7]]], [[True, True]]), _region([[[5, 1]]], [[True, True]]))
     assert dense.positions.tolist() == [[[1, 3, 5, 7]]] and dense.dense
     assert dense.valid.tolist() == [[True] * 4]
+
+
+def test_demote_dropped_dequantizes_int8_slots_to_the_hot_dtype_and_times_the_demotion():
+    """An INT8 older region of 3 slots in 2 heads keeps slot 1: slots 0 and 2 go to a 16-bit cold
+    tier (pages of 4, so both wait in its open page), dequantized to bfloat16 by hand below."""
+    q = torch.tensor([[[[1, 2], [3, 4], [5, 6]], [[-1, -2], [-3, -4], [-5, -6]]]], dtype=torch.int8)
+    old = Region(keys=q, values=-q, positions=torch.tensor([[[10, 11, 12], [10, 11, 12]]]),
+                 valid=torch.ones(1, 3, dtype=torch.bool), key_scale=torch.full((1, 2, 3), 0.5),
+                 value_scale=torch.full((1, 2, 3), 0.25), dense=True)
+    channel_scale = torch.tensor([[[2.0, 4.0], [1.0, 3.0]]])  # [B, Hkv, D]
+    cold = ColdTier(ColdConfig(bits=16, page_size=4, group_size=4, k_high=1, k_low=1))
+    timers = profiling.Timers()
+    with profiling.enabled(timers):
+        demote_dropped(cold, old, torch.tensor([[[1], [1]]]), torch.tensor([[True]]), channel_scale, torch.bfloat16)
+    assert dict(timers.calls) == {"cold demotion (quantize + seal)": 1}
+    # key = q * 0.5 * channel scale; value = -q * 0.25
+    assert cold.open["keys"].dtype == cold.open["values"].dtype == torch.bfloat16
+    assert cold.open["keys"].tolist() == [[[[1.0, 4.0], [5.0, 12.0]], [[-0.5, -3.0], [-2.5, -9.0]]]]
+    assert cold.open["values"].tolist() == [[[[-0.25, -0.5], [-1.25, -1.5]], [[0.25, 0.5], [1.25, 1.5]]]]
+    assert cold.open["positions"].tolist() == [[[10, 12], [10, 12]]] and cold.open["valid"].tolist() == [[True, True]]
+    assert cold.kv_bytes() == 2 * 2 * 2 * 2 * 2  # keys + values, 2 heads, 2 tokens, 2 channels, 2-byte bfloat16
+    with profiling.enabled(timers):  # everything kept: nothing to demote, no demotion timed
+        demote_dropped(cold, old, torch.tensor([[[0, 1, 2], [0, 1, 2]]]), torch.ones(1, 3, dtype=torch.bool),
+                       channel_scale, torch.bfloat16)
+    assert dict(timers.calls) == {"cold demotion (quantize + seal)": 1} and cold.open_length == 2

@@ -458,3 +458,39 @@ def test_a_clone_of_an_offloaded_tier_puts_only_its_page_data_in_the_page_file(t
             assert tensor.data_ptr() != tier.pages[name].data_ptr()
     finally:
         page_file.close()
+
+
+# ------------------------------------------------------------------ what a sealed page holds
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_kv_bytes_are_the_bytes_the_open_and_sealed_page_tensors_hold(bits):
+    """kv_bytes() claims exact bytes: check it against the tensors themselves (open page, then
+    each page tensor's share of its used pages); the digest is float16 (2 bytes a channel), as
+    the module docstring and page_bytes count it, so a float32 digest would hold more."""
+    tier, _, _ = _tier(bits=bits, batch=2, tokens=10)  # 2 pages + 2 open tokens a row
+    assert tier.pages["digest_min"].dtype == tier.pages["digest_max"].dtype == torch.float16
+    held = tier.open["keys"].nbytes + tier.open["values"].nbytes
+    for name in ("keys", "values", "key_codes", "key_scale", "key_min", "value_codes", "value_scale",
+                 "value_min", "digest_min", "digest_max"):
+        if name in tier.pages:
+            tensor = tier.pages[name]
+            held += tensor.nbytes * tier.num_pages // tensor.shape[2]
+    assert tier.num_pages == 2 and tier.kv_bytes() == held
+
+
+def test_sealed_pages_and_their_bookkeeping_live_on_the_device_of_the_keys():
+    """On the ``meta`` device (shapes only; demote's left-alignment needs real validity, so the
+    pages are sealed directly): heat and seal clock are made next to the keys, as on an accelerator
+    where a CPU heat would not take the read's attention mass (observe) nor rank pages there."""
+    tier = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=1, k_low=1))
+    tier.head_dim, tier.dtype = DIM, torch.float32
+    tokens = {"keys": torch.empty(1, 2, 2 * PAGE, DIM, device="meta"),
+              "values": torch.empty(1, 2, 2 * PAGE, DIM, device="meta"),
+              "positions": torch.empty(1, 2, 2 * PAGE, dtype=torch.int64, device="meta"),
+              "valid": torch.empty(1, 2 * PAGE, dtype=torch.bool, device="meta")}
+    tier._seal(tokens, 2)
+    assert tier.num_pages == 2
+    assert {name: tensor.device.type for name, tensor in tier.pages.items()} == {name: "meta" for name in tier.pages}
+    assert tier.pages["heat"].dtype == torch.float32 and tier.pages["sealed_at"].dtype == torch.int64
+    bound = tier.digest_bound(torch.empty(1, 2, 1, DIM, device="meta"))
+    assert bound.device.type == "meta" and bound.shape == (1, 2, 2)

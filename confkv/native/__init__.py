@@ -1,0 +1,123 @@
+"""Native CPU kernels for the decode step: the mass read, RMSNorm and rotary as one C call each.
+
+A decode step of a small model on CPU is mostly per-op dispatch: the torch versions of these
+three pieces take a dozen small ops each (casts, pow, mean, rsqrt, cat, neg, softmax, ...) per
+layer. Here each is one call into ``kernels.c`` (compiled on first use by
+:mod:`confkv.native.loader`; ``CONFKV_NATIVE=0`` switches it off). Callers check
+:func:`available` and otherwise run their torch code; each function also returns None for
+inputs it does not take (dtypes other than float32 / bfloat16, a non-contiguous last
+dimension), and the caller then runs the torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from confkv.native.loader import available, library
+
+__all__ = ["available", "mass_read", "rms_norm", "rotary"]
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _rows_contiguous(t: Tensor) -> Tensor:
+    """``t`` itself when its last dimension is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor, list[Tensor]] | None:
+    """:func:`confkv.attention.mass_read.mass_read` in one C call (same contract, float32 accumulation).
+
+    Args:
+        query: [B, Hq, Q, D] float32 or bfloat16 on CPU, Hq = Hkv * G.
+        segments: :class:`~confkv.attention.KVSegment` s, keys/values [B, Hkv, L_s, D] float32 or
+            bfloat16, every slot visible (the caller checked ``mass_read_eligible``).
+        scaling: score multiplier.
+
+    Returns:
+        (out [B, Hq, Q, D] in query.dtype, one mass [B, Hkv, L_s] float32 per segment), or None
+        when the library is unavailable or a dtype is not float32 / bfloat16.
+    """
+    lib = library()
+    if lib is None or query.dtype not in _CODES:
+        return None
+    batch, q_heads, num_queries, head_dim = query.shape
+    if any(s.keys.dtype not in _CODES or s.values.dtype not in _CODES for s in segments):
+        return None
+    kv_heads = next(s for s in segments if s.length).keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
+    query = _rows_contiguous(query)
+    pairs = [(_rows_contiguous(s.keys), _rows_contiguous(s.values)) for s in segments]
+    count = len(pairs)
+    lengths = [k.shape[2] for k, _ in pairs]
+    total = sum(lengths)
+    out = torch.empty(batch, q_heads, num_queries, head_dim, dtype=query.dtype)
+    mass = torch.empty(batch, kv_heads, total, dtype=torch.float32)
+    keys = (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs])
+    values = (ctypes.c_void_p * count)(*[v.data_ptr() for _, v in pairs])
+    dtypes = (ctypes.c_int * (2 * count))(*[_CODES[t.dtype] for pair in pairs for t in pair])
+    strides = (ctypes.c_int64 * (6 * count))(*[n for pair in pairs for t in pair for n in t.stride()[:3]])
+    status = lib.confkv_mass_read(
+        query.data_ptr(), _CODES[query.dtype], *query.stride()[:3], batch, q_heads, num_queries, head_dim,
+        kv_heads, count, keys, values, dtypes, (ctypes.c_int64 * count)(*lengths), strides, scaling,
+        out.data_ptr(), mass.data_ptr())
+    if status:
+        raise MemoryError("confkv native mass read: out of memory for the scores")
+    return out, list(mass.split(lengths, dim=-1))
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """LlamaRMSNorm's forward in one call: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
+
+    Args:
+        x: [..., n] float32 or bfloat16 (rows with a contiguous last dimension).
+        weight: [n] float32 or bfloat16.
+    Returns:
+        [..., n] in the promoted dtype of x and weight (as torch's ``weight * y``), or None when
+        unavailable or a dtype is not float32 / bfloat16.
+    """
+    lib = library()
+    if lib is None or x.dtype not in _CODES or weight.dtype not in _CODES or weight.dim() != 1:
+        return None
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)  # a view for the decoder's contiguous hidden states
+    rows = _rows_contiguous(rows)
+    weight = weight.contiguous()
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype)
+    lib.confkv_rms_norm(rows.data_ptr(), _CODES[x.dtype], rows.stride(0), weight.data_ptr(), _CODES[weight.dtype],
+                        out.data_ptr(), _CODES[out_dtype], rows.shape[0], width, eps)
+    return out
+
+
+def rotary(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``x * cos + rotate_half(x) * sin`` for the query and the key (Su et al. 2021, RoFormer), each
+    product and sum rounded to the dtype as torch's elementwise ops do.
+
+    Args:
+        query: [B, Q, Hq, D], key: [B, Q, Hkv, D] (projections viewed per head, before the transpose).
+        cos, sin: [B, Q, D], all of one dtype, float32 or bfloat16.
+    Returns:
+        (query, key), contiguous [B, Q, H, D], or None when unavailable or the dtypes differ.
+    """
+    lib = library()
+    dtype = query.dtype
+    if lib is None or dtype not in _CODES or any(t.dtype != dtype for t in (key, cos, sin)):
+        return None
+    cos, sin = _rows_contiguous(cos), _rows_contiguous(sin)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    results = []
+    for x in (query, key):
+        x = _rows_contiguous(x)
+        batch, length, heads, dim = x.shape
+        out = torch.empty(x.shape, dtype=dtype)
+        lib.confkv_rotary(x.data_ptr(), *x.stride()[:3], cos.data_ptr(), sin.data_ptr(), *cos.stride()[:2],
+                          _CODES[dtype], out.data_ptr(), batch, length, heads, dim)
+        results.append(out)
+    return results[0], results[1]

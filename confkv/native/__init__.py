@@ -54,21 +54,17 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
     query = _rows_contiguous(query)
     pairs = [(_rows_contiguous(s.keys), _rows_contiguous(s.values)) for s in segments]
     count = len(pairs)
-    lengths = [k.shape[2] for k, _ in pairs]
-    total = sum(lengths)
     out = torch.empty(batch, q_heads, num_queries, head_dim, dtype=query.dtype)
-    mass = torch.empty(batch, kv_heads, total, dtype=torch.float32)
-    keys = (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs])
-    values = (ctypes.c_void_p * count)(*[v.data_ptr() for _, v in pairs])
-    dtypes = (ctypes.c_int * (2 * count))(*[_CODES[t.dtype] for pair in pairs for t in pair])
-    strides = (ctypes.c_int64 * (6 * count))(*[n for pair in pairs for t in pair for n in t.stride()[:3]])
+    mass = [torch.empty(batch, kv_heads, k.shape[2], dtype=torch.float32) for k, _ in pairs]
+    meta = [n for k, v in pairs for n in (k.shape[2], _CODES[k.dtype], _CODES[v.dtype], *k.stride()[:3], *v.stride()[:3])]
     status = lib.confkv_mass_read(
         query.data_ptr(), _CODES[query.dtype], *query.stride()[:3], batch, q_heads, num_queries, head_dim,
-        kv_heads, count, keys, values, dtypes, (ctypes.c_int64 * count)(*lengths), strides, scaling,
-        out.data_ptr(), mass.data_ptr())
+        kv_heads, count, (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs]),
+        (ctypes.c_void_p * count)(*[v.data_ptr() for _, v in pairs]), (ctypes.c_int64 * len(meta))(*meta),
+        scaling, out.data_ptr(), (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]))
     if status:
         raise MemoryError("confkv native mass read: out of memory for the scores")
-    return out, list(mass.split(lengths, dim=-1))
+    return out, mass
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
@@ -82,16 +78,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         unavailable or a dtype is not float32 / bfloat16.
     """
     lib = library()
-    if lib is None or x.dtype not in _CODES or weight.dtype not in _CODES or weight.dim() != 1:
+    if lib is None or x.dtype not in _CODES or weight.dtype not in _CODES or weight.shape != x.shape[-1:]:
         return None
+    shape = x.shape
     width = x.shape[-1]
-    rows = x.reshape(-1, width)  # a view for the decoder's contiguous hidden states
-    rows = _rows_contiguous(rows)
-    weight = weight.contiguous()
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    out = torch.empty(x.shape, dtype=out_dtype)
-    lib.confkv_rms_norm(rows.data_ptr(), _CODES[x.dtype], rows.stride(0), weight.data_ptr(), _CODES[weight.dtype],
-                        out.data_ptr(), _CODES[out_dtype], rows.shape[0], width, eps)
+    if x.is_contiguous():
+        rows, row_stride = x.numel() // max(width, 1), width
+    else:
+        flat = _rows_contiguous(x.reshape(-1, width))
+        x, rows, row_stride = flat, flat.shape[0], flat.stride(0)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(shape, dtype=out_dtype)
+    lib.confkv_rms_norm(x.data_ptr(), _CODES[x.dtype], row_stride, weight.data_ptr(), _CODES[weight.dtype],
+                        out.data_ptr(), _CODES[out_dtype], rows, width, eps)
     return out
 
 

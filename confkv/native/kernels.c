@@ -1,7 +1,7 @@
 /* confkv native CPU kernels for the decode step (issue 17): plain C99, no torch headers.
  *
- * Built by confkv/native/loader.py with `cc -O3 -march=native -fPIC -shared -ffp-contract=off`
- * (no -ffast-math: NaN and inf propagate as in torch). Tensors come as raw pointers plus
+ * Built by confkv/native/loader.py with `cc -O3 -march=native -fPIC -shared -std=c99 -ffp-contract=off
+ * -fopenmp-simd` (no -ffast-math: NaN and inf propagate as in torch). Tensors come as raw pointers plus
  * element strides; the last dimension is always contiguous. dtype codes: 0 = float32,
  * 1 = bfloat16. Every kernel is single-threaded (decode shapes are small).
  *
@@ -56,17 +56,32 @@ static inline const char *at(const void *base, int dtype, int64_t offset) {
     return (const char *)base + offset * (dtype == BF16 ? 2 : 4);
 }
 
-/* dot product with 16 independent accumulators, so that the compiler vectorises it without
- * reassociating (no -ffast-math) */
-static float dot(const float *a, const float *b, int64_t n) {
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] = fmaf(a[i + j], b[i + j], acc[j]);
+/* dot product; `omp simd reduction` (built with -fopenmp-simd: no OpenMP runtime) lets the compiler
+ * vectorise this one sum without -ffast-math */
+static float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.0f;
-    for (; i < n; i++) s = fmaf(a[i], b[i], s);
-    for (int j = 0; j < 16; j++) s += acc[j];
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s = fmaf(a[i], b[i], s);
     return s;
+}
+
+static float sum(const float *restrict a, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i];
+    return s;
+}
+
+/* max of a[0..n), NaN if any is NaN (as torch's softmax propagates it); n >= 1 */
+static float max_or_nan(const float *restrict a, int64_t n) {
+    float top = a[0];
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        top = a[i] > top ? a[i] : top;
+        nan |= a[i] != a[i];
+    }
+    return nan ? a[0] - a[0] + NAN : top;
 }
 
 /* exp(x) for x <= 0 (a softmax's x - max), branch-free so that it vectorises: Cody-Waite range
@@ -85,30 +100,130 @@ static inline float exp_nonpositive(float x) {
     p = fmaf(p, r, 1.6666665459e-1f);
     p = fmaf(p, r, 5.0000001201e-1f);
     p = fmaf(p, r * r, r) + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    float y = p * scale;
+    union { int32_t i; float f; } scale; /* 2^n, built in the exponent field */
+    scale.i = ((int32_t)n + 127) << 23;
+    float y = p * scale.f;
     y = x < -87.3f ? 0.0f : y;
     return x != x ? x : y;
+}
+
+/* scores[r * stride + l] = scaling * q_r . k_l for the R query rows qf [R, D] and the L keys at
+ * `keys` (row stride ks elements, dtype kd). Generic C; see the AVX-512 version below. */
+static void scores_c(const float *qf, int64_t R, int64_t D, const void *keys, int kd, int64_t ks, int64_t L,
+                     float scaling, float *scores, int64_t stride, float *row) {
+    for (int64_t l = 0; l < L; l++) {
+        const void *src = at(keys, kd, l * ks);
+        const float *k = kd == F32 ? (const float *)src : row;
+        if (kd != F32) load_row(src, kd, D, row);
+        for (int64_t r = 0; r < R; r++) scores[r * stride + l] = dot(qf + r * D, k, D) * scaling;
+    }
+}
+
+/* acc[r, :] += sum_l p[r * stride + l] * v_l for the L values at `values` (row stride vs, dtype vd). */
+static void weighted_sum_c(const float *p, int64_t stride, int64_t R, int64_t D, const void *values, int vd,
+                           int64_t vs, int64_t L, float *acc, float *row) {
+    for (int64_t l = 0; l < L; l++) {
+        const void *src = at(values, vd, l * vs);
+        const float *v = vd == F32 ? (const float *)src : row;
+        if (vd != F32) load_row(src, vd, D, row);
+        for (int64_t r = 0; r < R; r++) {
+            const float w = p[r * stride + l];
+            float *a = acc + r * D;
+            for (int64_t d = 0; d < D; d++) a[d] = fmaf(w, v[d], a[d]);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same two loops with AVX-512 for D a multiple of 16 up to 256 (the compiler alone does not
+ * vectorise the dot products' final sums without -ffast-math); `nc` = D / 16 is a constant where
+ * inlined for D = 64 and 128, so the rows stay in registers. */
+static inline __m512 load16(const char *src, int dtype) {
+    if (dtype == F32) return _mm512_loadu_ps((const float *)src);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __attribute__((always_inline)) void scores_avx512(
+    const float *qf, int64_t R, const int nc, const void *keys, int kd, int64_t ks, int64_t L, float scaling,
+    float *scores, int64_t stride) {
+    const int64_t bytes = kd == BF16 ? 2 : 4;
+    __m512 k[16];
+    for (int64_t l = 0; l < L; l++) {
+        const char *src = (const char *)keys + l * ks * bytes;
+        for (int c = 0; c < nc; c++) k[c] = load16(src + c * 16 * bytes, kd);
+        for (int64_t r = 0; r < R; r++) {
+            const float *q = qf + r * nc * 16;
+            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+            for (int c = 1; c < nc; c++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), k[c], sum);
+            scores[r * stride + l] = _mm512_reduce_add_ps(sum) * scaling;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void weighted_sum_avx512(
+    const float *p, int64_t stride, int64_t R, const int nc, const void *values, int vd, int64_t vs, int64_t L,
+    float *acc) {
+    const int64_t bytes = vd == BF16 ? 2 : 4;
+    const int block = 16 / nc; /* rows per pass over the values: block * nc accumulators in registers */
+    __m512 a[16], v[16];
+    for (int64_t r0 = 0; r0 < R; r0 += block) {
+        const int rows = R - r0 < block ? (int)(R - r0) : block;
+        for (int i = 0; i < block * nc; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < L; l++) {
+            const char *src = (const char *)values + l * vs * bytes;
+            for (int c = 0; c < nc; c++) v[c] = load16(src + c * 16 * bytes, vd);
+            for (int rr = 0; rr < block; rr++) { /* rows past R get weight 0 and are not stored */
+                const __m512 w = _mm512_set1_ps(rr < rows ? p[(r0 + rr) * stride + l] : 0.0f);
+                for (int c = 0; c < nc; c++) a[rr * nc + c] = _mm512_fmadd_ps(w, v[c], a[rr * nc + c]);
+            }
+        }
+        for (int rr = 0; rr < rows; rr++)
+            for (int c = 0; c < nc; c++) {
+                float *out = acc + (r0 + rr) * nc * 16 + 16 * c;
+                _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), a[rr * nc + c]));
+            }
+    }
+}
+#endif
+
+static void scores_segment(const float *qf, int64_t R, int64_t D, const void *keys, int kd, int64_t ks, int64_t L,
+                           float scaling, float *scores, int64_t stride, float *row) {
+#if defined(__AVX512F__)
+    if (D == 64) return scores_avx512(qf, R, 4, keys, kd, ks, L, scaling, scores, stride);
+    if (D == 128) return scores_avx512(qf, R, 8, keys, kd, ks, L, scaling, scores, stride);
+    if (D % 16 == 0 && D <= 256) return scores_avx512(qf, R, (int)(D / 16), keys, kd, ks, L, scaling, scores, stride);
+#endif
+    scores_c(qf, R, D, keys, kd, ks, L, scaling, scores, stride, row);
+}
+
+static void weighted_sum_segment(const float *p, int64_t stride, int64_t R, int64_t D, const void *values, int vd,
+                                 int64_t vs, int64_t L, float *acc, float *row) {
+#if defined(__AVX512F__)
+    if (D == 64) return weighted_sum_avx512(p, stride, R, 4, values, vd, vs, L, acc);
+    if (D == 128) return weighted_sum_avx512(p, stride, R, 8, values, vd, vs, L, acc);
+    if (D % 16 == 0 && D <= 256) return weighted_sum_avx512(p, stride, R, (int)(D / 16), values, vd, vs, L, acc);
+#endif
+    weighted_sum_c(p, stride, R, D, values, vd, vs, L, acc, row);
 }
 
 /* Softmax attention with attention mass over the concatenation of n_seg segments (every slot
  * visible), the contract of confkv.attention.mass_read.mass_read:
  *   query  [B, Hq, Q, D] (strides q_sb, q_sh, q_sq), Hq = Hkv * G
- *   keys[s], values[s]  [B, Hkv, L_s, D] (strides kv_strides[6 s ..]: kb, kh, kl, vb, vh, vl),
- *          dtypes kv_dtypes[2 s], kv_dtypes[2 s + 1]
- *   out    [B, Hq, Q, D] contiguous, in q_dtype;  mass [B, Hkv, sum L_s] float32 contiguous:
- *          softmax probability averaged over the G query heads of a KV head, summed over Q.
+ *   keys[s], values[s]  [B, Hkv, L_s, D]; meta[9 s ..] = L_s, key dtype, value dtype, key strides
+ *          (b, h, l), value strides (b, h, l)
+ *   out    [B, Hq, Q, D] contiguous, in q_dtype
+ *   mass[s] [B, Hkv, L_s] float32 contiguous: the softmax probability of each slot averaged over
+ *          the G query heads of its KV head, summed over the Q queries.
  * Scores, softmax and the weighted sum in float32. Returns 0, or 1 when out of memory. */
 int confkv_mass_read(const void *query, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_sq,
                      int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
-                     const void *const *keys, const void *const *values, const int *kv_dtypes,
-                     const int64_t *lengths, const int64_t *kv_strides, float scaling,
-                     void *out, float *mass) {
+                     const void *const *keys, const void *const *values, const int64_t *meta, float scaling,
+                     void *out, float *const *mass) {
     const int64_t G = Hq / Hkv, R = G * Q;
     int64_t total = 0;
-    for (int s = 0; s < n_seg; s++) total += lengths[s];
+    for (int s = 0; s < n_seg; s++) total += meta[9 * s];
     float *qf = malloc(sizeof(float) * (size_t)(R * D + R * total + R * D + D));
     if (!qf) return 1;
     float *scores = qf + R * D, *acc = scores + R * total, *row = acc + R * D;
@@ -121,51 +236,34 @@ int confkv_mass_read(const void *query, int q_dtype, int64_t q_sb, int64_t q_sh,
                              qf + (g * Q + q) * D);
             int64_t offset = 0;
             for (int s = 0; s < n_seg; s++) {
-                const int kd = kv_dtypes[2 * s];
-                const int64_t *st = kv_strides + 6 * s;
-                for (int64_t l = 0; l < lengths[s]; l++) {
-                    const void *src = at(keys[s], kd, b * st[0] + j * st[1] + l * st[2]);
-                    const float *k = kd == F32 ? (const float *)src : row;
-                    if (kd != F32) load_row(src, kd, D, row);
-                    for (int64_t r = 0; r < R; r++) scores[r * total + offset + l] = dot(qf + r * D, k, D) * scaling;
-                }
-                offset += lengths[s];
+                const int64_t *m = meta + 9 * s;
+                scores_segment(qf, R, D, at(keys[s], (int)m[1], b * m[3] + j * m[4]), (int)m[1], m[5], m[0], scaling,
+                               scores + offset, total, row);
+                offset += m[0];
             }
             for (int64_t r = 0; r < R; r++) {
-                float *p = scores + r * total, top = p[0], sum = 0.0f;
-                for (int64_t l = 1; l < total; l++) top = p[l] > top || p[l] != p[l] ? p[l] : top;
-                for (int64_t l = 0; l < total; l++) {
-                    p[l] = exp_nonpositive(p[l] - top);
-                    sum += p[l];
-                }
-                const float inv = 1.0f / sum;
+                float *p = scores + r * total;
+                const float top = max_or_nan(p, total);
+                for (int64_t l = 0; l < total; l++) p[l] = exp_nonpositive(p[l] - top);
+                const float inv = 1.0f / sum(p, total);
                 for (int64_t l = 0; l < total; l++) p[l] *= inv;
-            }
-            float *m = mass + (b * Hkv + j) * total;
-            for (int64_t l = 0; l < total; l++) m[l] = 0.0f;
-            for (int64_t q = 0; q < Q; q++) {
-                for (int64_t l = 0; l < total; l++) {
-                    float group = 0.0f;
-                    for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + l];
-                    m[l] += group / (float)G;
-                }
             }
             for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
             offset = 0;
             for (int s = 0; s < n_seg; s++) {
-                const int vd = kv_dtypes[2 * s + 1];
-                const int64_t *st = kv_strides + 6 * s + 3;
-                for (int64_t l = 0; l < lengths[s]; l++) {
-                    const void *src = at(values[s], vd, b * st[0] + j * st[1] + l * st[2]);
-                    const float *v = vd == F32 ? (const float *)src : row;
-                    if (vd != F32) load_row(src, vd, D, row);
-                    for (int64_t r = 0; r < R; r++) {
-                        const float w = scores[r * total + offset + l];
-                        float *a = acc + r * D;
-                        for (int64_t d = 0; d < D; d++) a[d] = fmaf(w, v[d], a[d]);
+                const int64_t *m = meta + 9 * s, L = m[0];
+                float *slot_mass = mass[s] + (b * Hkv + j) * L;
+                for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
+                for (int64_t q = 0; q < Q; q++) {
+                    for (int64_t l = 0; l < L; l++) {
+                        float group = 0.0f;
+                        for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + offset + l];
+                        slot_mass[l] += group / (float)G;
                     }
                 }
-                offset += lengths[s];
+                weighted_sum_segment(scores + offset, total, R, D, at(values[s], (int)m[2], b * m[6] + j * m[7]),
+                                     (int)m[2], m[8], L, acc, row);
+                offset += L;
             }
             for (int64_t g = 0; g < G; g++)
                 for (int64_t q = 0; q < Q; q++)

@@ -8,7 +8,7 @@ into place (atomic on POSIX), so two processes building at once do not clash. Th
 in about a second.
 
 ``CONFKV_NATIVE=0`` in the environment switches the native kernels off (every caller then runs
-its torch code). When no compiler is found or the build fails, :func:`library` warns once,
+its torch code); it is read when the kernels are first used. When no compiler is found or the build fails, :func:`library` warns once,
 naming the cause and the fix, and returns None; callers fall back to torch.
 """
 
@@ -24,11 +24,16 @@ import warnings
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
-# no -ffast-math: NaN / inf semantics stay those of torch; no contraction of a * b + c into an FMA
-# except where kernels.c calls fmaf itself (rounding as torch's elementwise ops)
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off"]
+# no -ffast-math: NaN / inf semantics stay those of torch (-fno-trapping-math and -fno-math-errno
+# change no result: they let the compiler vectorise floor / int conversions without FP-exception or
+# errno side effects); no contraction of a * b + c into an FMA
+# except where kernels.c calls fmaf itself (rounding as torch's elementwise ops); -fopenmp-simd only
+# honours kernels.c's `omp simd` loops (no OpenMP runtime)
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fopenmp-simd",
+         "-fno-trapping-math", "-fno-math-errno"]
 
-_state: dict[str, object] = {}  # "lib": the loaded library, or None after a failure (memoised per process)
+_UNSET = object()
+_state: dict[str, object] = {}  # "lib": the loaded library, or None when disabled / failed (memoised per process)
 
 
 class NativeBuildError(RuntimeError):
@@ -36,7 +41,7 @@ class NativeBuildError(RuntimeError):
 
 
 def enabled() -> bool:
-    """False when ``CONFKV_NATIVE=0`` is set (checked at each call, so tests can switch it)."""
+    """False when ``CONFKV_NATIVE=0`` is set."""
     return os.environ.get("CONFKV_NATIVE", "1") != "0"
 
 
@@ -88,8 +93,8 @@ def build(directory: Path | None = None) -> Path:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.confkv_mass_read.restype = i32
-    lib.confkv_mass_read.argtypes = [ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, i32,
-                                     ptr, ptr, ptr, ptr, ptr, f32, ptr, ptr]
+    lib.confkv_mass_read.argtypes = [ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, f32,
+                                     ptr, ptr]
     lib.confkv_rms_norm.restype = None
     lib.confkv_rms_norm.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i64, f32]
     lib.confkv_rotary.restype = None
@@ -98,17 +103,24 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built on first use; None when disabled or unavailable (warned once)."""
+    """The loaded kernels, built on first use; None when disabled or unavailable (warned once).
+
+    ``CONFKV_NATIVE`` is read at the first call; :func:`reset` makes the next call read it again.
+    """
+    lib = _state.get("lib", _UNSET)
+    if lib is not _UNSET:
+        return lib  # type: ignore[return-value]
     if not enabled():
-        return None
-    if "lib" not in _state:
+        lib = None
+    else:
         try:
-            _state["lib"] = _declare(ctypes.CDLL(str(build())))
+            lib = _declare(ctypes.CDLL(str(build())))
         except (NativeBuildError, OSError) as exc:
-            _state["lib"] = None
+            lib = None
             warnings.warn(f"confkv: native CPU kernels unavailable, using the torch code (slower): {exc}",
                           RuntimeWarning, stacklevel=2)
-    return _state["lib"]  # type: ignore[return-value]
+    _state["lib"] = lib
+    return lib
 
 
 def available() -> bool:
@@ -117,5 +129,5 @@ def available() -> bool:
 
 
 def reset() -> None:
-    """Forget the loaded library (tests: rebuild with another $CC or cache directory)."""
+    """Forget the loaded library and the CONFKV_NATIVE setting (tests: another $CC, cache directory or setting)."""
     _state.clear()

@@ -62,15 +62,17 @@ def compiler() -> str:
         f"(e.g. `apt-get install gcc`) or point $CC at it, or set CONFKV_NATIVE=0 to silence this")
 
 
-def build(directory: Path | None = None) -> Path:
-    """Compile kernels.c into ``directory`` (default :func:`cache_dir`) unless cached; returns the .so path."""
+def build(directory: Path | None = None, flags: list[str] | None = None) -> Path:
+    """Compile kernels.c into ``directory`` (default :func:`cache_dir`) with ``flags`` (default
+    :data:`FLAGS`) unless cached; returns the .so path."""
+    flags = FLAGS if flags is None else flags
     cc = compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"the C compiler {cc} does not run ({exc}); fix $CC or set CONFKV_NATIVE=0") from exc
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     directory = Path(directory) if directory is not None else cache_dir()
     target = directory / f"kernels-{digest}.so"
     if target.exists():
@@ -79,7 +81,7 @@ def build(directory: Path | None = None) -> Path:
     handle, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(handle)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", temporary, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([cc, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise NativeBuildError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr.strip()[-2000:]}\n"
                                    "fix the compiler setup or set CONFKV_NATIVE=0 to run the torch code")
@@ -90,7 +92,9 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.confkv_mass_read.restype = i32
     lib.confkv_mass_read.argtypes = [ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, f32,
@@ -114,7 +118,7 @@ def library() -> ctypes.CDLL | None:
         lib = None
     else:
         try:
-            lib = _declare(ctypes.CDLL(str(build())))
+            lib = load(build())
         except (NativeBuildError, OSError) as exc:
             lib = None
             warnings.warn(f"confkv: native CPU kernels unavailable, using the torch code (slower): {exc}",

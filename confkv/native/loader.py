@@ -14,6 +14,7 @@ naming the cause and the fix, and returns None; callers fall back to torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -22,6 +23,7 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 SOURCE = Path(__file__).with_name("kernels.c")
 # no -ffast-math: NaN / inf semantics stay those of torch (-fno-trapping-math and -fno-math-errno
@@ -135,3 +137,17 @@ def available() -> bool:
 def reset() -> None:
     """Forget the loaded library and the CONFKV_NATIVE setting (tests: another $CC, cache directory or setting)."""
     _state.clear()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every caller runs its torch code (A/B timings, tests); the library stays loaded."""
+    saved = _state.get("lib", _UNSET)
+    _state["lib"] = None
+    try:
+        yield
+    finally:
+        if saved is _UNSET:
+            _state.pop("lib", None)
+        else:
+            _state["lib"] = saved

@@ -3,7 +3,7 @@ slack 64, the bench's ``confkv+slack64-lean`` row) with and without the native k
 (confkv.native), interleaved step by step on one cache at about 1K context; prints the medians and
 their ratio per torch thread count.
 
-    nice -n 0 .venv/bin/python benchmarks/native_step.py [--context 1024] [--steps 30] [--threads 1 2]
+    nice -n 0 .venv/bin/python -m confkv.eval.bench_native_step [--context 1024] [--steps 30] [--threads 1 2]
 """
 import argparse
 import statistics

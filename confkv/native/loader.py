@@ -1,15 +1,16 @@
 """Compile ``kernels.c`` with the system C compiler on first use, cache the shared library, load it with ctypes.
 
 The library is cached under ``$CONFKV_NATIVE_CACHE`` (default ``~/.cache/confkv/native``) as
-``<hash>.so``, the hash covering the source, the flags and the compiler's ``--version``, so a
-changed source or compiler builds a new one. The build writes a temporary file and renames it
-into place (atomic on POSIX), so two processes building at once do not clash. The compiler is
-``$CC`` when set, else ``cc`` or ``gcc`` on PATH; the source needs no torch headers and builds
-in about a second.
+``kernels-<hash>.so``, the hash covering the source, the flags, the compiler's ``--version`` and
+the CPU (``-march=native``), so a changed source, compiler or machine builds a new one. The
+build writes a temporary file and renames it into place (atomic on POSIX), so two processes
+building at once do not clash. The compiler is ``$CC`` when set, else ``cc`` or ``gcc`` on
+PATH; the source needs no torch headers and builds in about a second.
 
 ``CONFKV_NATIVE=0`` in the environment switches the native kernels off (every caller then runs
-its torch code); it is read when the kernels are first used. When no compiler is found or the build fails, :func:`library` warns once,
-naming the cause and the fix, and returns None; callers fall back to torch.
+its torch code); it is read when the kernels are first used. When no compiler is found or the
+build fails, :func:`library` warns once, naming the cause and the fix, and returns None;
+callers fall back to torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -64,6 +66,16 @@ def compiler() -> str:
         f"(e.g. `apt-get install gcc`) or point $CC at it, or set CONFKV_NATIVE=0 to silence this")
 
 
+def _cpu() -> str:
+    """What -march=native depends on: the machine and (Linux) the CPU's feature flags, so that a cache
+    directory shared between machines never hands one a library built for another's instructions."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
 def build(directory: Path | None = None, flags: list[str] | None = None) -> Path:
     """Compile kernels.c into ``directory`` (default :func:`cache_dir`) with ``flags`` (default
     :data:`FLAGS`) unless cached; returns the .so path."""
@@ -74,7 +86,7 @@ def build(directory: Path | None = None, flags: list[str] | None = None) -> Path
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"the C compiler {cc} does not run ({exc}); fix $CC or set CONFKV_NATIVE=0") from exc
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + _cpu().encode()).hexdigest()[:16]
     directory = Path(directory) if directory is not None else cache_dir()
     target = directory / f"kernels-{digest}.so"
     if target.exists():

@@ -56,7 +56,8 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
     count = len(pairs)
     out = torch.empty(batch, q_heads, num_queries, head_dim, dtype=query.dtype)
     mass = [torch.empty(batch, kv_heads, k.shape[2], dtype=torch.float32) for k, _ in pairs]
-    meta = [n for k, v in pairs for n in (k.shape[2], _CODES[k.dtype], _CODES[v.dtype], *k.stride()[:3], *v.stride()[:3])]
+    meta = [n for k, v in pairs
+            for n in (k.shape[2], _CODES[k.dtype], _CODES[v.dtype], *k.stride()[:3], *v.stride()[:3])]
     status = lib.confkv_mass_read(
         query.data_ptr(), _CODES[query.dtype], *query.stride()[:3], batch, q_heads, num_queries, head_dim,
         kv_heads, count, (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs]),

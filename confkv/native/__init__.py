@@ -22,6 +22,21 @@ from confkv.native.loader import available, library
 __all__ = ["available", "mass_read", "rms_norm", "rotary"]
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
+#: widest row the RMSNorm takes in bfloat16: torch splits longer sums over threads (another order)
+MAX_EXACT_WIDTH = 16384
+_lanes: dict[int, int] = {}  # id(library) -> the vector width of torch's float sum order (0: not matched)
+
+
+def _sum_lanes(lib) -> int:
+    """The vector width (8 or 16) with which kernels.c's ``torch_order_sum`` reproduces ``torch.sum``
+    bit for bit on this torch build and CPU (checked once on rows of several lengths), else 0."""
+    key = id(lib)
+    if key not in _lanes:
+        gen = torch.Generator().manual_seed(0)
+        rows = [torch.randn(n, generator=gen).pow(2) for n in (8, 15, 17, 64, 576, 960, 2048, 4100, 8192)]
+        _lanes[key] = next((lanes for lanes in (8, 16) if all(
+            lib.confkv_torch_order_sum(r.data_ptr(), r.numel(), lanes) == r.sum().item() for r in rows)), 0)
+    return _lanes[key]
 
 
 def _rows_contiguous(t: Tensor) -> Tensor:
@@ -74,6 +89,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     Args:
         x: [..., n] float32 or bfloat16 (rows with a contiguous last dimension).
         weight: [n] float32 or bfloat16.
+    The mean's sum runs in torch's own order (see ``torch_order_sum`` in kernels.c, matched against
+    ``torch.sum`` once per process), so that the output equals LlamaRMSNorm's bit for bit; where no
+    order matches (another torch build), bfloat16 inputs return None (the torch path) and float32
+    ones are summed in double precision.
+
     Returns:
         [..., n] in the promoted dtype of x and weight (as torch's ``weight * y``), or None when
         unavailable or a dtype is not float32 / bfloat16.
@@ -83,6 +103,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         return None
     shape = x.shape
     width = x.shape[-1]
+    lanes = _sum_lanes(lib) if width <= MAX_EXACT_WIDTH else 0
+    if not lanes and x.dtype != torch.float32:
+        return None
     if x.is_contiguous():
         rows, row_stride = x.numel() // max(width, 1), width
     else:
@@ -93,7 +116,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(shape, dtype=out_dtype)
     lib.confkv_rms_norm(x.data_ptr(), _CODES[x.dtype], row_stride, weight.data_ptr(), _CODES[weight.dtype],
-                        out.data_ptr(), _CODES[out_dtype], rows, width, eps)
+                        out.data_ptr(), _CODES[out_dtype], rows, width, eps, lanes)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from confkv import native
 from confkv.attention import attention_read
 from confkv.attention.blockwise import blockwise_attention, dense_attention_reference
 from confkv.attention.mass_read import MAX_SCORES, mass_read, mass_read_eligible
@@ -75,6 +76,7 @@ def test_only_unmasked_full_precision_reads_are_eligible():
 def test_dispatch_uses_it_for_the_mass_and_keeps_the_reference_otherwise(monkeypatch):
     import confkv.attention as attention
 
+    monkeypatch.setattr(native, "mass_read", lambda *a: None)  # the torch one (native: tests/test_native_kernels.py)
     calls = []
     monkeypatch.setattr(attention, "mass_read", lambda *a: calls.append(1) or mass_read(*a))
     gen = torch.Generator().manual_seed(4)
@@ -97,6 +99,7 @@ def test_a_mass_ranked_policy_evicts_the_same_tokens_with_either_read(policy, pa
     equal those of the block-wise read ("torch")."""
     import confkv.attention as attention
 
+    monkeypatch.setattr(native, "mass_read", lambda *a: None)  # the torch one (native: tests/test_native_kernels.py)
     calls = []
     monkeypatch.setattr(attention, "mass_read", lambda *a: calls.append(1) or mass_read(*a))
     model = tiny_model("llama", seed=8)

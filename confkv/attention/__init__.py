@@ -5,6 +5,8 @@
   reads that need no mask, no mass and no INT8 (most decode steps of mass-free policies);
 * :func:`confkv.attention.mass_read.mass_read` - one float32 softmax in a dozen ops, for
   reads that need the mass but no mask and no INT8 (decode steps of H2O, TOVA, CONF-KV);
+  :func:`confkv.native.mass_read` computes the same in one C call where the native kernels
+  are available (``CONFKV_NATIVE=0`` keeps the torch one);
 * :func:`confkv.attention.triton_read.triton_attention` - a Triton kernel
   (CUDA tensors; optional ``triton`` dependency);
 * :func:`attention_read` - picks one.
@@ -21,6 +23,7 @@ from typing import Sequence
 
 from torch import Tensor
 
+from confkv import native
 from confkv.attention import fused_cpu
 from confkv.attention.mass_read import mass_read, mass_read_eligible
 from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention
@@ -60,7 +63,8 @@ def attention_read(
             :func:`~confkv.attention.fused_cpu.fused_read_eligible`), "triton" (CUDA
             tensors and the ``triton`` package required; raises otherwise), or "auto":
             triton when the query is on CUDA and triton imports, else fused where
-            eligible, else (the mass needed) :func:`mass_read` where eligible, else torch.
+            eligible, else (the mass needed) :func:`mass_read` where eligible (in its native
+            version, :func:`confkv.native.mass_read`, when available), else torch.
             ``block_size`` only applies to the torch backend.
             Every backend but triton reads a :class:`PagedSegment` via its ``to_dense``.
     """
@@ -79,7 +83,8 @@ def attention_read(
 
         backend = "triton" if query.is_cuda and triton_read.triton_available() else "torch"
         if backend == "torch" and need_mass and mass_read_eligible(query, segments, softcap):
-            return mass_read(query, segments, scaling)
+            fast = native.mass_read(query, segments, scaling)  # None when unavailable
+            return fast if fast is not None else mass_read(query, segments, scaling)
     if backend == "triton":
         from confkv.attention.triton_read import triton_attention
 

@@ -12,6 +12,10 @@ position. The LM head's forward hook (:func:`confkv.hf.enable`) closes the cache
 a normal forward, so budgets, eviction and the trace are unchanged. The logits equal the
 model's own forward with the same cache (tests/test_lean_decoder.py).
 
+Where the native CPU kernels are available (:mod:`confkv.native`; ``CONFKV_NATIVE=0`` switches
+them off), the RMSNorms and the rotary embedding run as one C call each, with the same
+roundings as the torch operations; otherwise the model's own modules and torch ops run.
+
 Supported: ``llama``, ``qwen2`` and ``mistral`` (SmolLM2 is a Llama). Other architectures
 (Gemma-3's extra norms and soft-caps, GPT-2's fused projections) raise
 :class:`~confkv.errors.UnsupportedModelError`; run them through ``model(...)``.
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 
+from confkv import native
 from confkv.errors import UnsupportedModelError
 from confkv.hf.cache import ConfKVCache
 from confkv.hf.enable import enable
@@ -49,6 +54,14 @@ class _Layer:
     act: Any
     head_dim: int
     scaling: float
+
+
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module on ``x`` [..., n]: the native kernel for Llama-style norms (``weight``,
+    ``variance_epsilon``) where available, else the module itself."""
+    eps = getattr(module, "variance_epsilon", None)
+    out = native.rms_norm(x, module.weight, eps) if eps is not None else None
+    return module(x) if out is None else out
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -109,25 +122,30 @@ class LeanDecoder:
             positions = torch.arange(seen, seen + length, device=input_ids.device)[None].expand(batch, -1)
         cache._mark_active()  # the LM head's hook closes this cache's step, as after model(...)
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary(hidden, positions)
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, q, D]: broadcast over heads
+        cos, sin = self.rotary(hidden, positions)  # [B, q, D]
         for index, layer in enumerate(self.layers):
-            hidden = hidden + self._attention(layer, layer.input_norm(hidden), cache, index, cos, sin, attention_mask)
-            normed = layer.post_norm(hidden)
+            hidden = hidden + self._attention(layer, _norm(layer.input_norm, hidden), cache, index, cos, sin,
+                                              attention_mask)
+            normed = _norm(layer.post_norm, hidden)
             hidden = hidden + layer.down_proj(layer.act(layer.gate_proj(normed)) * layer.up_proj(normed))
-        return self.lm_head(self.norm(hidden[:, -1:]))[:, -1]
+        return self.lm_head(_norm(self.norm, hidden[:, -1:]))[:, -1]
 
     @staticmethod
     def _attention(layer: _Layer, x: torch.Tensor, cache: ConfKVCache, index: int, cos: torch.Tensor,
                    sin: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """One layer's attention block on normed ``x`` [B, q, hidden] -> [B, q, hidden]."""
+        """One layer's attention block on normed ``x`` [B, q, hidden] -> [B, q, hidden]; ``cos``, ``sin`` [B, q, D]."""
         batch, length, _ = x.shape
         shape = (batch, length, -1, layer.head_dim)
-        query = layer.q_proj(x).view(shape).transpose(1, 2)
-        key = layer.k_proj(x).view(shape).transpose(1, 2)
+        query, key = layer.q_proj(x).view(shape), layer.k_proj(x).view(shape)  # [B, q, H, D]
         value = layer.v_proj(x).view(shape).transpose(1, 2)
-        query = query * cos + _rotate_half(query) * sin
-        key = key * cos + _rotate_half(key) * sin
+        rotated = native.rotary(query, key, cos, sin)
+        if rotated is not None:
+            query, key = rotated[0].transpose(1, 2), rotated[1].transpose(1, 2)
+        else:
+            query, key = query.transpose(1, 2), key.transpose(1, 2)  # [B, H, q, D]
+            cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+            query = query * cos + _rotate_half(query) * sin
+            key = key * cos + _rotate_half(key) * sin
         store = cache.layers[index].store
         store.append(key, value)
         out = store.attend(query, scaling=layer.scaling, padding=attention_mask, softcap=None)

@@ -1,0 +1,69 @@
+"""Micro-benchmark: the native kernels (confkv.native) against the torch code they replace, on
+SmolLM2-135M's decode shapes, interleaved in one process, at 1 and 2 torch threads (the native
+kernels are single-threaded). Prints per-call medians (us) and torch / native.
+
+- read: 1 query, 9 query heads over 3 KV heads, head dim 64, an old region of L - 128 slots and
+  an FP window of 128, with the mass (confkv.attention.mass_read.mass_read vs confkv.native.mass_read);
+- RMSNorm: [1, 1, 576] bfloat16 (transformers' LlamaRMSNorm module vs confkv.native.rms_norm);
+- rotary: q [1, 9, 1, 64] and k [1, 3, 1, 64] bfloat16 (the lean decoder's torch lines vs confkv.native.rotary).
+
+    nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from confkv import native
+from confkv.attention import KVSegment
+from confkv.attention.mass_read import mass_read
+from confkv.hf.lean import _rotate_half
+
+
+def cases():
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for length in (700, 1100):
+            segs = [KVSegment(*(torch.randn(1, 3, n, 64, generator=gen).to(dtype) for _ in range(2)), None)
+                    for n in (length - 128, 128)]
+            q = torch.randn(1, 9, 1, 64, generator=gen).to(dtype)
+            yield (f"read {str(dtype)[6:]} L={length}", lambda q=q, s=segs: mass_read(q, s, 0.125),
+                   lambda q=q, s=segs: native.mass_read(q, s, 0.125))
+    norm = LlamaRMSNorm(576, 1e-5).to(torch.bfloat16)
+    x = torch.randn(1, 1, 576, generator=gen).to(torch.bfloat16)
+    yield "RMSNorm [1,1,576] bf16", lambda: norm(x), lambda: native.rms_norm(x, norm.weight, 1e-5)
+    q, k = (torch.randn(1, 1, h, 64, generator=gen).to(torch.bfloat16) for h in (9, 3))  # [B, q, H, D]
+    cos, sin = (torch.randn(1, 1, 64, generator=gen).to(torch.bfloat16) for _ in range(2))  # [B, q, D]
+
+    def torch_rotary():
+        query, key, c, s = q.transpose(1, 2), k.transpose(1, 2), cos[:, None], sin[:, None]
+        return query * c + _rotate_half(query) * s, key * c + _rotate_half(key) * s
+
+    yield "rotary q+k bf16", torch_rotary, lambda: native.rotary(q, k, cos, sin)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit("the native kernels are unavailable (see the warning above)")
+    print(f"{'case':28s} {'threads':>7s} {'torch us':>9s} {'native us':>10s} {'ratio':>6s}")
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, reference, fast in cases():
+            times = {"torch": [], "native": []}
+            for _ in range(args.repeats):  # interleaved A/B
+                for key, fn in (("torch", reference), ("native", fast)):
+                    start = time.perf_counter()
+                    fn()
+                    times[key].append(time.perf_counter() - start)
+            med = {key: statistics.median(v[10:]) * 1e6 for key, v in times.items()}
+            print(f"{name:28s} {threads:7d} {med['torch']:9.1f} {med['native']:10.1f} "
+                  f"{med['torch'] / med['native']:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Native CPU kernels for the decode step: the mass read, RMSNorm and rotary as one C call each.
+
+A decode step of a small model on CPU is mostly per-op dispatch: the torch versions of these
+three pieces take a dozen small ops each (casts, pow, mean, rsqrt, cat, neg, softmax, ...) per
+layer. Here each is one call into ``kernels.c`` (compiled on first use by
+:mod:`confkv.native.loader`; ``CONFKV_NATIVE=0`` switches it off). Callers check
+:func:`available` and otherwise run their torch code; each function also returns None for
+inputs it does not take (dtypes other than float32 / bfloat16, a non-contiguous last
+dimension), and the caller then runs the torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from confkv.native.loader import available, library
+
+__all__ = ["available", "mass_read", "rms_norm", "rotary"]
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+#: widest row the RMSNorm takes in bfloat16: torch splits longer sums over threads (another order)
+MAX_EXACT_WIDTH = 16384
+_lanes: dict[int, int] = {}  # id(library) -> the vector width of torch's float sum order (0: not matched)
+
+
+def _sum_lanes(lib) -> int:
+    """The vector width (8 or 16) with which kernels.c's ``torch_order_sum`` reproduces ``torch.sum``
+    bit for bit on this torch build and CPU (checked once on rows of several lengths), else 0."""
+    key = id(lib)
+    if key not in _lanes:
+        gen = torch.Generator().manual_seed(0)
+        rows = [torch.randn(n, generator=gen).pow(2) for n in (8, 15, 17, 64, 576, 960, 2048, 4100, 8192)]
+        _lanes[key] = next((lanes for lanes in (8, 16) if all(
+            lib.confkv_torch_order_sum(r.data_ptr(), r.numel(), lanes) == r.sum().item() for r in rows)), 0)
+    return _lanes[key]
+
+
+def _rows_contiguous(t: Tensor) -> Tensor:
+    """``t`` itself when its last dimension is contiguous, else a contiguous copy."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor, list[Tensor]] | None:
+    """:func:`confkv.attention.mass_read.mass_read` in one C call (same contract, float32 accumulation).
+
+    Args:
+        query: [B, Hq, Q, D] float32 or bfloat16 on CPU, Hq = Hkv * G.
+        segments: :class:`~confkv.attention.KVSegment` s, keys/values [B, Hkv, L_s, D] float32 or
+            bfloat16, every slot visible (the caller checked ``mass_read_eligible``).
+        scaling: score multiplier.
+
+    Returns:
+        (out [B, Hq, Q, D] in query.dtype, one mass [B, Hkv, L_s] float32 per segment), or None
+        when the library is unavailable or a dtype is not float32 / bfloat16.
+    """
+    lib = library()
+    if lib is None or query.dtype not in _CODES:
+        return None
+    batch, q_heads, num_queries, head_dim = query.shape
+    if any(s.keys.dtype not in _CODES or s.values.dtype not in _CODES for s in segments):
+        return None
+    kv_heads = next(s for s in segments if s.length).keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
+    query = _rows_contiguous(query)
+    pairs = [(_rows_contiguous(s.keys), _rows_contiguous(s.values)) for s in segments]
+    count = len(pairs)
+    out = torch.empty(batch, q_heads, num_queries, head_dim, dtype=query.dtype)
+    mass = [torch.empty(batch, kv_heads, k.shape[2], dtype=torch.float32) for k, _ in pairs]
+    meta = [n for k, v in pairs
+            for n in (k.shape[2], _CODES[k.dtype], _CODES[v.dtype], *k.stride()[:3], *v.stride()[:3])]
+    status = lib.confkv_mass_read(
+        query.data_ptr(), _CODES[query.dtype], *query.stride()[:3], batch, q_heads, num_queries, head_dim,
+        kv_heads, count, (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs]),
+        (ctypes.c_void_p * count)(*[v.data_ptr() for _, v in pairs]), (ctypes.c_int64 * len(meta))(*meta),
+        scaling, out.data_ptr(), (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]))
+    if status:
+        raise MemoryError("confkv native mass read: out of memory for the scores")
+    return out, mass
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """LlamaRMSNorm's forward in one call: ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
+
+    Args:
+        x: [..., n] float32 or bfloat16 (rows with a contiguous last dimension).
+        weight: [n] float32 or bfloat16.
+    The mean's sum runs in torch's own order (see ``torch_order_sum`` in kernels.c, matched against
+    ``torch.sum`` once per process), so that the output equals LlamaRMSNorm's bit for bit; where no
+    order matches (another torch build), bfloat16 inputs return None (the torch path) and float32
+    ones are summed in double precision.
+
+    Returns:
+        [..., n] in the promoted dtype of x and weight (as torch's ``weight * y``), or None when
+        unavailable or a dtype is not float32 / bfloat16.
+    """
+    lib = library()
+    if lib is None or x.dtype not in _CODES or weight.dtype not in _CODES or weight.shape != x.shape[-1:]:
+        return None
+    shape = x.shape
+    width = x.shape[-1]
+    lanes = _sum_lanes(lib) if width <= MAX_EXACT_WIDTH else 0
+    if not lanes and x.dtype != torch.float32:
+        return None
+    if x.is_contiguous():
+        rows, row_stride = x.numel() // max(width, 1), width
+    else:
+        flat = _rows_contiguous(x.reshape(-1, width))
+        x, rows, row_stride = flat, flat.shape[0], flat.stride(0)
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    out_dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(shape, dtype=out_dtype)
+    lib.confkv_rms_norm(x.data_ptr(), _CODES[x.dtype], row_stride, weight.data_ptr(), _CODES[weight.dtype],
+                        out.data_ptr(), _CODES[out_dtype], rows, width, eps, lanes)
+    return out
+
+
+def rotary(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``x * cos + rotate_half(x) * sin`` for the query and the key (Su et al. 2021, RoFormer), each
+    product and sum rounded to the dtype as torch's elementwise ops do.
+
+    Args:
+        query: [B, Q, Hq, D], key: [B, Q, Hkv, D] (projections viewed per head, before the transpose).
+        cos, sin: [B, Q, D], all of one dtype, float32 or bfloat16.
+    Returns:
+        (query, key), contiguous [B, Q, H, D], or None when unavailable or the dtypes differ.
+    """
+    lib = library()
+    dtype = query.dtype
+    if lib is None or dtype not in _CODES or any(t.dtype != dtype for t in (key, cos, sin)):
+        return None
+    cos, sin = _rows_contiguous(cos), _rows_contiguous(sin)
+    if cos.stride() != sin.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    results = []
+    for x in (query, key):
+        x = _rows_contiguous(x)
+        batch, length, heads, dim = x.shape
+        out = torch.empty(x.shape, dtype=dtype)
+        lib.confkv_rotary(x.data_ptr(), *x.stride()[:3], cos.data_ptr(), sin.data_ptr(), *cos.stride()[:2],
+                          _CODES[dtype], out.data_ptr(), batch, length, heads, dim)
+        results.append(out)
+    return results[0], results[1]

@@ -1,0 +1,382 @@
+/* confkv native CPU kernels for the decode step (issue 17): plain C99, no torch headers.
+ *
+ * Built by confkv/native/loader.py with `cc -O3 -march=native -fPIC -shared -std=c99 -ffp-contract=off
+ * -fopenmp-simd` (no -ffast-math: NaN and inf propagate as in torch). Tensors come as raw pointers plus
+ * element strides; the last dimension is always contiguous. dtype codes: 0 = float32,
+ * 1 = bfloat16. Every kernel is single-threaded (decode shapes are small).
+ *
+ * bfloat16 <-> float32 as torch does it (c10/util/BFloat16.h): widening is bits << 16; narrowing
+ * rounds to nearest even, and any NaN becomes the quiet NaN 0x7FC0.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* the value of float f after a round trip through `dtype` (one rounding, as torch's .to(dtype)) */
+static inline float round_to(float f, int dtype) {
+    return dtype == BF16 ? bf16_to_f32(f32_to_bf16(f)) : f;
+}
+
+static void load_row(const void *src, int dtype, int64_t n, float *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    const uint16_t *s = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+}
+
+static void store_row(const float *src, int dtype, int64_t n, void *dst) {
+    if (dtype == F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+}
+
+static inline const char *at(const void *base, int dtype, int64_t offset) {
+    return (const char *)base + offset * (dtype == BF16 ? 2 : 4);
+}
+
+/* dot product; `omp simd reduction` (built with -fopenmp-simd: no OpenMP runtime) lets the compiler
+ * vectorise this one sum without -ffast-math */
+static float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+static float sum(const float *restrict a, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i];
+    return s;
+}
+
+/* max of a[0..n), NaN if any is NaN (as torch's softmax propagates it); n >= 1 */
+static float max_or_nan(const float *restrict a, int64_t n) {
+    float top = a[0];
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (int64_t i = 0; i < n; i++) {
+        top = a[i] > top ? a[i] : top;
+        nan |= a[i] != a[i];
+    }
+    return nan ? a[0] - a[0] + NAN : top;
+}
+
+/* exp(x) for x <= 0 (a softmax's x - max), branch-free so that it vectorises: Cody-Waite range
+ * reduction x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial (Cephes expf's coefficients);
+ * relative error about 2 ulp. -inf and x < -87.3 give 0; NaN stays NaN. */
+static inline float exp_nonpositive(float x) {
+    float xc = x < -87.3f ? -87.3f : x;
+    xc = x != x ? 0.0f : xc; /* keeps the int conversion below defined; the NaN is restored at the end */
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } scale; /* 2^n, built in the exponent field */
+    scale.i = ((int32_t)n + 127) << 23;
+    float y = p * scale.f;
+    y = x < -87.3f ? 0.0f : y;
+    return x != x ? x : y;
+}
+
+/* scores[r * stride + l] = scaling * q_r . k_l for the R query rows qf [R, D] and the L keys at
+ * `keys` (row stride ks elements, dtype kd). Generic C; see the AVX-512 version below. */
+static void scores_c(const float *qf, int64_t R, int64_t D, const void *keys, int kd, int64_t ks, int64_t L,
+                     float scaling, float *scores, int64_t stride, float *row) {
+    for (int64_t l = 0; l < L; l++) {
+        const void *src = at(keys, kd, l * ks);
+        const float *k = kd == F32 ? (const float *)src : row;
+        if (kd != F32) load_row(src, kd, D, row);
+        for (int64_t r = 0; r < R; r++) scores[r * stride + l] = dot(qf + r * D, k, D) * scaling;
+    }
+}
+
+/* acc[r, :] += sum_l p[r * stride + l] * v_l for the L values at `values` (row stride vs, dtype vd). */
+static void weighted_sum_c(const float *p, int64_t stride, int64_t R, int64_t D, const void *values, int vd,
+                           int64_t vs, int64_t L, float *acc, float *row) {
+    for (int64_t l = 0; l < L; l++) {
+        const void *src = at(values, vd, l * vs);
+        const float *v = vd == F32 ? (const float *)src : row;
+        if (vd != F32) load_row(src, vd, D, row);
+        for (int64_t r = 0; r < R; r++) {
+            const float w = p[r * stride + l];
+            float *a = acc + r * D;
+            for (int64_t d = 0; d < D; d++) a[d] = fmaf(w, v[d], a[d]);
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* The same two loops with AVX-512 for D a multiple of 16 up to 256 (the compiler alone does not
+ * vectorise the dot products' final sums without -ffast-math); `nc` = D / 16 is a constant where
+ * inlined for D = 64 and 128, so the rows stay in registers. */
+static inline __m512 load16(const char *src, int dtype) {
+    if (dtype == F32) return _mm512_loadu_ps((const float *)src);
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+static inline __attribute__((always_inline)) void scores_avx512(
+    const float *qf, int64_t R, const int nc, const void *keys, int kd, int64_t ks, int64_t L, float scaling,
+    float *scores, int64_t stride) {
+    const int64_t bytes = kd == BF16 ? 2 : 4;
+    __m512 k[16];
+    for (int64_t l = 0; l < L; l++) {
+        const char *src = (const char *)keys + l * ks * bytes;
+        for (int c = 0; c < nc; c++) k[c] = load16(src + c * 16 * bytes, kd);
+        for (int64_t r = 0; r < R; r++) {
+            const float *q = qf + r * nc * 16;
+            __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+            for (int c = 1; c < nc; c++) sum = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), k[c], sum);
+            scores[r * stride + l] = _mm512_reduce_add_ps(sum) * scaling;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void weighted_sum_avx512(
+    const float *p, int64_t stride, int64_t R, const int nc, const void *values, int vd, int64_t vs, int64_t L,
+    float *acc) {
+    const int64_t bytes = vd == BF16 ? 2 : 4;
+    const int block = 16 / nc; /* rows per pass over the values: block * nc accumulators in registers */
+    __m512 a[16], v[16];
+    for (int64_t r0 = 0; r0 < R; r0 += block) {
+        const int rows = R - r0 < block ? (int)(R - r0) : block;
+        for (int i = 0; i < block * nc; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t l = 0; l < L; l++) {
+            const char *src = (const char *)values + l * vs * bytes;
+            for (int c = 0; c < nc; c++) v[c] = load16(src + c * 16 * bytes, vd);
+            for (int rr = 0; rr < block; rr++) { /* rows past R get weight 0 and are not stored */
+                const __m512 w = _mm512_set1_ps(rr < rows ? p[(r0 + rr) * stride + l] : 0.0f);
+                for (int c = 0; c < nc; c++) a[rr * nc + c] = _mm512_fmadd_ps(w, v[c], a[rr * nc + c]);
+            }
+        }
+        for (int rr = 0; rr < rows; rr++)
+            for (int c = 0; c < nc; c++) {
+                float *out = acc + (r0 + rr) * nc * 16 + 16 * c;
+                _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), a[rr * nc + c]));
+            }
+    }
+}
+#endif
+
+static void scores_segment(const float *qf, int64_t R, int64_t D, const void *keys, int kd, int64_t ks, int64_t L,
+                           float scaling, float *scores, int64_t stride, float *row) {
+#if defined(__AVX512F__)
+    if (D == 64) return scores_avx512(qf, R, 4, keys, kd, ks, L, scaling, scores, stride);
+    if (D == 128) return scores_avx512(qf, R, 8, keys, kd, ks, L, scaling, scores, stride);
+    if (D % 16 == 0 && D <= 256) return scores_avx512(qf, R, (int)(D / 16), keys, kd, ks, L, scaling, scores, stride);
+#endif
+    scores_c(qf, R, D, keys, kd, ks, L, scaling, scores, stride, row);
+}
+
+static void weighted_sum_segment(const float *p, int64_t stride, int64_t R, int64_t D, const void *values, int vd,
+                                 int64_t vs, int64_t L, float *acc, float *row) {
+#if defined(__AVX512F__)
+    if (D == 64) return weighted_sum_avx512(p, stride, R, 4, values, vd, vs, L, acc);
+    if (D == 128) return weighted_sum_avx512(p, stride, R, 8, values, vd, vs, L, acc);
+    if (D % 16 == 0 && D <= 256) return weighted_sum_avx512(p, stride, R, (int)(D / 16), values, vd, vs, L, acc);
+#endif
+    weighted_sum_c(p, stride, R, D, values, vd, vs, L, acc, row);
+}
+
+/* Softmax attention with attention mass over the concatenation of n_seg segments (every slot
+ * visible), the contract of confkv.attention.mass_read.mass_read:
+ *   query  [B, Hq, Q, D] (strides q_sb, q_sh, q_sq), Hq = Hkv * G
+ *   keys[s], values[s]  [B, Hkv, L_s, D]; meta[9 s ..] = L_s, key dtype, value dtype, key strides
+ *          (b, h, l), value strides (b, h, l)
+ *   out    [B, Hq, Q, D] contiguous, in q_dtype
+ *   mass[s] [B, Hkv, L_s] float32 contiguous: the softmax probability of each slot averaged over
+ *          the G query heads of its KV head, summed over the Q queries.
+ * Scores, softmax and the weighted sum in float32. Returns 0, or 1 when out of memory. */
+int confkv_mass_read(const void *query, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_sq,
+                     int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
+                     const void *const *keys, const void *const *values, const int64_t *meta, float scaling,
+                     void *out, float *const *mass) {
+    const int64_t G = Hq / Hkv, R = G * Q;
+    int64_t total = 0;
+    for (int s = 0; s < n_seg; s++) total += meta[9 * s];
+    float *qf = malloc(sizeof(float) * (size_t)(R * D + R * total + R * D + D));
+    if (!qf) return 1;
+    float *scores = qf + R * D, *acc = scores + R * total, *row = acc + R * D;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t j = 0; j < Hkv; j++) {
+            /* row r = g * Q + q holds query head j * G + g, query q */
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t q = 0; q < Q; q++)
+                    load_row(at(query, q_dtype, b * q_sb + (j * G + g) * q_sh + q * q_sq), q_dtype, D,
+                             qf + (g * Q + q) * D);
+            int64_t offset = 0;
+            for (int s = 0; s < n_seg; s++) {
+                const int64_t *m = meta + 9 * s;
+                scores_segment(qf, R, D, at(keys[s], (int)m[1], b * m[3] + j * m[4]), (int)m[1], m[5], m[0], scaling,
+                               scores + offset, total, row);
+                offset += m[0];
+            }
+            for (int64_t r = 0; r < R; r++) {
+                float *p = scores + r * total;
+                const float top = max_or_nan(p, total);
+                for (int64_t l = 0; l < total; l++) p[l] = exp_nonpositive(p[l] - top);
+                const float inv = 1.0f / sum(p, total);
+                for (int64_t l = 0; l < total; l++) p[l] *= inv;
+            }
+            for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
+            offset = 0;
+            for (int s = 0; s < n_seg; s++) {
+                const int64_t *m = meta + 9 * s, L = m[0];
+                float *slot_mass = mass[s] + (b * Hkv + j) * L;
+                for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
+                for (int64_t q = 0; q < Q; q++) {
+                    for (int64_t l = 0; l < L; l++) {
+                        float group = 0.0f;
+                        for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + offset + l];
+                        slot_mass[l] += group / (float)G;
+                    }
+                }
+                weighted_sum_segment(scores + offset, total, R, D, at(values[s], (int)m[2], b * m[6] + j * m[7]),
+                                     (int)m[2], m[8], L, acc, row);
+                offset += L;
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t q = 0; q < Q; q++)
+                    store_row(acc + (g * Q + q) * D, q_dtype, D,
+                              (char *)out + (((b * Hq + j * G + g) * Q + q) * D) * (q_dtype == BF16 ? 2 : 4));
+        }
+    }
+    free(qf);
+    return 0;
+}
+
+/* The float32 sum of a[0..n) in the order of torch's CPU sum over a contiguous last dimension
+ * (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum -> vectorized_inner_sum): `lanes`-wide
+ * vectors V_0.. of a, four interleaved vector accumulators (acc_k sums V_{4i+k}) cascaded over
+ * levels of 2^p steps, the leftover vectors into acc_0, then acc_0 + acc_1 + acc_2 + acc_3, then
+ * the scalar tail and the lanes added one by one (rows shorter than a vector: the same with
+ * lanes = 1). Reproducing it makes the RMSNorm's mean, and so
+ * its bfloat16 output, bit-identical to torch's; loader-side calibration checks `lanes` against
+ * torch at run time (0: a plain double-precision sum, no claim of bit equality). */
+static float torch_order_sum(const float *a, int64_t n, int lanes) {
+    if (lanes <= 0 || lanes > 16) {
+        double s = 0.0;
+        for (int64_t i = 0; i < n; i++) s += a[i];
+        return (float)s;
+    }
+    if (n < lanes) lanes = 1; /* torch's scalar inner sum: the same cascade on single floats */
+    enum { LEVELS = 4, ILP = 4 };
+    const int64_t vectors = n / lanes, size = vectors / ILP;
+    int64_t log2 = 0;
+    while ((INT64_C(1) << log2) < size) log2++;
+    const int64_t power = log2 / LEVELS > 4 ? log2 / LEVELS : 4, step = INT64_C(1) << power, mask = step - 1;
+    float acc[LEVELS][ILP][16] = {{{0}}};
+    int64_t i = 0;
+    while (i + step <= size) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) acc[0][k][l] += a[((i * ILP) + k) * lanes + l];
+        for (int level = 1; level < LEVELS; level++) {
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[level][k][l] += acc[level - 1][k][l];
+                    acc[level - 1][k][l] = 0.0f;
+                }
+            if ((i & (mask << (level * power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += a[((i * ILP) + k) * lanes + l];
+    for (int level = 1; level < LEVELS; level++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[level][k][l];
+    for (int64_t v = size * ILP; v < vectors; v++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += a[v * lanes + l];
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t t = vectors * lanes; t < n; t++) total += a[t];
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* torch_order_sum of a[0..n), exported for the loader's calibration against torch.sum */
+float confkv_torch_order_sum(const float *a, int64_t n, int lanes) {
+    return torch_order_sum(a, n, lanes);
+}
+
+/* LlamaRMSNorm (transformers): h = x.float(); y = (h * rsqrt(mean(h^2) + eps)).to(x.dtype);
+ * out = weight * y, in out_dtype (float32 if x or weight is, else bfloat16). mean = sum / n with
+ * the sum in torch's order (`lanes`, see torch_order_sum).
+ *   x [rows, n] (row stride x_sr), weight [n], out [rows, n] contiguous. */
+void confkv_rms_norm(const void *x, int x_dtype, int64_t x_sr, const void *weight, int w_dtype, void *out,
+                     int out_dtype, int64_t rows, int64_t n, float eps, int lanes) {
+    float *squares = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!squares) return; /* the caller's n is a hidden size: never fails in practice */
+    for (int64_t i = 0; i < rows; i++) {
+        const void *src = at(x, x_dtype, i * x_sr);
+        for (int64_t d = 0; d < n; d++) {
+            const float h = x_dtype == F32 ? ((const float *)src)[d] : bf16_to_f32(((const uint16_t *)src)[d]);
+            squares[d] = h * h;
+        }
+        const float inv = 1.0f / sqrtf(torch_order_sum(squares, n, lanes) / (float)n + eps);
+        for (int64_t d = 0; d < n; d++) {
+            const float h = x_dtype == F32 ? ((const float *)src)[d] : bf16_to_f32(((const uint16_t *)src)[d]);
+            const float w = w_dtype == F32 ? ((const float *)weight)[d] : bf16_to_f32(((const uint16_t *)weight)[d]);
+            const float y = w * round_to(h * inv, x_dtype);
+            if (out_dtype == F32) ((float *)out)[i * n + d] = y;
+            else ((uint16_t *)out)[i * n + d] = f32_to_bf16(y);
+        }
+    }
+    free(squares);
+}
+
+/* Rotary embedding x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[D/2:], x[:D/2]), every
+ * product and the sum rounded to `dtype` as torch does for elementwise ops of that dtype.
+ *   x [B, Q, H, D] (strides x_sb, x_sq, x_sh), cos and sin [B, Q, D] (strides c_sb, c_sq),
+ *   out [B, Q, H, D] contiguous; x, cos, sin and out all of `dtype`. */
+void confkv_rotary(const void *x, int64_t x_sb, int64_t x_sq, int64_t x_sh, const void *cos, const void *sin,
+                   int64_t c_sb, int64_t c_sq, int dtype, void *out, int64_t B, int64_t Q, int64_t H, int64_t D) {
+    const int64_t half = D / 2;
+    float c[D > 0 ? D : 1], s[D > 0 ? D : 1], v[D > 0 ? D : 1], o[D > 0 ? D : 1];
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t q = 0; q < Q; q++) {
+            load_row(at(cos, dtype, b * c_sb + q * c_sq), dtype, D, c);
+            load_row(at(sin, dtype, b * c_sb + q * c_sq), dtype, D, s);
+            for (int64_t h = 0; h < H; h++) {
+                load_row(at(x, dtype, b * x_sb + q * x_sq + h * x_sh), dtype, D, v);
+                for (int64_t d = 0; d < D; d++) {
+                    const float rotated = d < half ? -v[d + half] : v[d - half];
+                    o[d] = round_to(round_to(v[d] * c[d], dtype) + round_to(rotated * s[d], dtype), dtype);
+                }
+                store_row(o, dtype, D, (char *)out + ((b * Q + q) * H + h) * D * (dtype == BF16 ? 2 : 4));
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+"""Compile ``kernels.c`` with the system C compiler on first use, cache the shared library, load it with ctypes.
+
+The library is cached under ``$CONFKV_NATIVE_CACHE`` (default ``~/.cache/confkv/native``) as
+``kernels-<hash>.so``, the hash covering the source, the flags, the compiler's ``--version`` and
+the CPU (``-march=native``), so a changed source, compiler or machine builds a new one. The
+build writes a temporary file and renames it into place (atomic on POSIX), so two processes
+building at once do not clash. The compiler is ``$CC`` when set, else ``cc`` or ``gcc`` on
+PATH; the source needs no torch headers and builds in about a second.
+
+``CONFKV_NATIVE=0`` in the environment switches the native kernels off (every caller then runs
+its torch code); it is read when the kernels are first used. When no compiler is found or the
+build fails, :func:`library` warns once, naming the cause and the fix, and returns None;
+callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# no -ffast-math: NaN / inf semantics stay those of torch (-fno-trapping-math and -fno-math-errno
+# change no result: they let the compiler vectorise floor / int conversions without FP-exception or
+# errno side effects); no contraction of a * b + c into an FMA
+# except where kernels.c calls fmaf itself (rounding as torch's elementwise ops); -fopenmp-simd only
+# honours kernels.c's `omp simd` loops (no OpenMP runtime)
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fopenmp-simd",
+         "-fno-trapping-math", "-fno-math-errno"]
+
+_UNSET = object()
+_state: dict[str, object] = {}  # "lib": the loaded library, or None when disabled / failed (memoised per process)
+
+
+class NativeBuildError(RuntimeError):
+    """No C compiler, or the build of kernels.c failed; the message names the cause and the fix."""
+
+
+def enabled() -> bool:
+    """False when ``CONFKV_NATIVE=0`` is set."""
+    return os.environ.get("CONFKV_NATIVE", "1") != "0"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("CONFKV_NATIVE_CACHE") or Path.home() / ".cache" / "confkv" / "native")
+
+
+def compiler() -> str:
+    """The compiler's path: ``$CC`` if set (it must exist), else ``cc`` or ``gcc`` on PATH."""
+    chosen = os.environ.get("CC")
+    candidates = [chosen] if chosen else ["cc", "gcc"]
+    for name in candidates:
+        found = shutil.which(name)
+        if found:
+            return found
+    raise NativeBuildError(
+        f"no C compiler found ({'$CC=' + repr(chosen) if chosen else 'cc or gcc on PATH'}); install one "
+        f"(e.g. `apt-get install gcc`) or point $CC at it, or set CONFKV_NATIVE=0 to silence this")
+
+
+def _cpu() -> str:
+    """What -march=native depends on: the machine and (Linux) the CPU's feature flags, so that a cache
+    directory shared between machines never hands one a library built for another's instructions."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def build(directory: Path | None = None, flags: list[str] | None = None) -> Path:
+    """Compile kernels.c into ``directory`` (default :func:`cache_dir`) with ``flags`` (default
+    :data:`FLAGS`) unless cached; returns the .so path."""
+    flags = FLAGS if flags is None else flags
+    cc = compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise NativeBuildError(f"the C compiler {cc} does not run ({exc}); fix $CC or set CONFKV_NATIVE=0") from exc
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + _cpu().encode()).hexdigest()[:16]
+    directory = Path(directory) if directory is not None else cache_dir()
+    target = directory / f"kernels-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(handle)
+    try:
+        done = subprocess.run([cc, *flags, "-o", temporary, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise NativeBuildError(f"{cc} failed to build {SOURCE.name}:\n{done.stderr.strip()[-2000:]}\n"
+                                   "fix the compiler setup or set CONFKV_NATIVE=0 to run the torch code")
+        os.replace(temporary, target)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    lib.confkv_mass_read.restype = i32
+    lib.confkv_mass_read.argtypes = [ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, f32,
+                                     ptr, ptr]
+    lib.confkv_rms_norm.restype = None
+    lib.confkv_rms_norm.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i64, f32, i32]
+    lib.confkv_torch_order_sum.restype = f32
+    lib.confkv_torch_order_sum.argtypes = [ptr, i64, i32]
+    lib.confkv_rotary.restype = None
+    lib.confkv_rotary.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i32, ptr, i64, i64, i64, i64]
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, built on first use; None when disabled or unavailable (warned once).
+
+    ``CONFKV_NATIVE`` is read at the first call; :func:`reset` makes the next call read it again.
+    """
+    lib = _state.get("lib", _UNSET)
+    if lib is not _UNSET:
+        return lib  # type: ignore[return-value]
+    if not enabled():
+        lib = None
+    else:
+        try:
+            lib = load(build())
+        except (NativeBuildError, OSError) as exc:
+            lib = None
+            warnings.warn(f"confkv: native CPU kernels unavailable, using the torch code (slower): {exc}",
+                          RuntimeWarning, stacklevel=2)
+    _state["lib"] = lib
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels can be used now (enabled, built and loaded)."""
+    return library() is not None
+
+
+def reset() -> None:
+    """Forget the loaded library and the CONFKV_NATIVE setting (tests: another $CC, cache directory or setting)."""
+    _state.clear()
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block every caller runs its torch code (A/B timings, tests); the library stays loaded."""
+    saved = _state.get("lib", _UNSET)
+    _state["lib"] = None
+    try:
+        yield
+    finally:
+        if saved is _UNSET:
+            _state.pop("lib", None)
+        else:
+            _state["lib"] = saved

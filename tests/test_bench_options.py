@@ -249,3 +249,30 @@ def test_weight_int8_dtype_and_the_lean_row():
         assert rows[f"confkv+slack8-lean@{d}"]["kv_bytes"] == rows[f"confkv+slack8@{d}"]["kv_bytes"]
     quality = result["quality"]
     assert quality["bfloat16-w8"]["ppl"] != quality["bfloat16"]["ppl"]  # really quantized
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_lean_torch_row_runs_its_steps_with_the_native_kernels_off(monkeypatch):
+    """``-lean-torch`` (the A/B twin of ``-lean``) decodes every step inside ``native.loader.disabled()``;
+    the ``-lean`` row never does."""
+    import contextlib
+
+    from confkv.native import loader
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(1)
+        yield
+
+    monkeypatch.setattr(loader, "disabled", recording)
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    small = {**SMALL, "slack": 8}
+    result = bench.run_bench(contexts=[64], configs=["confkv+slack8-lean"], llamacpp=False, model=model,
+                             tokenizer=tok, log=lambda line: None, **small)
+    assert result["latency"]["64"]["confkv+slack8-lean"]["n"] > 0 and not entered
+    result = bench.run_bench(contexts=[64], configs=["confkv+slack8-lean-torch"], llamacpp=False, model=model,
+                             tokenizer=tok, log=lambda line: None, **small)
+    timed = result["latency"]["64"]["confkv+slack8-lean-torch"]["n"]
+    assert len(entered) >= timed > 0  # every timed step (and the untimed warm-up ones)

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from confkv import profiling
+from confkv.native import loader as native_loader
 from confkv.eval.bench_dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
 from confkv.eval.bench_llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
                                         gguf_source, kv_bytes_per_token_f16)
@@ -67,6 +68,7 @@ class BenchConfig:
     store: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     lean: bool = False  # decode steps through confkv.hf.lean.LeanDecoder instead of model(...)
+    native: bool = True  # False: decode steps with confkv.native's kernels off (the torch code; A/B rows)
 
 
 def default_configs(budget: int, slack: int) -> list[BenchConfig]:
@@ -94,6 +96,9 @@ def default_configs(budget: int, slack: int) -> list[BenchConfig]:
                         {**int8, "evict_slack": slack}),
             BenchConfig(f"confkv+slack{slack}-lean", "confkv", "confkv", dict(gate), {"evict_slack": slack},
                         note="the same, decode steps through the lean decoder (Llama family)", lean=True),
+            BenchConfig(f"confkv+slack{slack}-lean-torch", "confkv", "confkv", dict(gate), {"evict_slack": slack},
+                        note="the lean row with confkv.native's kernels off (read, RMSNorm, rotary in torch)",
+                        lean=True, native=False),
         ]
     # the tiered store at the same hot budget: 2-bit cold pages, 4 / 16 pages read when confident / not
     tiered = {"budget": budget, "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16}
@@ -170,12 +175,13 @@ class _Runner:
             from confkv.hf.lean import LeanDecoder
 
             self.decoder = LeanDecoder(self.model)
-        start = time.perf_counter()
-        if self.decoder is not None:
-            self.decoder(tokens, self.cache)
-        else:
-            self.model(input_ids=tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
-        elapsed = time.perf_counter() - start
+        with contextlib.nullcontext() if self.config.native else native_loader.disabled():
+            start = time.perf_counter()
+            if self.decoder is not None:
+                self.decoder(tokens, self.cache)
+            else:
+                self.model(input_ids=tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+            elapsed = time.perf_counter() - start
         self.fed += 1
         return elapsed
 

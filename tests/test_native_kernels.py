@@ -133,6 +133,20 @@ def test_unsupported_dtypes_return_none_for_the_torch_path():
 
 
 @needs_native
+def test_tensors_off_the_cpu_return_none_for_the_torch_path():
+    """The C code reads data pointers: a tensor in another device's memory (here ``meta``, standing
+    in for CUDA) must never reach it, whichever argument it is."""
+    cpu = torch.randn(1, 1, 2, 8)
+    meta = torch.empty(1, 1, 2, 8, device="meta")
+    assert native.rotary(meta, cpu, cpu[:, :, 0], cpu[:, :, 0]) is None
+    assert native.rotary(cpu, cpu, cpu[:, :, 0], meta[:, :, 0]) is None
+    assert native.rms_norm(meta, torch.ones(8), 1e-5) is None
+    assert native.rms_norm(cpu, torch.ones(8, device="meta"), 1e-5) is None
+    assert native.mass_read(meta.transpose(1, 2), [KVSegment(cpu, cpu, None)], 1.0) is None
+    assert native.mass_read(cpu.transpose(1, 2), [KVSegment(cpu, meta, None)], 1.0) is None
+    assert native.rms_norm(cpu, torch.ones(8), 1e-5) is not None  # the CPU case does run
+
+@needs_native
 def test_auto_dispatch_takes_the_native_read_for_the_mass(monkeypatch):
     import confkv.attention as attention
 

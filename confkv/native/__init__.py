@@ -5,8 +5,8 @@ three pieces take a dozen small ops each (casts, pow, mean, rsqrt, cat, neg, sof
 layer. Here each is one call into ``kernels.c`` (compiled on first use by
 :mod:`confkv.native.loader`; ``CONFKV_NATIVE=0`` switches it off). Callers check
 :func:`available` and otherwise run their torch code; each function also returns None for
-inputs it does not take (dtypes other than float32 / bfloat16, a non-contiguous last
-dimension), and the caller then runs the torch code.
+inputs it does not take (tensors off the CPU, dtypes other than float32 / bfloat16), and the
+caller then runs the torch code.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ def _sum_lanes(lib) -> int:
     return _lanes[key]
 
 
+def _on_cpu(*tensors: Tensor) -> bool:
+    """Whether every tensor lives in CPU memory (the C code reads their data pointers)."""
+    return all(t.device.type == "cpu" for t in tensors)
+
+
 def _rows_contiguous(t: Tensor) -> Tensor:
     """``t`` itself when its last dimension is contiguous, else a contiguous copy."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
@@ -59,6 +64,8 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
     """
     lib = library()
     if lib is None or query.dtype not in _CODES:
+        return None
+    if not _on_cpu(query, *(t for s in segments for t in (s.keys, s.values))):
         return None
     batch, q_heads, num_queries, head_dim = query.shape
     if any(s.keys.dtype not in _CODES or s.values.dtype not in _CODES for s in segments):
@@ -99,7 +106,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         unavailable or a dtype is not float32 / bfloat16.
     """
     lib = library()
-    if lib is None or x.dtype not in _CODES or weight.dtype not in _CODES or weight.shape != x.shape[-1:]:
+    if (lib is None or x.dtype not in _CODES or weight.dtype not in _CODES or weight.shape != x.shape[-1:]
+            or not _on_cpu(x, weight)):
         return None
     shape = x.shape
     width = x.shape[-1]
@@ -132,7 +140,8 @@ def rotary(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor
     """
     lib = library()
     dtype = query.dtype
-    if lib is None or dtype not in _CODES or any(t.dtype != dtype for t in (key, cos, sin)):
+    if lib is None or dtype not in _CODES or any(t.dtype != dtype for t in (key, cos, sin)) \
+            or not _on_cpu(query, key, cos, sin):
         return None
     cos, sin = _rows_contiguous(cos), _rows_contiguous(sin)
     if cos.stride() != sin.stride():

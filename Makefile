@@ -39,8 +39,10 @@ test: $(STAMP)
 # MUTMUT_CHILDREN: parallel mutant workers (default 2); it runs at low priority (nice).
 # MUTANTS: optional name globs, e.g. MUTANTS="confkv.eviction.* confkv.region.*" (one module at a time).
 MUTMUT_CHILDREN ?= 2
+# CONFKV_NATIVE=0: the tests then run the torch code that is mutated (with the native kernels on,
+# the attention read and the lean decoder would take the C kernels instead).
 mutate: $(STAMP)
-	OMP_NUM_THREADS=1 nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTMUT_CHILDREN) $(MUTANTS)
+	OMP_NUM_THREADS=1 CONFKV_NATIVE=0 nice -n 15 $(VENV)/bin/mutmut run --max-children $(MUTMUT_CHILDREN) $(MUTANTS)
 	$(PY) benchmarks/mutation_table.py
 
 clean:

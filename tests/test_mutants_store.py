@@ -213,3 +213,21 @@ def test_cold_counts_are_zeros_without_a_cold_tier_and_the_demoted_tokens_with_o
         # 4 tokens stay hot; every token past them has been demoted to the cold tier
         assert tiered.cold_counts().tolist() == [max(0, steps - 4)] * 2, steps
     assert tiered.cold_counts().dtype == torch.int64
+
+
+def test_check_store_fits_refuses_exactly_when_the_fp_window_and_sinks_fill_the_budget():
+    """``kv_int8`` keeps ``fp_window`` recent tokens and the sinks in full precision, never evicted:
+    with a budget of 20 and 4 sinks, a window of 16 (16 + 4 = 20, nothing left to evict) is refused and
+    15 is accepted; an unlimited policy is never refused, however wide the window."""
+    from confkv.errors import ConfigError
+    from confkv.policies.base import UNLIMITED
+    from confkv.store import check_store_fits
+
+    policy = make_policy("streaming", budget=20, sinks=4)
+    with pytest.raises(ConfigError) as refused:
+        check_store_fits(policy, StoreConfig(kv_int8=True, fp_window=16))
+    assert str(refused.value) == ("fp_window: the FP window of 16 tokens (never evicted) plus 4 sinks does not fit "
+                                  "the smallest budget 20; lower fp_window or raise the budget")
+    check_store_fits(policy, StoreConfig(kv_int8=True, fp_window=15))  # 15 + 4 < 20: fits
+    check_store_fits(policy, StoreConfig(kv_int8=False, fp_window=16))  # no INT8 tier: no FP window to fit
+    check_store_fits(make_policy("full"), StoreConfig(kv_int8=True, fp_window=UNLIMITED))  # nothing evicted

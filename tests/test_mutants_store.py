@@ -231,3 +231,23 @@ def test_check_store_fits_refuses_exactly_when_the_fp_window_and_sinks_fill_the_
     check_store_fits(policy, StoreConfig(kv_int8=True, fp_window=15))  # 15 + 4 < 20: fits
     check_store_fits(policy, StoreConfig(kv_int8=False, fp_window=16))  # no INT8 tier: no FP window to fit
     check_store_fits(make_policy("full"), StoreConfig(kv_int8=True, fp_window=UNLIMITED))  # nothing evicted
+
+
+def test_kv_bytes_of_a_full_precision_store_and_of_a_tiered_one_by_hand():
+    """Without INT8 there is no channel scale to count, and without a cold tier nothing is offloaded:
+    an h2o store of 2 rows holding 6 float32 tokens of 2 heads x 4 dims has 2 (keys, values) x 2 rows x
+    6 x 2 x 4 x 4 bytes. A tiered store adds its 16-bit cold tier (5 tokens: two sealed pages of 2 and
+    one open slot) to its hot bytes."""
+    store = LayerStore(make_policy("h2o", budget=6, protect=2), StoreConfig(move_block=1))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(9):
+        _step(store, gen, budget=6, batch=2)
+    assert store.old.length + store.recent.length == 6
+    assert store.kv_bytes() == 2 * 2 * 6 * 2 * 4 * 4 == 768
+    assert store.offloaded_bytes() == 0
+    tiered = _tiered()
+    _tiered_steps(tiered, 9, batch=1, cold_read=[1])
+    hot = (tiered.old.length + tiered.recent.length) * 2 * 2 * 4 * 4  # float32 keys and values, 1 row
+    assert tiered.old.length + tiered.recent.length == 4 and tiered.cold.kv_bytes() > 0
+    assert tiered.kv_bytes() == hot + tiered.cold.kv_bytes()
+    assert tiered.offloaded_bytes() == 0  # cold pages in RAM (no offload)

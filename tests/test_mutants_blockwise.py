@@ -42,3 +42,23 @@ def test_fp_keys_with_both_scales_and_int8_values_without_theirs_are_refused():
 def test_well_formed_segments_pass():
     KVSegment(FP, FP, None).validate()
     KVSegment(INT8, INT8, None, key_token_scale=TOKEN, key_channel_scale=CHANNEL, value_token_scale=TOKEN).validate()
+
+
+def test_a_mask_broadcast_over_the_slots_applies_to_every_tile():
+    """``visible`` of last dimension 1 ([B, Hkv, Q, 1]: one flag per query row for all slots) is used
+    as it is by every tile, not sliced per tile: with tiles of 4 over 10 slots, the read equals the
+    dense reference (which masks all 10 slots of the hidden rows)."""
+    from confkv.attention.blockwise import blockwise_attention, dense_attention_reference
+
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 1, 10, 4, generator=gen), torch.randn(2, 1, 10, 4, generator=gen)
+    query = torch.randn(2, 2, 3, 4, generator=gen)
+    visible = torch.tensor([True, True, False]).view(1, 1, 3, 1).expand(2, 1, 3, 1)  # third query row: no slot
+    segments = [KVSegment(keys, values, torch.ones(2, 1, 3, 10, dtype=torch.bool)),
+                KVSegment(keys.flip(2), values.flip(2), visible)]
+    out, mass = blockwise_attention(query, segments, 0.5, block_size=2, tile_size=4)
+    want_out, want_mass = dense_attention_reference(query, segments, 0.5)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    for got, want in zip(mass, want_mass):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(mass[1][..., :].sum()) > 0  # the broadcast segment was read for the visible rows

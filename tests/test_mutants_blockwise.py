@@ -62,3 +62,15 @@ def test_a_mask_broadcast_over_the_slots_applies_to_every_tile():
     for got, want in zip(mass, want_mass):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert float(mass[1][..., :].sum()) > 0  # the broadcast segment was read for the visible rows
+
+
+def test_blockwise_attention_refuses_a_bad_block_size_and_no_segments_with_their_messages():
+    from confkv.attention.blockwise import blockwise_attention
+
+    query = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError) as refused:
+        blockwise_attention(query, [KVSegment(FP, FP, None)], 0.5, block_size=0)
+    assert str(refused.value) == "block_size must be >= 1, got 0"
+    with pytest.raises(ValueError) as refused:
+        blockwise_attention(query, [], 0.5)
+    assert str(refused.value) == "need at least one segment (an empty one is fine)"

@@ -92,3 +92,14 @@ def test_forking_for_a_policy_whose_statistic_was_never_collected_names_it():
                "(prefill with a TeePolicy that includes it)")
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         store.fork(make_policy("tova", budget=6))
+
+
+def test_a_fork_keeps_the_regions_dense_flag():
+    # `dense` (every slot valid, known without reading `valid`) lets the read skip the mask; a copy
+    # of a dense region is dense too, not demoted to the masked path
+    store = LayerStore(make_policy("h2o", budget=6, protect=2), StoreConfig(move_block=1))
+    for seed in range(8):
+        _step(store, torch.Generator().manual_seed(seed), budget=6)
+    assert store.old.dense is True and store.recent.dense is True
+    twin = store.fork(make_policy("h2o", budget=6, protect=2))
+    assert twin.old.dense is True and twin.recent.dense is True

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     add_ruler_subcommand(sub)
 
     args = parser.parse_args(argv)
+    # the command line as given, for outputs that print the command that wrote them
+    args.command_line = "confkv " + " ".join(argv if argv is not None else sys.argv[1:])
     try:
         if getattr(args, "threads", None):
             import torch

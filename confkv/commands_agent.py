@@ -67,7 +67,10 @@ def run_agent(args: argparse.Namespace) -> int:
     _write_json(args.out_dir / "agent_summary.json", {"model": args.model, "config": vars(config), "summary": rows})
     for line in summary_lines(rows):
         print(line)
-    print(f"wrote {path}, {args.out_dir / 'agent_summary.json'}")
+    from confkv.agent.report import write_agent_report
+
+    written = write_agent_report(rows, records, args.out_dir, command=args.command_line)
+    print(f"wrote {path}, {args.out_dir / 'agent_summary.json'}, " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -147,3 +147,6 @@ def test_agent_cli(tmp_path):
     summary = json.loads((out / "agent_summary.json").read_text())
     assert {r["policy"] for r in summary["summary"]} == {"full", "window"}
     assert main(argv + ["--collect-only"]) == 0 and len(load_rows(out / "agent.jsonl")) == 2
+    md = (out / "agent.md").read_text()
+    assert "--collect-only" in md and "| teacher-forced | window | 2.8 | 1 |" in md
+    assert (out / "agent.png").read_bytes()[:4] == b"\x89PNG"

@@ -206,7 +206,6 @@ class LayerStore:
     def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
         """Set positions/validity of the pending tokens; return query positions [B, q]."""
         new = self.pending
-        batch = self.recent.valid.shape[0]
         device = self.recent.keys.device
         if padding is None:
             # nothing padded: positions continue from seen_real, validity stays all True

@@ -74,3 +74,6 @@ def test_blockwise_attention_refuses_a_bad_block_size_and_no_segments_with_their
     with pytest.raises(ValueError) as refused:
         blockwise_attention(query, [], 0.5)
     assert str(refused.value) == "need at least one segment (an empty one is fine)"
+    with pytest.raises(ValueError) as refused:  # 3 query heads over 2 KV heads: no whole group per KV head
+        blockwise_attention(torch.zeros(1, 3, 1, 4), [KVSegment(FP, FP, None)], 0.5)
+    assert str(refused.value) == "Hq=3 is not a multiple of Hkv=2"

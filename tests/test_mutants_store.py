@@ -251,3 +251,63 @@ def test_kv_bytes_of_a_full_precision_store_and_of_a_tiered_one_by_hand():
     assert tiered.old.length + tiered.recent.length == 4 and tiered.cold.kv_bytes() > 0
     assert tiered.kv_bytes() == hot + tiered.cold.kv_bytes()
     assert tiered.offloaded_bytes() == 0  # cold pages in RAM (no offload)
+
+
+def _reference_read(query, keys, values, scaling, causal_from=None, softcap=None):
+    """softmax(q k^T * scaling) v over KV heads repeated for their query groups, by hand.
+    causal_from: the position of the first query among the keys (None: every key visible)."""
+    group = query.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = query @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal_from is not None:
+        q_pos = causal_from + torch.arange(query.shape[2])[:, None]
+        scores = scores.masked_fill(torch.arange(keys.shape[2])[None, :] > q_pos, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_a_two_token_prefill_is_causal_the_first_query_never_sees_the_second_key():
+    gen = torch.Generator().manual_seed(0)
+    store = LayerStore(make_policy("h2o", budget=64, protect=2), StoreConfig(move_block=1))
+    keys, values, query = (torch.randn(1, 2, 2, 4, generator=gen), torch.randn(1, 2, 2, 4, generator=gen),
+                           torch.randn(1, 4, 2, 4, generator=gen))
+    store.append(keys, values)
+    out = store.attend(query, scaling=0.5)
+    torch.testing.assert_close(out, _reference_read(query, keys, values, 0.5, causal_from=0), rtol=1e-6, atol=1e-6)
+    # the first query's output is its own value: the only key it may see
+    torch.testing.assert_close(out[0, :2, 0], values[0, 0, 0].expand(2, 4), rtol=1e-6, atol=1e-6)
+
+
+def test_the_read_applies_the_softcap_it_is_given():
+    # scores of up to ~±10 capped at 2: a visible change against the uncapped read
+    gen = torch.Generator().manual_seed(1)
+    store = LayerStore(make_policy("h2o", budget=64, protect=2), StoreConfig(move_block=1))
+    keys, values = 3 * torch.randn(1, 2, 5, 4, generator=gen), torch.randn(1, 2, 5, 4, generator=gen)
+    store.append(keys, values)
+    store.attend(torch.randn(1, 4, 5, 4, generator=gen), scaling=0.5)
+    store.end_step(None)
+    k1, v1, q1 = 3 * torch.randn(1, 2, 1, 4, generator=gen), torch.randn(1, 2, 1, 4, generator=gen), \
+        3 * torch.randn(1, 4, 1, 4, generator=gen)
+    store.append(k1, v1)
+    out = store.attend(q1, scaling=0.5, softcap=2.0)
+    all_k, all_v = torch.cat([keys, k1], dim=2), torch.cat([values, v1], dim=2)
+    capped = _reference_read(q1, all_k, all_v, 0.5, softcap=2.0)
+    torch.testing.assert_close(out, capped, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(capped, _reference_read(q1, all_k, all_v, 0.5), atol=1e-3)
+
+
+def test_a_read_out_of_step_with_the_appends_is_refused_with_its_message_and_pending_is_a_count():
+    store = LayerStore(make_policy("h2o", budget=64, protect=2), StoreConfig(move_block=1))
+    store.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    assert store.pending == 1
+    with pytest.raises(RuntimeError) as refused:
+        store.attend(torch.zeros(1, 4, 2, 4), scaling=0.5)
+    assert str(refused.value) == ("confkv: 2 queries but 1 new keys in this layer; "
+                                  "the cache and the attention read are out of step")
+    store.attend(torch.zeros(1, 4, 1, 4), scaling=0.5)
+    assert store.pending == 0  # read: nothing pending (an int count, with or without padding)
+    store.end_step(None)
+    store.append(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
+    store.attend(torch.zeros(1, 4, 2, 4), scaling=0.5, padding=torch.tensor([[True, True, False, True]]))
+    assert store.pending == 0

@@ -311,3 +311,27 @@ def test_a_read_out_of_step_with_the_appends_is_refused_with_its_message_and_pen
     store.append(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4))
     store.attend(torch.zeros(1, 4, 2, 4), scaling=0.5, padding=torch.tensor([[True, True, False, True]]))
     assert store.pending == 0
+
+
+def test_a_triton_backend_store_hands_its_cold_pages_over_packed(monkeypatch):
+    # the Triton read takes the cold tier's pages still packed (a PagedSegment); the read itself is
+    # replaced here by the torch read of the same pages unpacked, so no Triton kernel runs
+    from confkv import store as store_module
+    from confkv.attention.paged import PagedSegment
+
+    seen = []
+    real = store_module.attention_read
+
+    def spy(query, segments, scaling, **kwargs):
+        seen.append([type(s).__name__ for s in segments])
+        kwargs["backend"] = "torch"
+        return real(query, [s.to_dense() if isinstance(s, PagedSegment) else s for s in segments], scaling, **kwargs)
+
+    monkeypatch.setattr(store_module, "attention_read", spy)
+    policy = make_policy("confkv-r", budget=4, protect=2, sinks=0, bits=2, page_size=2, group_size=2, k=1)
+    store = LayerStore(policy, StoreConfig(move_block=1, read_backend="triton"))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(9):
+        _step(store, gen, budget=4)
+    assert int(store.cold_counts().min()) > 0  # pages were demoted, and read since
+    assert seen[-1][-1] == "PagedSegment" and "PagedSegment" not in seen[-1][:-1]

@@ -335,3 +335,16 @@ def test_a_triton_backend_store_hands_its_cold_pages_over_packed(monkeypatch):
         _step(store, gen, budget=4)
     assert int(store.cold_counts().min()) > 0  # pages were demoted, and read since
     assert seen[-1][-1] == "PagedSegment" and "PagedSegment" not in seen[-1][:-1]
+
+
+def test_the_read_gets_the_store_s_block_size(monkeypatch):
+    # `block_size` bounds the read's temporary memory: the store's setting, not the read's default
+    from confkv import store as store_module
+
+    sizes = []
+    real = store_module.attention_read
+    monkeypatch.setattr(store_module, "attention_read",
+                        lambda *args, **kwargs: sizes.append(kwargs["block_size"]) or real(*args, **kwargs))
+    store = LayerStore(make_policy("h2o", budget=8, protect=2), StoreConfig(move_block=1, block_size=3))
+    _step(store, torch.Generator().manual_seed(0), budget=8, new=5)
+    assert sizes == [3]

@@ -196,3 +196,31 @@ def test_the_cold_read_gets_int64_page_counts(monkeypatch):
         store.end_step(torch.tensor([4]), cold_read=torch.tensor([1], dtype=torch.int32))
     assert len(handed) == 8 and all(pages.dtype == torch.int64 for pages in handed)
     assert [pages.tolist() for pages in handed[1:]] == [[1]] * 7
+
+
+def test_slots_no_remaining_sequence_uses_are_dropped_after_a_batch_selection():
+    """Budgets [6, 3] (no padding): after 6 steps row 0 holds 6 tokens, row 1 only 3, so the old region
+    is 5 slots wide and row 1 uses 2 of them. Keeping row 1 alone (a finished sequence removed) leaves
+    3 old slots nobody uses: the next step (no budget) drops them, so the store holds 4 slots for row 1's
+    4 tokens, not 5 + 2."""
+    store = LayerStore(make_policy("h2o", budget=3, protect=1), StoreConfig(move_block=1))
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(6):
+        _step(store, gen, budget=[6, 3])
+    assert store.kept_list() == [6, 3] and _lengths(store) == (5, 1)
+    store.select_batch(torch.tensor([1]))
+    _step(store, gen, budget=None)
+    assert store.kept_list() == [4] and _lengths(store) == (3, 1)
+
+
+def test_a_store_whose_sequences_were_all_removed_still_steps():
+    """A padded prompt (so the store tracks validity) that has not yet aged into the old region, then
+    every sequence removed: ``end_step`` over an empty batch does nothing and holds nothing."""
+    store = LayerStore(make_policy("h2o", budget=6, protect=4), StoreConfig(move_block=1))
+    gen = torch.Generator().manual_seed(12)
+    _step(store, gen, budget=[6], new=2, padding=torch.tensor([[False, True]]))
+    assert _lengths(store) == (0, 2)
+    store.select_batch(torch.tensor([], dtype=torch.int64))
+    store.end_step(torch.zeros(0, dtype=torch.int64))
+    store.end_step(None)
+    assert store.kept_list() == [] and store.kv_bytes() == 0

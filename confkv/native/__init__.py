@@ -1,4 +1,5 @@
-"""Native CPU kernels for the decode step: the mass read, RMSNorm and rotary as one C call each.
+"""Native CPU kernels for the decode step: the mass read, RMSNorm, rotary and the INT8 weight
+projections as one C call each.
 
 A decode step of a small model on CPU is mostly per-op dispatch: the torch versions of these
 three pieces take a dozen small ops each (casts, pow, mean, rsqrt, cat, neg, softmax, ...) per
@@ -19,11 +20,13 @@ from torch import Tensor
 
 from confkv.native.loader import available, library
 
-__all__ = ["available", "mass_read", "rms_norm", "rotary"]
+__all__ = ["available", "gemv_settings", "int8_linear", "mass_read", "rms_norm", "rotary"]
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 #: widest row the RMSNorm takes in bfloat16: torch splits longer sums over threads (another order)
 MAX_EXACT_WIDTH = 16384
+#: most activation rows the INT8 GEMV takes (decode: batch x 1 token); prefill chunks run torch's kernel
+MAX_GEMV_ROWS = 4
 _lanes: dict[int, int] = {}  # id(library) -> the vector width of torch's float sum order (0: not matched)
 
 
@@ -155,3 +158,63 @@ def rotary(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor
                           _CODES[dtype], out.data_ptr(), batch, length, heads, dim)
         results.append(out)
     return results[0], results[1]
+
+
+def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor | None:
+    """``torch._weight_int8pack_mm(x, weight, scale) (+ bias)`` for a few rows, on torch's thread count.
+
+    Args:
+        x: [M, K] float32 or bfloat16 on CPU, M <= :data:`MAX_GEMV_ROWS`, rows with a contiguous last dimension.
+        weight: [N, K] int8, contiguous (weight-only INT8, one scale per output channel).
+        scale: [N] float32 or bfloat16; bias: [N] float32 or bfloat16, or None.
+    The dot products run in float32 (their order differs from torch's: results agree to float32
+    summation order), the scale multiplies the sum, one rounding to x.dtype, then ``+ bias`` rounded
+    again as torch's add. The output rows are split over ``torch.get_num_threads()`` threads: the
+    caller and persistent workers (kernels.c's pool; 1 thread = no worker).
+
+    Returns:
+        [M, N] in x.dtype, or None when the library is unavailable or the inputs are not of this kind
+        (the caller then runs torch's kernel).
+    """
+    lib = library()
+    if (lib is None or x.dtype not in _CODES or scale.dtype not in _CODES or weight.dtype != torch.int8
+            or x.dim() != 2 or x.shape[0] > MAX_GEMV_ROWS or weight.dim() != 2 or not weight.is_contiguous()):
+        return None
+    rows, width = x.shape
+    outputs = weight.shape[0]
+    if weight.shape[1] != width or scale.shape != (outputs,) or (bias is not None and (
+            bias.shape != (outputs,) or bias.dtype not in _CODES)):
+        return None
+    if not _on_cpu(x, weight, scale, *(() if bias is None else (bias,))):
+        return None
+    x = _rows_contiguous(x)
+    scale = scale if scale.is_contiguous() else scale.contiguous()
+    out = torch.empty(rows, outputs, dtype=x.dtype)
+    if bias is None:
+        bias_ptr, bias_code = None, 0
+    else:
+        bias = bias if bias.is_contiguous() else bias.contiguous()
+        bias_ptr, bias_code = bias.data_ptr(), _CODES[bias.dtype]
+    status = lib.confkv_int8_gemv(x.data_ptr(), _CODES[x.dtype], x.stride(0), rows, width, weight.data_ptr(), outputs,
+                                  scale.data_ptr(), _CODES[scale.dtype], bias_ptr, bias_code, out.data_ptr(),
+                                  _CODES[x.dtype], torch.get_num_threads())
+    if status:
+        raise MemoryError("confkv native INT8 GEMV: out of memory for the widened activations")
+    return out
+
+
+def gemv_settings(spin_us: float | None = None, min_parallel: int | None = None) -> int:
+    """Tune the INT8 GEMV's worker pool (benchmarks, tests); None keeps a setting.
+
+    Args:
+        spin_us: how long an idle worker spins before it sleeps on a condition variable (default 50 us).
+        min_parallel: the smallest product, M * N * K multiply-adds, split over threads (default 65,536).
+    Returns:
+        The number of workers running in this process (0 before the first parallel call and in a
+        fork()ed child until its first one); -1 when the library is unavailable.
+    """
+    lib = library()
+    if lib is None:
+        return -1
+    return lib.confkv_gemv_configure(-1 if spin_us is None else int(spin_us * 1000),
+                                     -1 if min_parallel is None else int(min_parallel))

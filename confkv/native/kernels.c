@@ -3,12 +3,17 @@
  * Built by confkv/native/loader.py with `cc -O3 -march=native -fPIC -shared -std=c99 -ffp-contract=off
  * -fopenmp-simd` (no -ffast-math: NaN and inf propagate as in torch). Tensors come as raw pointers plus
  * element strides; the last dimension is always contiguous. dtype codes: 0 = float32,
- * 1 = bfloat16. Every kernel is single-threaded (decode shapes are small).
+ * 1 = bfloat16. Every kernel is single-threaded (decode shapes are small) except the INT8 GEMV at the
+ * end, which splits its output rows over a persistent worker pool (built with -pthread).
  *
  * bfloat16 <-> float32 as torch does it (c10/util/BFloat16.h): widening is bits << 16; narrowing
  * rounds to nearest even, and any NaN becomes the quiet NaN 0x7FC0.
  */
+#define _GNU_SOURCE /* pthread, clock_gettime, sched_yield under -std=c99 */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -379,4 +384,277 @@ void confkv_rotary(const void *x, int64_t x_sb, int64_t x_sq, int64_t x_sh, cons
             }
         }
     }
+}
+
+/* ======================= INT8 weight x float activation GEMV (decode projections) =======================
+ * out[m, n] = round(sum_k x[m, k] * w[n, k] * scale[n]) (+ bias[n], rounded again), the contract of
+ * torch._weight_int8pack_mm (weight-only INT8, per-output-channel scale; the "W8A16" scheme of
+ * LLM.int8()'s weight path) followed by `out + bias`: products and sums in float32, the scale applied
+ * to the float32 sum, one rounding to the output dtype. Decode has M = 1..4 activation rows, so the
+ * step reads every weight once: the kernel streams w and keeps x (widened to float32) in L1. */
+
+/* one call's operands:
+ *   xf [M, Kp] float32: the activations widened, each row zero-padded to Kp = K rounded up to 16
+ *   w [N, K] int8 row-major; scale [N] (dtype sd); bias [N] (dtype bd) or NULL; out [M, N] contiguous (od) */
+typedef struct {
+    const float *xf;
+    int64_t M, K, Kp, N;
+    const int8_t *w;
+    const void *scale, *bias;
+    int sd, bd, od;
+    void *out;
+} gemv_args;
+
+static inline float value_at(const void *p, int dtype, int64_t i) {
+    return dtype == F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* out[m, n] from the float32 dot product `acc`: times the scale, rounded to od, plus the bias rounded again
+ * (torch's `_weight_int8pack_mm(...) + bias`) */
+static inline void gemv_store(const gemv_args *a, int64_t m, int64_t n, float acc) {
+    float y = round_to(acc * value_at(a->scale, a->sd, n), a->od);
+    if (a->bias) y = y + value_at(a->bias, a->bd, n);
+    if (a->od == F32) ((float *)a->out)[m * a->N + n] = y;
+    else ((uint16_t *)a->out)[m * a->N + n] = f32_to_bf16(y);
+}
+
+/* the portable loop: output rows [n0, n1) of all M activation rows (any M) */
+static __attribute__((unused)) void gemv_rows_c(const gemv_args *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *w = a->w + n * a->K;
+        for (int64_t m = 0; m < a->M; m++) {
+            const float *x = a->xf + m * a->Kp;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < a->K; k++) s = fmaf(x[k], (float)w[k], s);
+            gemv_store(a, m, n, s);
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CONFKV_GEMV_AVX512 1
+/* 16 int8 weights widened to float32 (exact); `mask` keeps the first lanes of a row's tail, the rest read as 0 */
+static inline __m512 weights16(const int8_t *p, __mmask16 mask) {
+    const __m128i bytes = mask == 0xFFFF ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(mask, p);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+/* output rows [n, n + NB) for activation rows [0, M), M <= 4, NB <= 8 (both constants where inlined):
+ * M * NB accumulators in registers, each weight vector widened once and used by the M rows */
+static inline __attribute__((always_inline)) void gemv_block_avx512(const gemv_args *a, int64_t n, const int M,
+                                                                    const int NB) {
+    __m512 acc[4][8];
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = _mm512_setzero_ps();
+    const int64_t K = a->K, Kp = a->Kp, full = K & ~(int64_t)15;
+    const int8_t *w = a->w + n * K;
+    for (int64_t k = 0; k < Kp; k += 16) {
+        const __mmask16 mask = k < full ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - full)) - 1u);
+        __m512 x[4];
+        for (int m = 0; m < M; m++) x[m] = _mm512_loadu_ps(a->xf + m * Kp + k);
+        for (int b = 0; b < NB; b++) {
+            const __m512 wv = weights16(w + b * K + k, mask);
+            for (int m = 0; m < M; m++) acc[m][b] = _mm512_fmadd_ps(x[m], wv, acc[m][b]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, _mm512_reduce_add_ps(acc[m][b]));
+}
+
+/* rows [n0, n1) for M <= 4: blocks of 8 output rows (M <= 2: 8-16 independent FMA chains) or 4 (M = 3, 4) */
+static void gemv_rows_avx512(const gemv_args *a, int64_t n0, int64_t n1) {
+    const int M = (int)a->M, nb = M <= 2 ? 8 : 4;
+    int64_t n = n0;
+    for (; n + nb <= n1; n += nb) {
+        switch (M) {
+        case 1: gemv_block_avx512(a, n, 1, 8); break;
+        case 2: gemv_block_avx512(a, n, 2, 8); break;
+        case 3: gemv_block_avx512(a, n, 3, 4); break;
+        default: gemv_block_avx512(a, n, 4, 4); break;
+        }
+    }
+    for (; n < n1; n++) {
+        switch (M) {
+        case 1: gemv_block_avx512(a, n, 1, 1); break;
+        case 2: gemv_block_avx512(a, n, 2, 1); break;
+        case 3: gemv_block_avx512(a, n, 3, 1); break;
+        default: gemv_block_avx512(a, n, 4, 1); break;
+        }
+    }
+}
+#endif
+
+/* output rows [n0, n1) of every activation row, in groups of up to 4 activation rows */
+static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
+#ifdef CONFKV_GEMV_AVX512
+    const int64_t out_bytes = a->od == BF16 ? 2 : 4;
+    for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+        gemv_args part = *a;
+        part.M = a->M - m0 < 4 ? a->M - m0 : 4;
+        part.xf = a->xf + m0 * a->Kp;
+        part.out = (char *)a->out + m0 * a->N * out_bytes;
+        gemv_rows_avx512(&part, n0, n1);
+    }
+#else
+    gemv_rows_c(a, n0, n1);
+#endif
+}
+
+/* ---- the worker pool: threads created once, woken per call; the caller computes the first share ----
+ * A worker spins (pause) for up to `spin_ns` after its last job, then sleeps on a condition variable;
+ * the caller bumps `generation` and signals only when some worker sleeps (Dekker-style: both sides use
+ * sequentially consistent atomics, and the sleeper re-checks the generation under the mutex).
+ * fork(): the child starts with no workers (pthread_atfork) and creates them again on its first call.
+ * A second thread calling while the pool is busy computes its product alone. */
+enum { MAX_THREADS = 16 };
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int workers;           /* started; only the caller that holds `busy` creates more */
+    int busy;              /* a call owns the pool */
+    int sleepers;          /* workers waiting on `wake` */
+    int pending;           /* workers that have not finished the current generation */
+    uint64_t generation;   /* bumped once per parallel call */
+    uint64_t born;         /* the generation when the newest worker was created: its first wait starts there */
+    int64_t spin_ns;       /* how long an idle worker spins before it sleeps */
+    int64_t chunk;         /* output rows per thread in the current call */
+    int threads;           /* threads taking part in the current call (caller included) */
+    gemv_args job;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 50000, 0, 0, {0}};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+#define LOAD(p) __atomic_load_n(p, __ATOMIC_SEQ_CST)
+#define STORE(p, v) __atomic_store_n(p, v, __ATOMIC_SEQ_CST)
+
+static void pool_after_fork_in_child(void) {
+    /* the parent's workers do not exist here; the lock may have been held by one of them */
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = pool.busy = pool.sleepers = pool.pending = 0;
+}
+
+static void pool_register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
+
+/* a worker's whole life: wait for a generation, compute its share, report, wait again */
+static void *pool_worker(void *arg) {
+    const int index = (int)(intptr_t)arg;
+    uint64_t seen = LOAD(&pool.born); /* not the generation now: the caller may have bumped it already */
+    for (;;) {
+        const int64_t start = now_ns(), spin = LOAD(&pool.spin_ns);
+        for (unsigned i = 1; LOAD(&pool.generation) == seen; i++) {
+            cpu_relax();
+            if ((i & 15) == 0 && now_ns() - start >= spin) {
+                pthread_mutex_lock(&pool.lock);
+                __atomic_add_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                while (LOAD(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                __atomic_sub_fetch(&pool.sleepers, 1, __ATOMIC_SEQ_CST);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = LOAD(&pool.generation);
+        if (index < pool.threads) {
+            const int64_t n0 = index * pool.chunk, n1 = n0 + pool.chunk < pool.job.N ? n0 + pool.chunk : pool.job.N;
+            if (n0 < n1) gemv_rows(&pool.job, n0, n1);
+        }
+        __atomic_sub_fetch(&pool.pending, 1, __ATOMIC_SEQ_CST);
+    }
+    return NULL;
+}
+
+/* start workers until there are `wanted`; returns how many run (fewer when pthread_create fails) */
+static int pool_grow(int wanted) {
+    sigset_t all, saved;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &saved); /* workers never take the process's signals */
+    STORE(&pool.born, LOAD(&pool.generation));
+    while (pool.workers < wanted) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, pool_worker, (void *)(intptr_t)(pool.workers + 1));
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.workers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &saved, NULL);
+    return pool.workers;
+}
+
+/* the product on `threads` threads (the caller and threads - 1 workers); 0 when done, 1 when the pool is busy
+ * or no worker could start (the caller then computes alone) */
+static int pool_run(const gemv_args *a, int threads) {
+    int idle = 0;
+    if (!__atomic_compare_exchange_n(&pool.busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
+    pthread_once(&pool_once, pool_register_fork_handler);
+    if (pool_grow(threads - 1) < 1) {
+        STORE(&pool.busy, 0);
+        return 1;
+    }
+    if (threads > pool.workers + 1) threads = pool.workers + 1;
+    const int64_t rows = (a->N + threads - 1) / threads;
+    pool.job = *a;
+    pool.threads = threads;
+    pool.chunk = (rows + 7) & ~(int64_t)7; /* whole 8-row blocks per thread */
+    STORE(&pool.pending, pool.workers);
+    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    if (LOAD(&pool.sleepers)) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    gemv_rows(a, 0, pool.chunk < a->N ? pool.chunk : a->N);
+    const int64_t start = now_ns();
+    for (unsigned i = 1; LOAD(&pool.pending) > 0; i++) {
+        cpu_relax();
+        if ((i & 255) == 0 && now_ns() - start > 20000) sched_yield(); /* a worker descheduled on a busy machine */
+    }
+    STORE(&pool.busy, 0);
+    return 0;
+}
+
+/* the smallest product (M * N * K multiply-adds) worth waking a worker for: below it the hand-off
+ * (about a microsecond) costs more than the second core saves */
+static int64_t gemv_min_parallel = 65536;
+
+/* out [M, N] (contiguous, od) = x [M, K] (rows x_sr elements apart, xd) times w [N, K] int8 with the
+ * per-row scale [N] (sd) and optional bias [N] (bd, NULL for none), on up to `threads` threads.
+ * Returns 0, or 1 when out of memory. */
+int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                     const void *scale, int sd, const void *bias, int bd, void *out, int od, int threads) {
+    const int64_t Kp = (K + 15) & ~(int64_t)15;
+    float *xf = malloc(sizeof(float) * (size_t)(M * Kp > 0 ? M * Kp : 1));
+    if (!xf) return 1;
+    for (int64_t m = 0; m < M; m++) {
+        load_row(at(x, xd, m * x_sr), xd, K, xf + m * Kp);
+        for (int64_t k = K; k < Kp; k++) xf[m * Kp + k] = 0.0f;
+    }
+    const gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 2 || M * N * K < gemv_min_parallel || N < 16 || pool_run(&a, threads)) gemv_rows(&a, 0, N);
+    free(xf);
+    return 0;
+}
+
+/* settings (benchmarks, tests): the idle workers' spin before they sleep (ns; < 0 keeps it) and the
+ * smallest product run in parallel (< 0 keeps it); returns the number of workers now running */
+int confkv_gemv_configure(int64_t spin_ns, int64_t min_parallel) {
+    if (spin_ns >= 0) STORE(&pool.spin_ns, spin_ns);
+    if (min_parallel >= 0) gemv_min_parallel = min_parallel;
+    return LOAD(&pool.workers);
 }

@@ -32,9 +32,9 @@ SOURCE = Path(__file__).with_name("kernels.c")
 # change no result: they let the compiler vectorise floor / int conversions without FP-exception or
 # errno side effects); no contraction of a * b + c into an FMA
 # except where kernels.c calls fmaf itself (rounding as torch's elementwise ops); -fopenmp-simd only
-# honours kernels.c's `omp simd` loops (no OpenMP runtime)
+# honours kernels.c's `omp simd` loops (no OpenMP runtime); -pthread for the INT8 GEMV's worker pool
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=off", "-fopenmp-simd",
-         "-fno-trapping-math", "-fno-math-errno"]
+         "-fno-trapping-math", "-fno-math-errno", "-pthread"]
 
 _UNSET = object()
 _state: dict[str, object] = {}  # "lib": the loaded library, or None when disabled / failed (memoised per process)
@@ -119,6 +119,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_torch_order_sum.argtypes = [ptr, i64, i32]
     lib.confkv_rotary.restype = None
     lib.confkv_rotary.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i32, ptr, i64, i64, i64, i64]
+    lib.confkv_int8_gemv.restype = i32
+    lib.confkv_int8_gemv.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32, ptr, i32, i32]
+    lib.confkv_gemv_configure.restype = i32
+    lib.confkv_gemv_configure.argtypes = [i64, i64]
     return lib
 
 

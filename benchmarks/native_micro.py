@@ -5,9 +5,16 @@ kernels are single-threaded). Prints per-call medians (us) and torch / native.
 - read: 1 query, 9 query heads over 3 KV heads, head dim 64, an old region of L - 128 slots and
   an FP window of 128, with the mass (confkv.attention.mass_read.mass_read vs confkv.native.mass_read);
 - RMSNorm: [1, 1, 576] bfloat16 (transformers' LlamaRMSNorm module vs confkv.native.rms_norm);
-- rotary: q [1, 9, 1, 64] and k [1, 3, 1, 64] bfloat16 (the lean decoder's torch lines vs confkv.native.rotary).
+- rotary: q [1, 9, 1, 64] and k [1, 3, 1, 64] bfloat16 (the lean decoder's torch lines vs confkv.native.rotary);
+- INT8 GEMV: bfloat16 activations [M, K] times an int8 weight [N, K] with a per-row scale, on the
+  SmolLM2 projection shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, the LM head
+  49152x576), M = 1 and 4 (torch._weight_int8pack_mm vs confkv.native.int8_linear, which splits N
+  over torch's thread count); the last column is the native kernel's weight bytes per second.
 
-    nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200]
+    nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200] [--kernels gemv] [--spin-us 50]
+
+Ratios (torch / native) come from one process, interleaved, so a loaded machine slows both sides alike;
+the absolute times are only as quiet as the machine.
 """
 import argparse
 import statistics
@@ -22,7 +29,27 @@ from confkv.attention.mass_read import mass_read
 from confkv.hf.lean import _rotate_half
 
 
-def cases():
+#: (name, N, K): SmolLM2-135M's projections, output features x input features
+GEMV_SHAPES = [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536),
+               ("lm_head", 49152, 576)]
+
+
+def gemv_cases():
+    gen = torch.Generator().manual_seed(0)
+    for label, n, k in GEMV_SHAPES:
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scale = (torch.rand(n, generator=gen) / 100).to(torch.bfloat16)
+        for rows in (1, 4):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            yield (f"gemv {label} {n}x{k} M={rows}", lambda x=x, w=weight, s=scale: torch._weight_int8pack_mm(x, w, s),
+                   lambda x=x, w=weight, s=scale: native.int8_linear(x, w, s), n * k)
+
+
+def cases(kernels):
+    if "gemv" in kernels:
+        yield from gemv_cases()
+    if not {"read", "rmsnorm", "rotary"} & set(kernels):
+        return
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for length in (700, 1100):
@@ -30,10 +57,10 @@ def cases():
                     for n in (length - 128, 128)]
             q = torch.randn(1, 9, 1, 64, generator=gen).to(dtype)
             yield (f"read {str(dtype)[6:]} L={length}", lambda q=q, s=segs: mass_read(q, s, 0.125),
-                   lambda q=q, s=segs: native.mass_read(q, s, 0.125))
+                   lambda q=q, s=segs: native.mass_read(q, s, 0.125), 0)
     norm = LlamaRMSNorm(576, 1e-5).to(torch.bfloat16)
     x = torch.randn(1, 1, 576, generator=gen).to(torch.bfloat16)
-    yield "RMSNorm [1,1,576] bf16", lambda: norm(x), lambda: native.rms_norm(x, norm.weight, 1e-5)
+    yield "RMSNorm [1,1,576] bf16", lambda: norm(x), lambda: native.rms_norm(x, norm.weight, 1e-5), 0
     q, k = (torch.randn(1, 1, h, 64, generator=gen).to(torch.bfloat16) for h in (9, 3))  # [B, q, H, D]
     cos, sin = (torch.randn(1, 1, 64, generator=gen).to(torch.bfloat16) for _ in range(2))  # [B, q, D]
 
@@ -41,19 +68,25 @@ def cases():
         query, key, c, s = q.transpose(1, 2), k.transpose(1, 2), cos[:, None], sin[:, None]
         return query * c + _rotate_half(query) * s, key * c + _rotate_half(key) * s
 
-    yield "rotary q+k bf16", torch_rotary, lambda: native.rotary(q, k, cos, sin)
+    yield "rotary q+k bf16", torch_rotary, lambda: native.rotary(q, k, cos, sin), 0
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--kernels", nargs="+", default=["read", "rmsnorm", "rotary", "gemv"],
+                        choices=["read", "rmsnorm", "rotary", "gemv"])
+    parser.add_argument("--spin-us", type=float, default=None,
+                        help="the GEMV workers' spin before they sleep (default: the library's, 50 us)")
     args = parser.parse_args()
     if not native.available():
         raise SystemExit("the native kernels are unavailable (see the warning above)")
-    print(f"{'case':28s} {'threads':>7s} {'torch us':>9s} {'native us':>10s} {'ratio':>6s}")
+    if args.spin_us is not None:
+        native.gemv_settings(spin_us=args.spin_us)
+    print(f"{'case':34s} {'threads':>7s} {'torch us':>9s} {'native us':>10s} {'ratio':>6s} {'native GB/s':>11s}")
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        for name, reference, fast in cases():
+        for name, reference, fast, weight_bytes in cases(args.kernels):
             times = {"torch": [], "native": []}
             for _ in range(args.repeats):  # interleaved A/B
                 for key, fn in (("torch", reference), ("native", fast)):
@@ -61,8 +94,9 @@ def main():
                     fn()
                     times[key].append(time.perf_counter() - start)
             med = {key: statistics.median(v[10:]) * 1e6 for key, v in times.items()}
-            print(f"{name:28s} {threads:7d} {med['torch']:9.1f} {med['native']:10.1f} "
-                  f"{med['torch'] / med['native']:6.2f}", flush=True)
+            rate = f"{weight_bytes / med['native'] / 1e3:11.1f}" if weight_bytes else f"{'':11s}"
+            print(f"{name:34s} {threads:7d} {med['torch']:9.1f} {med['native']:10.1f} "
+                  f"{med['torch'] / med['native']:6.2f} {rate}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from confkv import native
+
 
 class Int8Linear(nn.Module):
     """``y = x @ (W_int8 * scale[:, None]).T + bias`` for x [..., in] -> y [..., out].
@@ -41,14 +43,61 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
+    _native: "native.Int8Projection | None" = None  # the prepared native GEMV; reset when the tensors change
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out]: the native GEMV (confkv.native) for decode-sized CPU inputs (at most
+        ``native.MAX_GEMV_ROWS`` rows), else torch's kernel (:meth:`torch_forward`)."""
+        projection = self._native
+        if projection is None or projection.lib is not native.library():
+            projection = self._projection()
+        out = projection(x) if projection is not None else None  # None: not a decode-sized CPU input
+        if out is not None:
+            return out
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != self.scale.dtype:
             raise TypeError(f"Int8Linear was built for {self.scale.dtype} activations, got {flat.dtype}")
-        out = torch._weight_int8pack_mm(flat.contiguous(), self.weight_int8, self.scale)
+        return self.torch_forward(flat).reshape(*x.shape[:-1], self.out_features)
+
+    def torch_forward(self, flat: torch.Tensor) -> torch.Tensor:
+        """[M, in] -> [M, out] with torch's kernel (prefill chunks, no native library; the tests' reference).
+
+        torch 2.13's bfloat16 ``_weight_int8pack_mm`` reads past the rows when ``in`` is not a multiple
+        of 16 (garbage out); such layers multiply by the dequantized weight in float32 instead.
+        """
+        if flat.dtype != torch.float32 and self.in_features % 16:
+            out = (flat.float() @ self.weight_int8.float().T * self.scale.float()).to(flat.dtype)
+        else:
+            out = torch._weight_int8pack_mm(flat.contiguous(), self.weight_int8, self.scale)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out
+
+    def _projection(self) -> "native.Int8Projection | None":
+        """The native GEMV prepared for this layer's tensors, or None when the library is off or the
+        tensors do not fit (not on CPU)."""
+        weight, scale, bias = self.weight_int8, self.scale, self.bias
+        ready = native.available() and native.Int8Projection.supports(weight, scale, bias)
+        self.__dict__["_native"] = native.Int8Projection(weight, scale, bias) if ready else None
+        return self.__dict__["_native"]
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("weight_int8", "scale", "bias"):
+            self.__dict__.pop("_native", None)  # the prepared GEMV points at the old tensors
+        super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), .share_memory(), ...: tensors may move
+        self.__dict__.pop("_native", None)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):  # load_state_dict(assign=True) replaces the tensors
+        self.__dict__.pop("_native", None)
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_native", None)  # ctypes handles: prepared again on first use (pickle, deepcopy)
+        return state
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] float32: the weight the kernel multiplies by."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from confkv.native.loader import available, library
 
-__all__ = ["available", "gemv_settings", "int8_linear", "mass_read", "rms_norm", "rotary"]
+__all__ = ["Int8Projection", "available", "gemv_settings", "int8_linear", "mass_read", "rms_norm", "rotary"]
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 #: widest row the RMSNorm takes in bfloat16: torch splits longer sums over threads (another order)
@@ -201,6 +201,55 @@ def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = 
     if status:
         raise MemoryError("confkv native INT8 GEMV: out of memory for the widened activations")
     return out
+
+
+class Int8Projection:
+    """:func:`int8_linear` for one weight, its operands checked and packed once (a decode step makes
+    ~200 such calls: the per-call Python and ctypes work is most of a small projection's time).
+
+    Args:
+        weight: [N, K] int8 contiguous; scale: [N]; bias: [N] or None; scale and bias float32 or
+            bfloat16; all on CPU. The tensors are held (not copied); their owner prepares a
+            new projection when it replaces them (:class:`confkv.hf.weights.Int8Linear`).
+    Raises:
+        ValueError: when the library is unavailable or the operands are not of this kind (callers
+            check :func:`available` and :meth:`supports` first).
+    """
+
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        lib = library()
+        if lib is None or not self.supports(weight, scale, bias):
+            raise ValueError("Int8Projection needs the native library and an int8 [N, K] contiguous CPU weight with "
+                             "a float32 / bfloat16 [N] scale (and bias); use int8_linear's torch fallback otherwise")
+        self.lib, self.tensors = lib, (weight, scale, bias)  # held: the plan points into them
+        self.outputs, self.inputs = weight.shape
+        self.dtype, self._code = scale.dtype, _CODES[scale.dtype]  # the activations' dtype: the scale's
+        self._plan = (ctypes.c_int64 * 7)(weight.data_ptr(), weight.shape[0], weight.shape[1], scale.data_ptr(),
+                                          _CODES[scale.dtype], 0 if bias is None else bias.data_ptr(),
+                                          0 if bias is None else _CODES[bias.dtype])
+        self._call = lib.confkv_int8_linear
+
+    @staticmethod
+    def supports(weight: Tensor, scale: Tensor, bias: Tensor | None) -> bool:
+        """Whether the operands fit: int8 contiguous [N, K], contiguous [N] float32 / bfloat16 scale and bias, CPU."""
+        tensors = (weight, scale) if bias is None else (weight, scale, bias)
+        return (weight.dtype == torch.int8 and weight.dim() == 2 and all(t.is_contiguous() for t in tensors)
+                and all(t.dtype in _CODES and t.shape == weight.shape[:1] for t in tensors[1:]) and _on_cpu(*tensors))
+
+    def __call__(self, x: Tensor) -> Tensor | None:
+        """x [..., K] on CPU in the scale's dtype with at most MAX_GEMV_ROWS rows -> [..., N] in x.dtype, else None."""
+        shape = x.shape
+        if x.dtype is not self.dtype or not x.is_cpu or shape[-1] != self.inputs:
+            return None
+        rows = x.numel() // self.inputs if self.inputs else 0
+        if rows > MAX_GEMV_ROWS or not rows:
+            return None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty(*shape[:-1], self.outputs, dtype=x.dtype)
+        if self._call(self._plan, x.data_ptr(), self._code, self.inputs, rows, out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("confkv native INT8 GEMV: out of memory for the widened activations")
+        return out
 
 
 def gemv_settings(spin_us: float | None = None, min_parallel: int | None = None) -> int:

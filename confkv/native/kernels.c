@@ -651,6 +651,14 @@ int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, 
     return 0;
 }
 
+/* confkv_int8_gemv with the weight's operands prepared once (fewer arguments through ctypes per call):
+ * plan = {w, N, K, scale, sd, bias (0: none), bd} as int64 */
+int confkv_int8_linear(const int64_t *plan, const void *x, int xd, int64_t x_sr, int64_t M, void *out, int threads) {
+    return confkv_int8_gemv(x, xd, x_sr, M, plan[2], (const int8_t *)(intptr_t)plan[0], plan[1],
+                            (const void *)(intptr_t)plan[3], (int)plan[4], (const void *)(intptr_t)plan[5], (int)plan[6],
+                            out, xd, threads);
+}
+
 /* settings (benchmarks, tests): the idle workers' spin before they sleep (ns; < 0 keeps it) and the
  * smallest product run in parallel (< 0 keeps it); returns the number of workers now running */
 int confkv_gemv_configure(int64_t spin_ns, int64_t min_parallel) {

@@ -121,6 +121,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_rotary.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i32, ptr, i64, i64, i64, i64]
     lib.confkv_int8_gemv.restype = i32
     lib.confkv_int8_gemv.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32, ptr, i32, i32]
+    lib.confkv_int8_linear.restype = i32
+    lib.confkv_int8_linear.argtypes = [ptr, ptr, i32, i64, i64, ptr, i32]
     lib.confkv_gemv_configure.restype = i32
     lib.confkv_gemv_configure.argtypes = [i64, i64]
     return lib

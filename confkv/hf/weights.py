@@ -44,6 +44,8 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
     _native: "native.Int8Projection | None" = None  # the prepared native GEMV; reset when the tensors change
+    #: False: every Int8Linear runs torch's kernel while the other native kernels stay on (A/B timings)
+    use_native_gemv = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: the native GEMV (confkv.native) for decode-sized CPU inputs (at most
@@ -51,7 +53,7 @@ class Int8Linear(nn.Module):
         projection = self._native
         if projection is None or projection.lib is not native.library():
             projection = self._projection()
-        out = projection(x) if projection is not None else None  # None: not a decode-sized CPU input
+        out = projection(x) if projection is not None and self.use_native_gemv else None  # None: not a decode-sized CPU input
         if out is not None:
             return out
         flat = x.reshape(-1, self.in_features)

@@ -501,12 +501,15 @@ static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
 #endif
 }
 
-/* ---- the worker pool: threads created once, woken per call; the caller computes the first share ----
- * A worker spins (pause) for up to `spin_ns` after its last job, then sleeps on a condition variable;
- * the caller bumps `generation` and signals only when some worker sleeps (Dekker-style: both sides use
- * sequentially consistent atomics, and the sleeper re-checks the generation under the mutex).
- * fork(): the child starts with no workers (pthread_atfork) and creates them again on its first call.
- * A second thread calling while the pool is busy computes its product alone. */
+/* ---- the worker pool: threads created once, woken per call, rows handed out in chunks ----
+ * A call cuts the output rows into chunks; the caller and the workers claim them one at a time from
+ * `ticket` (generation << 32 | next chunk), so a worker that wakes late (a loaded machine, a sleeping
+ * worker) takes fewer chunks instead of holding the caller up: the caller waits only for chunks that a
+ * worker has claimed. A worker spins (pause) for up to `spin_ns` after its last call, then sleeps on a
+ * condition variable; the caller bumps `generation` and signals only when some worker sleeps
+ * (Dekker-style: both sides use sequentially consistent atomics, and the sleeper re-checks the
+ * generation under the mutex). fork(): the child starts with no workers (pthread_atfork) and creates
+ * them again on its first call. A second thread calling while the pool is busy computes alone. */
 enum { MAX_THREADS = 16 };
 
 static struct {
@@ -515,14 +518,14 @@ static struct {
     int workers;           /* started; only the caller that holds `busy` creates more */
     int busy;              /* a call owns the pool */
     int sleepers;          /* workers waiting on `wake` */
-    int pending;           /* workers that have not finished the current generation */
     uint64_t generation;   /* bumped once per parallel call */
     uint64_t born;         /* the generation when the newest worker was created: its first wait starts there */
+    uint64_t ticket;       /* (generation & 0xFFFFFFFF) << 32 | the next unclaimed chunk */
+    int64_t done;          /* chunks finished in the current generation */
     int64_t spin_ns;       /* how long an idle worker spins before it sleeps */
-    int64_t chunk;         /* output rows per thread in the current call */
-    int threads;           /* threads taking part in the current call (caller included) */
+    int64_t chunk_rows, chunks;
     gemv_args job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 50000, 0, 0, {0}};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 50000, 0, 0, {0}};
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
@@ -545,14 +548,36 @@ static void pool_after_fork_in_child(void) {
     /* the parent's workers do not exist here; the lock may have been held by one of them */
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
-    pool.workers = pool.busy = pool.sleepers = pool.pending = 0;
+    pool.workers = pool.busy = pool.sleepers = 0;
 }
 
 static void pool_register_fork_handler(void) { pthread_atfork(NULL, NULL, pool_after_fork_in_child); }
 
-/* a worker's whole life: wait for a generation, compute its share, report, wait again */
+/* the next chunk of generation `generation` into *index; 0 when that generation has none left (or is over) */
+static int pool_claim(uint64_t generation, int64_t *index) {
+    uint64_t ticket = LOAD(&pool.ticket);
+    for (;;) {
+        if ((ticket >> 32) != (generation & 0xFFFFFFFFu) || (int64_t)(ticket & 0xFFFFFFFFu) >= LOAD(&pool.chunks)) return 0;
+        if (__atomic_compare_exchange_n(&pool.ticket, &ticket, ticket + 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+            *index = (int64_t)(ticket & 0xFFFFFFFFu);
+            return 1;
+        }
+    }
+}
+
+/* claim and compute chunks of `generation` until none is left */
+static void pool_work(uint64_t generation) {
+    int64_t index;
+    while (pool_claim(generation, &index)) {
+        const int64_t n0 = index * pool.chunk_rows, end = n0 + pool.chunk_rows;
+        gemv_rows(&pool.job, n0, end < pool.job.N ? end : pool.job.N);
+        __atomic_add_fetch(&pool.done, 1, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* a worker's whole life: wait for a generation, take chunks, wait again */
 static void *pool_worker(void *arg) {
-    const int index = (int)(intptr_t)arg;
+    (void)arg;
     uint64_t seen = LOAD(&pool.born); /* not the generation now: the caller may have bumped it already */
     for (;;) {
         const int64_t start = now_ns(), spin = LOAD(&pool.spin_ns);
@@ -567,11 +592,7 @@ static void *pool_worker(void *arg) {
             }
         }
         seen = LOAD(&pool.generation);
-        if (index < pool.threads) {
-            const int64_t n0 = index * pool.chunk, n1 = n0 + pool.chunk < pool.job.N ? n0 + pool.chunk : pool.job.N;
-            if (n0 < n1) gemv_rows(&pool.job, n0, n1);
-        }
-        __atomic_sub_fetch(&pool.pending, 1, __ATOMIC_SEQ_CST);
+        pool_work(seen);
     }
     return NULL;
 }
@@ -587,7 +608,7 @@ static int pool_grow(int wanted) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&thread, &attr, pool_worker, (void *)(intptr_t)(pool.workers + 1));
+        const int failed = pthread_create(&thread, &attr, pool_worker, NULL);
         pthread_attr_destroy(&attr);
         if (failed) break;
         pool.workers++;
@@ -596,8 +617,8 @@ static int pool_grow(int wanted) {
     return pool.workers;
 }
 
-/* the product on `threads` threads (the caller and threads - 1 workers); 0 when done, 1 when the pool is busy
- * or no worker could start (the caller then computes alone) */
+/* the product on the caller and up to threads - 1 workers; 0 when done, 1 when the pool is busy or no
+ * worker could start (the caller then computes alone) */
 static int pool_run(const gemv_args *a, int threads) {
     int idle = 0;
     if (!__atomic_compare_exchange_n(&pool.busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
@@ -606,23 +627,26 @@ static int pool_run(const gemv_args *a, int threads) {
         STORE(&pool.busy, 0);
         return 1;
     }
-    if (threads > pool.workers + 1) threads = pool.workers + 1;
-    const int64_t rows = (a->N + threads - 1) / threads;
+    /* about 8 chunks per thread, whole 8-row blocks, at least 16 rows */
+    int64_t rows = (a->N + 8 * threads - 1) / (8 * threads);
+    rows = rows < 16 ? 16 : (rows + 7) & ~(int64_t)7;
     pool.job = *a;
-    pool.threads = threads;
-    pool.chunk = (rows + 7) & ~(int64_t)7; /* whole 8-row blocks per thread */
-    STORE(&pool.pending, pool.workers);
-    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_SEQ_CST);
+    pool.chunk_rows = rows;
+    pool.chunks = (a->N + rows - 1) / rows;
+    STORE(&pool.done, 0);
+    const uint64_t generation = LOAD(&pool.generation) + 1;
+    STORE(&pool.ticket, (generation & 0xFFFFFFFFu) << 32);
+    STORE(&pool.generation, generation);
     if (LOAD(&pool.sleepers)) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    gemv_rows(a, 0, pool.chunk < a->N ? pool.chunk : a->N);
+    pool_work(generation);
     const int64_t start = now_ns();
-    for (unsigned i = 1; LOAD(&pool.pending) > 0; i++) {
+    for (unsigned i = 1; LOAD(&pool.done) < pool.chunks; i++) { /* chunks a worker claimed and still computes */
         cpu_relax();
-        if ((i & 255) == 0 && now_ns() - start > 20000) sched_yield(); /* a worker descheduled on a busy machine */
+        if ((i & 255) == 0 && now_ns() - start > 20000) sched_yield(); /* that worker was descheduled */
     }
     STORE(&pool.busy, 0);
     return 0;

@@ -9,11 +9,12 @@ kernels are single-threaded). Prints per-call medians (us) and torch / native.
 - INT8 GEMV: bfloat16 activations [M, K] times an int8 weight [N, K] with a per-row scale, on the
   SmolLM2 projection shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, the LM head
   49152x576), M = 1 and 4 (torch._weight_int8pack_mm vs confkv.native.int8_linear, which splits N
-  over torch's thread count); the last column is the native kernel's weight bytes per second.
+  over torch's thread count); the last column is the native kernel's weight bytes per second;
+- sweep: a decode step's 211 projections one after another, each with its own weight (135 MB).
 
-    nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200] [--kernels gemv] [--spin-us 50]
+    nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200] [--block 5] [--kernels gemv sweep] [--spin-us 50]
 
-Ratios (torch / native) come from one process, interleaved, so a loaded machine slows both sides alike;
+Ratios (torch / native) come from one process, interleaved in blocks of --block calls, so a loaded machine slows both sides alike;
 the absolute times are only as quiet as the machine.
 """
 import argparse
@@ -45,7 +46,28 @@ def gemv_cases():
                    lambda x=x, w=weight, s=scale: native.int8_linear(x, w, s), n * k)
 
 
+def sweep_case():
+    """One decode step's 211 projections (30 layers x q, k, v, o, gate, up, down + the LM head, each
+    its own weight: 135 MB, far past the caches), M = 1, bfloat16."""
+    gen = torch.Generator().manual_seed(1)
+    layer = [GEMV_SHAPES[0], GEMV_SHAPES[1], GEMV_SHAPES[1], GEMV_SHAPES[0], GEMV_SHAPES[2], GEMV_SHAPES[2],
+             GEMV_SHAPES[3]]
+    shapes = [(n, k) for _ in range(30) for _, n, k in layer] + [GEMV_SHAPES[4][1:]]
+    weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+                (torch.rand(n, generator=gen) / 100).to(torch.bfloat16)) for n, k in shapes]
+    inputs = {k: torch.randn(1, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
+
+    def run(fn):
+        for w, s in weights:
+            fn(inputs[w.shape[1]], w, s)
+
+    yield ("sweep: 211 projections, 135 MB", lambda: run(torch._weight_int8pack_mm), lambda: run(native.int8_linear),
+           sum(w.numel() for w, _ in weights))
+
+
 def cases(kernels):
+    if "sweep" in kernels:
+        yield from sweep_case()
     if "gemv" in kernels:
         yield from gemv_cases()
     if not {"read", "rmsnorm", "rotary"} & set(kernels):
@@ -74,8 +96,9 @@ def cases(kernels):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--kernels", nargs="+", default=["read", "rmsnorm", "rotary", "gemv"],
-                        choices=["read", "rmsnorm", "rotary", "gemv"])
+    parser.add_argument("--kernels", nargs="+", default=["read", "rmsnorm", "rotary", "gemv", "sweep"],
+                        choices=["read", "rmsnorm", "rotary", "gemv", "sweep"])
+    parser.add_argument("--block", type=int, default=5, help="timed calls per side in a row")
     parser.add_argument("--spin-us", type=float, default=None,
                         help="the GEMV workers' spin before they sleep (default: the library's, 50 us)")
     args = parser.parse_args()
@@ -88,12 +111,14 @@ def main():
         torch.set_num_threads(threads)
         for name, reference, fast, weight_bytes in cases(args.kernels):
             times = {"torch": [], "native": []}
-            for _ in range(args.repeats):  # interleaved A/B
+            for _ in range(max(args.repeats // args.block, 3)):  # interleaved A/B, in blocks of calls
                 for key, fn in (("torch", reference), ("native", fast)):
-                    start = time.perf_counter()
-                    fn()
-                    times[key].append(time.perf_counter() - start)
-            med = {key: statistics.median(v[10:]) * 1e6 for key, v in times.items()}
+                    fn()  # the first call after a switch is not timed (the other side's threads still spin)
+                    for _ in range(args.block):
+                        start = time.perf_counter()
+                        fn()
+                        times[key].append(time.perf_counter() - start)
+            med = {key: statistics.median(v) * 1e6 for key, v in times.items()}
             rate = f"{weight_bytes / med['native'] / 1e3:11.1f}" if weight_bytes else f"{'':11s}"
             print(f"{name:34s} {threads:7d} {med['torch']:9.1f} {med['native']:10.1f} "
                   f"{med['torch'] / med['native']:6.2f} {rate}", flush=True)

@@ -125,6 +125,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_int8_linear.argtypes = [ptr, ptr, i32, i64, i64, ptr, i32]
     lib.confkv_gemv_configure.restype = i32
     lib.confkv_gemv_configure.argtypes = [i64, i64]
+    spin = os.environ.get("CONFKV_GEMV_SPIN_US")
+    if spin:  # the GEMV workers' spin before they sleep (kernels.c's pool; default 50 us)
+        try:
+            lib.confkv_gemv_configure(int(float(spin) * 1000), -1)
+        except ValueError:
+            raise NativeBuildError(f"CONFKV_GEMV_SPIN_US={spin!r} is not a number of microseconds; "
+                                   "unset it or give e.g. 50") from None
     return lib
 
 

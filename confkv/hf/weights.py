@@ -6,7 +6,10 @@ A decode step on a CPU reads every weight once: SmolLM2-135M holds 540 MB in flo
 ``W [out, in]`` becomes ``round(W / s)`` in int8 with one scale ``s = max|W_row| / 127`` per
 output channel (symmetric, per-channel: the "W8A16" scheme of LLM.int8()'s weight path and
 torchao's ``int8_weight_only``), and the product is computed by
-``torch._weight_int8pack_mm(x, W_int8, s)``, which dequantizes inside the kernel. The
+``torch._weight_int8pack_mm(x, W_int8, s)``, which dequantizes inside the kernel; decode-sized
+inputs (at most ``confkv.native.MAX_GEMV_ROWS`` rows on CPU) run the same product in
+:func:`confkv.native.int8_linear` (kernels.c, split over torch's thread count) when the native
+kernels are on. The
 activations keep the model's dtype: the kernel is fast for bfloat16 activations and slow for
 float32 ones on CPU, so use it with a bfloat16 model (:func:`quantize_linear_weights` refuses
 other dtypes unless told otherwise). The embedding table stays as it is (a lookup reads one

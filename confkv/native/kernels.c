@@ -451,7 +451,8 @@ static inline __attribute__((always_inline)) void gemv_block_avx512(const gemv_a
     const int8_t *w = a->w + n * K;
     /* the rows two blocks ahead (NB * K bytes, contiguous) are prefetched NB / 4 lines per 16 columns:
      * a block's 8 short rows at a stride of K bytes are no stream the hardware prefetcher follows well
-     * (a decode step's 211 projections at 1 thread: 15 ms with this, 22 ms without; native_micro.py sweep) */
+     * (a decode step's 211 projections at 1 thread on a loaded machine: 15 ms with it, 22 ms without;
+     * benchmarks/native_micro.py --kernels sweep) */
     const char *next = (const char *)(w + 2 * NB * K);
     const int ahead = NB >= 4 ? NB / 4 : 1;
     for (int64_t k = 0; k < Kp; k += 16) {

@@ -8,8 +8,8 @@ kernels are single-threaded). Prints per-call medians (us) and torch / native.
 - rotary: q [1, 9, 1, 64] and k [1, 3, 1, 64] bfloat16 (the lean decoder's torch lines vs confkv.native.rotary);
 - INT8 GEMV: bfloat16 activations [M, K] times an int8 weight [N, K] with a per-row scale, on the
   SmolLM2 projection shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, the LM head
-  49152x576), M = 1 and 4 (torch._weight_int8pack_mm vs confkv.native.int8_linear, which splits N
-  over torch's thread count); the last column is the native kernel's weight bytes per second;
+  49152x576), M = 1 and 4 (torch._weight_int8pack_mm vs confkv.native.Int8Projection, prepared once
+  as Int8Linear holds it; it splits N over torch's thread count); the last column is the native kernel's weight bytes per second;
 - sweep: a decode step's 211 projections one after another, each with its own weight (135 MB).
 
     nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200] [--block 5] [--kernels gemv sweep] [--spin-us 50]
@@ -42,8 +42,9 @@ def gemv_cases():
         scale = (torch.rand(n, generator=gen) / 100).to(torch.bfloat16)
         for rows in (1, 4):
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            projection = native.Int8Projection(weight, scale)  # prepared once, as Int8Linear does
             yield (f"gemv {label} {n}x{k} M={rows}", lambda x=x, w=weight, s=scale: torch._weight_int8pack_mm(x, w, s),
-                   lambda x=x, w=weight, s=scale: native.int8_linear(x, w, s), n * k)
+                   lambda x=x, p=projection: p(x), n * k)
 
 
 def sweep_case():
@@ -57,12 +58,17 @@ def sweep_case():
                 (torch.rand(n, generator=gen) / 100).to(torch.bfloat16)) for n, k in shapes]
     inputs = {k: torch.randn(1, k, generator=gen).to(torch.bfloat16) for k in (576, 1536)}
 
-    def run(fn):
-        for w, s in weights:
-            fn(inputs[w.shape[1]], w, s)
+    projections = [native.Int8Projection(w, s) for w, s in weights]
 
-    yield ("sweep: 211 projections, 135 MB", lambda: run(torch._weight_int8pack_mm), lambda: run(native.int8_linear),
-           sum(w.numel() for w, _ in weights))
+    def run_torch():
+        for w, s in weights:
+            torch._weight_int8pack_mm(inputs[w.shape[1]], w, s)
+
+    def run_native():
+        for p in projections:
+            p(inputs[p.inputs])
+
+    yield "sweep: 211 projections, 135 MB", run_torch, run_native, sum(w.numel() for w, _ in weights)
 
 
 def cases(kernels):

@@ -224,3 +224,86 @@ def test_a_store_whose_sequences_were_all_removed_still_steps():
     store.end_step(torch.zeros(0, dtype=torch.int64))
     store.end_step(None)
     assert store.kept_list() == [] and store.kv_bytes() == 0
+
+
+def test_nothing_is_ranked_while_the_old_region_is_empty():
+    """A padded prompt (validity tracked, so no dense shortcut) still inside the FP window (protect 4):
+    the old region is empty, there is nothing to rank or compact, whatever the budget."""
+    store = LayerStore(make_policy("h2o", budget=6, protect=4), StoreConfig(move_block=1))
+    gen = torch.Generator().manual_seed(13)
+    timers = profiling.Timers()
+    with profiling.enabled(timers):
+        _step(store, gen, budget=[6], new=2, padding=torch.tensor([[False, True]]))
+        _step(store, gen, budget=[6])
+    assert _lengths(store) == (0, 3) and store.kept_list() == [2]
+    assert "ranking and top-k" not in timers.calls and "compaction gather" not in timers.calls
+
+
+def test_a_sliding_window_layer_takes_no_eviction_slack():
+    """evict_slack 2 does not apply to a sliding-window layer (W = 4): it holds exactly its last 3 tokens
+    at every step once full, never 3 - 2 = 1."""
+    store = LayerStore(make_policy("h2o", budget=6, protect=4, sinks=0), StoreConfig(move_block=1, evict_slack=2),
+                       sliding_window=4)
+    gen = torch.Generator().manual_seed(14)
+    seen = []
+    for _ in range(7):
+        _step(store, gen, budget=None)
+        seen.append(store.physical_length)
+    assert seen == [1, 2, 3, 3, 3, 3, 3]
+    assert sorted(store.old.positions[0, 0].tolist() + store.recent.positions[0, 0].tolist()) == [4, 5, 6]
+
+
+def test_slack_spares_a_sequence_exactly_at_its_budget():
+    """evict_slack 2, budgets [5, 5], protect 1; the second row has one padding column so it holds one real
+    token fewer. Real tokens go [2, 1] ... [5, 4]; at [6, 5] the first row is over and is evicted to
+    5 - 2 = 3; the second is exactly at its budget (not over) and keeps all 5."""
+    store = LayerStore(make_policy("h2o", budget=5, protect=1, sinks=0), StoreConfig(move_block=1, evict_slack=2))
+    gen = torch.Generator().manual_seed(15)
+    _step(store, gen, budget=[5, 5], new=2, padding=torch.tensor([[True, True], [False, True]]))
+    seen = [store.kept_list()]
+    for _ in range(4):
+        _step(store, gen, budget=[5, 5])
+        seen.append(store.kept_list())
+    assert seen == [[2, 1], [3, 2], [4, 3], [5, 4], [3, 5]]
+
+
+def test_slack_may_empty_the_old_region():
+    """Budget 2, evict_slack 2, protect 1 (sinks 0): over budget at 3 tokens, the old region's keep is
+    2 - 1 (the FP slot) - 2 (slack) < 0, so 0: only the protected FP token stays; kept 1 2 1 2 1."""
+    store = LayerStore(make_policy("h2o", budget=2, protect=1, sinks=0), StoreConfig(move_block=1, evict_slack=2))
+    gen = torch.Generator().manual_seed(16)
+    seen = []
+    for _ in range(5):
+        _step(store, gen, budget=[2])
+        seen.append(store.kept_list())
+    assert seen == [[1], [2], [1], [2], [1]]
+    assert store.old.length == 0 or not bool(store.old.valid.any())
+
+
+def test_protection_raises_each_sequences_keep_by_its_own_protected_count():
+    """protect 2, sinks 0, budgets [2, 100], a 3-token prompt: row 0 is cut to its 2 protected FP tokens.
+    The next token is padding for row 1, so its FP window holds [2, pad] and its protected position 1 lives
+    in the old region. Row 0 (positions 2, 3 in its FP window, nothing protected in old) is over its budget
+    and keeps no old token: row 1's protected old token does not raise row 0's keep."""
+    store = LayerStore(make_policy("h2o", budget=3, protect=2, sinks=0), StoreConfig(move_block=1))
+    gen = torch.Generator().manual_seed(17)
+    _step(store, gen, budget=[2, 100], new=3)
+    assert store.kept_list() == [2, 3]
+    _step(store, gen, budget=[2, 100], padding=torch.tensor([[True], [False]]))
+    assert store.kept_list() == [2, 3]
+    assert store.recent.positions[0, 0].tolist() == [2, 3]
+    assert not bool(store.old.valid[0].any())
+
+
+def test_protected_tokens_are_counted_per_head_not_summed_over_heads():
+    """protect 2, sinks 0, Hkv 2, a 3-token prompt without a budget, then a padding column: old [0, 1], FP
+    window [2, pad]. Budget 2 leaves the old region 2 - 1 = 1 slot; exactly one old token (position 1) is
+    protected in each head, so the old region keeps 1 (not 2, the heads' sum): 2 tokens in all."""
+    store = LayerStore(make_policy("h2o", budget=3, protect=2, sinks=0), StoreConfig(move_block=1))
+    gen = torch.Generator().manual_seed(18)
+    _step(store, gen, budget=None, new=3)
+    assert _lengths(store) == (1, 2)
+    _step(store, gen, budget=[2], padding=torch.tensor([[False]]))
+    assert store.kept_list() == [2]
+    valid_old = store.old.valid[0]
+    assert store.old.positions[0, :, valid_old].tolist() == [[1], [1]]

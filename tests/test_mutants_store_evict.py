@@ -307,3 +307,37 @@ def test_protected_tokens_are_counted_per_head_not_summed_over_heads():
     assert store.kept_list() == [2]
     valid_old = store.old.valid[0]
     assert store.old.positions[0, :, valid_old].tolist() == [[1], [1]]
+
+
+def test_an_int8_store_demotes_tokens_to_the_cold_tier_in_the_model_dtype():
+    """kv_int8 store of bfloat16 keys with a 16-bit cold tier (confkv-r): the INT8 tokens evicted to the
+    cold tier are dequantized to bfloat16 (the FP window's dtype), so the tier stores bfloat16, not the
+    float32 that dequantization computes in (which would double its memory)."""
+    store = LayerStore(make_policy("confkv-r", budget=4, protect=2, sinks=0, bits=16, page_size=2, group_size=2,
+                                   k=1), StoreConfig(move_block=1, kv_int8=True, fp_window=1))
+    gen = torch.Generator().manual_seed(19)
+    for _ in range(8):
+        store.append(torch.randn(1, 2, 1, 4, generator=gen).bfloat16(), torch.randn(1, 2, 1, 4, generator=gen).bfloat16())
+        store.attend(torch.randn(1, 4, 1, 4, generator=gen).bfloat16(), scaling=0.5)
+        store.end_step(torch.tensor([4]))
+    assert store.int8 and store.kept_list() == [4]
+    assert store.cold.token_count().tolist() == [4]
+    assert store.cold.dtype == torch.bfloat16
+
+
+def test_hf_style_int_and_float_attention_masks_count_real_tokens_as_int64():
+    """``padding`` may come as HF's 2D attention mask (``model(...)`` takes int64 or float 0/1 masks):
+    the store reads it as bool, so the real-token counts stay int64 [B] and positions are integers:
+    rows with 1 and 3 leading padding columns of 4 hold 3 and 1 real tokens at positions 0.."""
+    for dtype in (torch.int64, torch.float32):
+        store = LayerStore(make_policy("h2o", budget=6, protect=4), StoreConfig(move_block=1))
+        gen = torch.Generator().manual_seed(20)
+        mask = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1]], dtype=dtype)
+        _step(store, gen, budget=[6, 6], new=4, padding=mask)
+        _step(store, gen, budget=[6, 6], padding=torch.cat([mask, torch.ones(2, 1, dtype=dtype)], dim=1))
+        assert store.seen_real.dtype == torch.int64 and store.seen_real.tolist() == [4, 2], dtype
+        assert store.kept_list() == [4, 2]
+        assert _lengths(store) == (0, 4)  # the all-padding first column was dropped when it aged
+        assert store.recent.valid.tolist() == [[True, True, True, True], [False, False, True, True]]
+        assert store.recent.positions[0, 0].tolist() == [0, 1, 2, 3]
+        assert store.recent.positions[1, 0, 2:].tolist() == [0, 1]

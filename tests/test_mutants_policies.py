@@ -345,3 +345,30 @@ def test_accepted_parameters_fold_in_gate_confidence_and_cold_fields_only_where_
     assert accepted_parameters("quest") == {"protect", "sinks", "budget"} | cold
     assert accepted_parameters("confkv-r") == {"protect", "sinks", "ema_decay", "recency_weight",
                                                "recency_halflife", "budget"} | gate | cold
+
+
+def test_flat_gate_and_cold_parameters_override_a_given_base_object_field_by_field():
+    # a GateConfig / ColdConfig passed whole keeps its other fields when flat parameters override some
+    from confkv.config import ColdConfig, GateConfig
+
+    policy = make_policy("confkv", gate=GateConfig(tau=0.9, n_high=64, n_low=128), n_low=256)
+    assert (policy.gate.tau, policy.gate.n_high, policy.gate.n_low) == (0.9, 64, 256)
+    tiered = make_policy("confkv-r", budget=64, protect=8, cold=ColdConfig(bits=2, page_size=16, group_size=16), k=3)
+    assert (tiered.cold.bits, tiered.cold.page_size, tiered.cold.k_high, tiered.cold.k_low) == (2, 16, 3, 3)
+
+
+def test_a_policy_object_with_parameters_is_refused_with_its_message():
+    with pytest.raises(ConfigError) as refused:
+        make_policy(make_policy("h2o", budget=64), budget=48)
+    assert str(refused.value) == "policy: pass either a Policy object or a name with parameters, not both"
+
+
+def test_protection_refusals_give_the_window_and_the_smallest_budget():
+    with pytest.raises(ConfigError) as refused:
+        make_policy("h2o", budget=8, protect=8)
+    assert str(refused.value) == ("protect: the protection window P=8 must be smaller than the smallest budget (8); "
+                                  "lower `protect` or raise the budget")
+    with pytest.raises(ConfigError) as refused:
+        make_policy("h2o", budget=8, protect=5, sinks=3)
+    assert str(refused.value) == ("sinks: protect + sinks = 8 must be smaller than the smallest budget (8); "
+                                  "lower `sinks`/`protect` or raise the budget")

@@ -348,3 +348,41 @@ def test_the_read_gets_the_store_s_block_size(monkeypatch):
     store = LayerStore(make_policy("h2o", budget=8, protect=2), StoreConfig(move_block=1, block_size=3))
     _step(store, torch.Generator().manual_seed(0), budget=8, new=5)
     assert sizes == [3]
+
+
+def test_a_fresh_store_has_nothing_pending_and_its_statistics_stay_float32_for_bfloat16_keys():
+    store = LayerStore(make_policy("h2o", budget=8, protect=2), StoreConfig(move_block=1))
+    assert store.pending == 0 and store.old is None and not store.is_initialized
+    gen = torch.Generator().manual_seed(0)
+    store.append(torch.randn(1, 2, 3, 4, generator=gen).bfloat16(), torch.randn(1, 2, 3, 4, generator=gen).bfloat16())
+    assert [t.dtype for t in store.recent.stats.values()] == [torch.float32]  # accumulated attention mass: fp32 in any model dtype
+    assert store.old.keys.dtype == torch.bfloat16 and store.old.length == 0
+
+
+def test_a_second_append_without_a_read_is_refused_with_its_message():
+    store = LayerStore(make_policy("h2o", budget=8, protect=2), StoreConfig(move_block=1))
+    store.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    with pytest.raises(RuntimeError) as refused:
+        store.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    assert str(refused.value) == ("confkv: a layer received new keys twice without an attention read in between; "
+                                  "the model must run with attn_implementation='confkv' (use confkv.hf.enable(model))")
+
+
+def test_promotion_without_attention_is_refused_and_the_page_file_opens_in_offload_dir(tmp_path, monkeypatch):
+    from confkv.errors import ConfigError
+
+    blind = make_policy("quest", budget=8, protect=2, bits=4, page_size=2, group_size=2, k=1, promote=0.1)
+    with pytest.raises(ConfigError) as refused:
+        LayerStore(blind, StoreConfig(move_block=1))
+    assert str(refused.value) == ("promote: policy 'quest' reads no attention mass, so no page can earn "
+                                  "promotion; use confkv-r or leave promote unset")
+    from confkv import store as store_module
+
+    opened = []
+    real = store_module.PageFile
+    monkeypatch.setattr(store_module, "PageFile", lambda directory: opened.append(directory) or real(directory))
+    offloaded = make_policy("confkv-r", budget=8, protect=2, bits=4, page_size=2, group_size=2, k=1, offload=True,
+                            offload_dir=str(tmp_path))
+    store = LayerStore(offloaded, StoreConfig(move_block=1))
+    assert opened == [str(tmp_path)] and store.cold.page_file is not None  # the page file where the user asked
+    store.cold.page_file.close()

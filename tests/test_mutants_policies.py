@@ -372,3 +372,8 @@ def test_protection_refusals_give_the_window_and_the_smallest_budget():
         make_policy("h2o", budget=8, protect=5, sinks=3)
     assert str(refused.value) == ("sinks: protect + sinks = 8 must be smaller than the smallest budget (8); "
                                   "lower `sinks`/`protect` or raise the budget")
+
+
+def test_an_unlimited_budget_refuses_no_protection_window():
+    # the window must be smaller than the smallest *finite* budget; with none, any window goes
+    assert make_policy("h2o", budget=UNLIMITED, protect=UNLIMITED).protect == UNLIMITED

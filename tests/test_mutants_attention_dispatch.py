@@ -132,6 +132,8 @@ def test_cpu_reads_densify_and_run_torch(spies, backend):
     assert attention_read(query, segments, 0.5, block_size=2, backend=backend) == ("torch-out", None)
     assert _ran(spies) == ["torch"]
     assert _densified(spies)
+    _, args, kwargs = spies[-1]  # the torch read gets the query, the segments, the scaling and the block size
+    assert args[0] is query and args[2:] == (0.5, 2) and kwargs == {"softcap": None, "need_mass": True}
 
 
 def test_auto_with_mass_uses_the_native_read_when_it_answers(spies, monkeypatch):

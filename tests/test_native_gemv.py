@@ -186,7 +186,7 @@ def test_int8_linear_takes_the_native_gemv_for_decode_rows(dtype, bias):
     layer = _layer(96, 75, bias, dtype)
     x = torch.randn(2, 1, 96).to(dtype)
     got = layer(x)
-    assert layer._native is not None and got.shape == (2, 1, 75)
+    assert layer._native[1] is not None and got.shape == (2, 1, 75)
     _check(got.reshape(2, 75), x.reshape(2, 96), layer.weight_int8, layer.scale, layer.bias)
     torch.testing.assert_close(got.reshape(2, 75), layer.torch_forward(x.reshape(2, 96)),
                                **({"rtol": 0.016, "atol": 0.02} if dtype == torch.bfloat16 else {}))
@@ -208,15 +208,19 @@ def test_int8_linear_prepares_again_when_its_tensors_change():
     torch.testing.assert_close(clone(x), shifted)
     assert not torch.equal(layer(x), shifted)
     layer.to(torch.float32)  # .to(): the plan is dropped with the old tensors
-    assert layer._native is None or layer._native.dtype == torch.float32
+    assert layer._native is None or layer._native[1] is None or layer._native[1].dtype == torch.float32
 
 
 def test_int8_linear_runs_torch_without_the_library(monkeypatch):
     monkeypatch.setitem(loader._state, "lib", None)
     layer = _layer(64, 33, True, torch.bfloat16)
     x = torch.randn(1, 1, 64).bfloat16()
+    prepared = []
+    real = layer._projection
+    monkeypatch.setattr(layer, "_projection", lambda: prepared.append(1) or real())
     assert torch.equal(layer(x), layer.torch_forward(x.reshape(1, 64)).reshape(1, 1, 33))
-    assert layer._native is None
+    assert torch.equal(layer(x), layer.torch_forward(x.reshape(1, 64)).reshape(1, 1, 33))
+    assert layer._native == (None, None) and prepared == [1]  # found unavailable once, not on every call
     with pytest.raises(TypeError, match="bfloat16 activations"):
         layer(x.float())
 
@@ -227,7 +231,7 @@ def test_confkv_native_0_switches_the_gemv_off(monkeypatch):
     layer = _layer(64, 33, False, torch.float32)
     x = torch.randn(1, 64)
     assert torch.equal(layer(x), torch._weight_int8pack_mm(x, layer.weight_int8, layer.scale))
-    assert layer._native is None and native.int8_linear(x, layer.weight_int8, layer.scale) is None
+    assert layer._native == (None, None) and native.int8_linear(x, layer.weight_int8, layer.scale) is None
 
 
 def test_torch_fallback_is_right_for_widths_torch_reads_past():

@@ -14,9 +14,10 @@ two views say *what* a compressed cache lost:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from confkv.agent.actions import parse_action
+from confkv.agent.grid import _agreement, _mean
 
 
 def typed_values(record: dict[str, Any]) -> list[tuple[str, str]]:
@@ -37,16 +38,6 @@ def value_recall(record: dict[str, Any]) -> float | None:
     if not pairs:
         return None
     return sum(value.lower() in raw.lower() for value, raw in pairs) / len(pairs)
-
-
-def _mean(values: Sequence[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return sum(kept) / len(kept) if kept else None
-
-
-def _agreement(a: list[str], b: list[str]) -> float | None:
-    n = min(len(a), len(b))
-    return sum(x == y for x, y in zip(a[:n], b[:n])) / n if n else None
 
 
 def _label(policy: str, compression: float) -> str:

@@ -46,16 +46,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
-    _native: "native.Int8Projection | None" = None  # the prepared native GEMV; reset when the tensors change
+    # (library, its prepared GEMV or None) for this layer's tensors; dropped when the tensors change, and
+    # prepared again when the library changes (CONFKV_NATIVE, loader.disabled()), never on every call
+    _native: "tuple[object, native.Int8Projection | None] | None" = None
     #: False: every Int8Linear runs torch's kernel while the other native kernels stay on (A/B timings)
     use_native_gemv = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: the native GEMV (confkv.native) for decode-sized CPU inputs (at most
         ``native.MAX_GEMV_ROWS`` rows), else torch's kernel (:meth:`torch_forward`)."""
-        projection = self._native
-        if projection is None or projection.lib is not native.library():
-            projection = self._projection()
+        prepared = self._native
+        projection = prepared[1] if prepared is not None and prepared[0] is native.library() else self._projection()
         out = projection(x) if projection is not None and self.use_native_gemv else None  # None: not a decode-sized CPU input
         if out is not None:
             return out
@@ -82,9 +83,11 @@ class Int8Linear(nn.Module):
         """The native GEMV prepared for this layer's tensors, or None when the library is off or the
         tensors do not fit (not on CPU)."""
         weight, scale, bias = self.weight_int8, self.scale, self.bias
-        ready = native.available() and native.Int8Projection.supports(weight, scale, bias)
-        self.__dict__["_native"] = native.Int8Projection(weight, scale, bias) if ready else None
-        return self.__dict__["_native"]
+        lib = native.library()
+        ready = lib is not None and native.Int8Projection.supports(weight, scale, bias)
+        projection = native.Int8Projection(weight, scale, bias) if ready else None
+        self.__dict__["_native"] = (lib, projection)
+        return projection
 
     def __setattr__(self, name: str, value) -> None:
         if name in ("weight_int8", "scale", "bias"):

@@ -16,6 +16,12 @@ Where the native CPU kernels are available (:mod:`confkv.native`; ``CONFKV_NATIV
 them off), the RMSNorms and the rotary embedding run as one C call each, with the same
 roundings as the torch operations; otherwise the model's own modules and torch ops run.
 
+With weight-only INT8 projections (:func:`confkv.hf.weights.quantize_linear_weights`) and the native
+kernels on, a decode-sized input (at most ``confkv.native.MAX_GEMV_ROWS`` rows) runs each layer as
+two native calls around the store (:mod:`confkv.native.layer`: norm, q/k/v and rotary; o projection,
+residual, norm, gated MLP, residual), the same roundings in one call each instead of about fifteen
+Python-level ones; :attr:`LeanDecoder.fuse_layers` = False keeps the per-op path (A/B timings).
+
 Supported: ``llama``, ``qwen2`` and ``mistral`` (SmolLM2 is a Llama). Other architectures
 (Gemma-3's extra norms and soft-caps, GPT-2's fused projections) raise
 :class:`~confkv.errors.UnsupportedModelError`; run them through ``model(...)``.
@@ -34,6 +40,8 @@ from confkv.hf.cache import ConfKVCache
 from confkv.hf.enable import enable
 from confkv.hf.generate import padding_positions
 from confkv.hf.support import text_config
+from confkv.hf.weights import Int8Linear
+from confkv.native.layer import LayerKernels
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -77,6 +85,9 @@ class LeanDecoder:
             of a type in :data:`LEAN_MODEL_TYPES`; switched to confkv attention here.
     """
 
+    #: False: never the fused native layer calls (:mod:`confkv.native.layer`), always the per-op path
+    fuse_layers = True
+
     def __init__(self, model: torch.nn.Module) -> None:
         config = text_config(model.config)
         model_type = getattr(config, "model_type", None)
@@ -92,6 +103,9 @@ class LeanDecoder:
         self.norm = inner.norm
         self.lm_head = model.lm_head
         self.layers = [self._bind(layer) for layer in inner.layers]
+        self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")
+        # (library, per layer: its LayerKernels and the projections' prepared states they were made from, or None)
+        self._fused: tuple[object, list[tuple[LayerKernels, tuple] | None]] | None = None
 
     @staticmethod
     def _bind(layer: torch.nn.Module) -> _Layer:
@@ -123,12 +137,70 @@ class LeanDecoder:
         cache._mark_active()  # the LM head's hook closes this cache's step, as after model(...)
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions)  # [B, q, D]
+        fused = self._fused_layers(hidden)
         for index, layer in enumerate(self.layers):
+            kernels = fused[index] if fused is not None else None
+            if kernels is not None and self._current(kernels[1], layer):
+                hidden = self._fused_layer(kernels[0], layer, hidden, cache, index, cos, sin, attention_mask)
+                continue
             hidden = hidden + self._attention(layer, _norm(layer.input_norm, hidden), cache, index, cos, sin,
                                               attention_mask)
             normed = _norm(layer.post_norm, hidden)
             hidden = hidden + layer.down_proj(layer.act(layer.gate_proj(normed)) * layer.up_proj(normed))
         return self.lm_head(_norm(self.norm, hidden[:, -1:]))[:, -1]
+
+    # -- the fused native layer (INT8 projections) --------------------------------------------------
+    @staticmethod
+    def _projections(layer: _Layer) -> tuple[Any, ...]:
+        return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj,
+                layer.down_proj)
+
+    @classmethod
+    def _current(cls, states: tuple, layer: _Layer) -> bool:
+        """Whether the layer's projections still hold the prepared GEMVs the kernels were made from (an
+        Int8Linear drops its prepared state when its tensors change)."""
+        return all(module.__dict__.get("_native") is state for module, state in zip(cls._projections(layer), states))
+
+    def _fused_layers(self, hidden: torch.Tensor) -> list[tuple[LayerKernels, tuple] | None] | None:
+        """Per layer, its :class:`LayerKernels` (and the states they were made from) for this input, or
+        None when the input, the model or the library does not allow the fused calls."""
+        if not self.fuse_layers or not self.silu or not Int8Linear.use_native_gemv:
+            return None
+        lib = native.library()
+        if lib is None:
+            return None
+        if self._fused is None or self._fused[0] is not lib:
+            self._fused = (lib, [self._prepare(layer) for layer in self.layers])
+        layers = self._fused[1]
+        first = next((k for k in layers if k is not None), None)
+        return layers if first is not None and first[0].fits(hidden) else None
+
+    @classmethod
+    def _prepare(cls, layer: _Layer) -> tuple[LayerKernels, tuple] | None:
+        modules = cls._projections(layer)
+        if not all(isinstance(m, Int8Linear) for m in modules):
+            return None
+        projections = tuple(m.native_projection() for m in modules)
+        norms = []
+        for norm in (layer.input_norm, layer.post_norm):
+            eps = getattr(norm, "variance_epsilon", None)
+            if eps is None or type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"):
+                return None
+            norms.append((norm.weight.detach(), eps))
+        if any(p is None for p in projections) or not LayerKernels.supports(projections, *norms, layer.head_dim):
+            return None
+        return LayerKernels(*projections, *norms, layer.head_dim), tuple(m.__dict__.get("_native") for m in modules)
+
+    @staticmethod
+    def _fused_layer(kernels: LayerKernels, layer: _Layer, hidden: torch.Tensor, cache: ConfKVCache, index: int,
+                     cos: torch.Tensor, sin: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """One decoder layer on ``hidden`` [B, q, hidden] through the two native calls and the store."""
+        batch, length, _ = hidden.shape
+        query, key, value = kernels.attention_inputs(hidden, cos, sin)  # [B, q, H, D]
+        store = cache.layers[index].store
+        store.append(key.transpose(1, 2), value.transpose(1, 2))
+        out = store.attend(query.transpose(1, 2), scaling=layer.scaling, padding=attention_mask, softcap=None)
+        return kernels.mlp(out.transpose(1, 2).reshape(batch, length, -1), hidden)
 
     @staticmethod
     def _attention(layer: _Layer, x: torch.Tensor, cache: ConfKVCache, index: int, cos: torch.Tensor,

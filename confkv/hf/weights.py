@@ -52,11 +52,16 @@ class Int8Linear(nn.Module):
     #: False: every Int8Linear runs torch's kernel while the other native kernels stay on (A/B timings)
     use_native_gemv = True
 
+    def native_projection(self) -> "native.Int8Projection | None":
+        """The native GEMV prepared for this layer's tensors and the library now loaded (prepared on first
+        use), or None when the library is off or the tensors do not fit."""
+        prepared = self._native
+        return prepared[1] if prepared is not None and prepared[0] is native.library() else self._projection()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]: the native GEMV (confkv.native) for decode-sized CPU inputs (at most
         ``native.MAX_GEMV_ROWS`` rows), else torch's kernel (:meth:`torch_forward`)."""
-        prepared = self._native
-        projection = prepared[1] if prepared is not None and prepared[0] is native.library() else self._projection()
+        projection = self.native_projection()
         out = projection(x) if projection is not None and self.use_native_gemv else None  # None: not a decode-sized CPU input
         if out is not None:
             return out

@@ -61,6 +61,9 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
             bfloat16, every slot visible (the caller checked ``mass_read_eligible``).
         scaling: score multiplier.
 
+    The B * Hkv (sequence, KV head) pairs run on up to ``torch.get_num_threads()`` threads (the INT8
+    GEMV's pool) when the read is big enough; each pair's arithmetic is the same either way.
+
     Returns:
         (out [B, Hq, Q, D] in query.dtype, one mass [B, Hkv, L_s] float32 per segment), or None
         when the library is unavailable or a dtype is not float32 / bfloat16.
@@ -87,7 +90,7 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
         query.data_ptr(), _CODES[query.dtype], *query.stride()[:3], batch, q_heads, num_queries, head_dim,
         kv_heads, count, (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs]),
         (ctypes.c_void_p * count)(*[v.data_ptr() for _, v in pairs]), (ctypes.c_int64 * len(meta))(*meta),
-        scaling, out.data_ptr(), (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]))
+        scaling, out.data_ptr(), (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]), torch.get_num_threads())
     if status:
         raise MemoryError("confkv native mass read: out of memory for the scores")
     return out, mass

@@ -19,6 +19,10 @@
 #include <string.h>
 
 enum { F32 = 0, BF16 = 1 };
+enum { MAX_THREADS = 16, MAX_PARTS = 3 }; /* the worker pool's threads; products of one pool call */
+
+/* the worker pool (defined with the INT8 GEMV below): task(ctx, 0 .. chunks - 1) over up to `threads` threads */
+static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_t chunks, int threads);
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -213,6 +217,74 @@ static void weighted_sum_segment(const float *p, int64_t stride, int64_t R, int6
     weighted_sum_c(p, stride, R, D, values, vd, vs, L, acc, row);
 }
 
+/* one call's operands (see confkv_mass_read) */
+typedef struct {
+    const void *query;
+    int q_dtype;
+    int64_t q_sb, q_sh, q_sq, Hq, Q, D, Hkv, G, R, total;
+    int n_seg;
+    const void *const *keys, *const *values;
+    const int64_t *meta;
+    float scaling;
+    void *out;
+    float *const *mass;
+    float *scratch;         /* R * D + R * total + R * D + D floats for each pair that runs at once */
+    int64_t scratch_stride; /* floats between two pairs' scratch (0: one scratch, the pairs in turn) */
+} mass_args;
+
+static int64_t mass_scratch(const mass_args *a) { return a->R * a->D + a->R * a->total + a->R * a->D + a->D; }
+
+/* the read of query heads j * G .. j * G + G - 1 of sequence b over KV head j: unit = b * Hkv + j */
+static void mass_read_unit(const void *ctx, int64_t unit) {
+    const mass_args *a = (const mass_args *)ctx;
+    const int64_t b = unit / a->Hkv, j = unit % a->Hkv, G = a->G, Q = a->Q, D = a->D, R = a->R, total = a->total;
+    float *qf = a->scratch + unit * a->scratch_stride;
+    float *scores = qf + R * D, *acc = scores + R * total, *row = acc + R * D;
+    /* row r = g * Q + q holds query head j * G + g, query q */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t q = 0; q < Q; q++)
+            load_row(at(a->query, a->q_dtype, b * a->q_sb + (j * G + g) * a->q_sh + q * a->q_sq), a->q_dtype, D,
+                     qf + (g * Q + q) * D);
+    int64_t offset = 0;
+    for (int s = 0; s < a->n_seg; s++) {
+        const int64_t *m = a->meta + 9 * s;
+        scores_segment(qf, R, D, at(a->keys[s], (int)m[1], b * m[3] + j * m[4]), (int)m[1], m[5], m[0], a->scaling,
+                       scores + offset, total, row);
+        offset += m[0];
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *p = scores + r * total;
+        const float top = max_or_nan(p, total);
+        for (int64_t l = 0; l < total; l++) p[l] = exp_nonpositive(p[l] - top);
+        const float inv = 1.0f / sum(p, total);
+        for (int64_t l = 0; l < total; l++) p[l] *= inv;
+    }
+    for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
+    offset = 0;
+    for (int s = 0; s < a->n_seg; s++) {
+        const int64_t *m = a->meta + 9 * s, L = m[0];
+        float *slot_mass = a->mass[s] + (b * a->Hkv + j) * L;
+        for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
+        for (int64_t q = 0; q < Q; q++) {
+            for (int64_t l = 0; l < L; l++) {
+                float group = 0.0f;
+                for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + offset + l];
+                slot_mass[l] += group / (float)G;
+            }
+        }
+        weighted_sum_segment(scores + offset, total, R, D, at(a->values[s], (int)m[2], b * m[6] + j * m[7]),
+                             (int)m[2], m[8], L, acc, row);
+        offset += L;
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t q = 0; q < Q; q++)
+            store_row(acc + (g * Q + q) * D, a->q_dtype, D,
+                      (char *)a->out + (((b * a->Hq + j * G + g) * Q + q) * D) * (a->q_dtype == BF16 ? 2 : 4));
+}
+
+/* the smallest read (multiply-adds of the scores) that is split over threads */
+static const int64_t mass_min_parallel = 65536;
+
 /* Softmax attention with attention mass over the concatenation of n_seg segments (every slot
  * visible), the contract of confkv.attention.mass_read.mass_read:
  *   query  [B, Hq, Q, D] (strides q_sb, q_sh, q_sq), Hq = Hkv * G
@@ -221,62 +293,25 @@ static void weighted_sum_segment(const float *p, int64_t stride, int64_t R, int6
  *   out    [B, Hq, Q, D] contiguous, in q_dtype
  *   mass[s] [B, Hkv, L_s] float32 contiguous: the softmax probability of each slot averaged over
  *          the G query heads of its KV head, summed over the Q queries.
- * Scores, softmax and the weighted sum in float32. Returns 0, or 1 when out of memory. */
+ * Scores, softmax and the weighted sum in float32. The B * Hkv (sequence, KV head) pairs are independent:
+ * on up to `threads` threads (the GEMV's pool) when the read is big enough, each pair computed exactly as
+ * alone. Returns 0, or 1 when out of memory. */
 int confkv_mass_read(const void *query, int q_dtype, int64_t q_sb, int64_t q_sh, int64_t q_sq,
                      int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
                      const void *const *keys, const void *const *values, const int64_t *meta, float scaling,
-                     void *out, float *const *mass) {
-    const int64_t G = Hq / Hkv, R = G * Q;
-    int64_t total = 0;
-    for (int s = 0; s < n_seg; s++) total += meta[9 * s];
-    float *qf = malloc(sizeof(float) * (size_t)(R * D + R * total + R * D + D));
-    if (!qf) return 1;
-    float *scores = qf + R * D, *acc = scores + R * total, *row = acc + R * D;
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t j = 0; j < Hkv; j++) {
-            /* row r = g * Q + q holds query head j * G + g, query q */
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t q = 0; q < Q; q++)
-                    load_row(at(query, q_dtype, b * q_sb + (j * G + g) * q_sh + q * q_sq), q_dtype, D,
-                             qf + (g * Q + q) * D);
-            int64_t offset = 0;
-            for (int s = 0; s < n_seg; s++) {
-                const int64_t *m = meta + 9 * s;
-                scores_segment(qf, R, D, at(keys[s], (int)m[1], b * m[3] + j * m[4]), (int)m[1], m[5], m[0], scaling,
-                               scores + offset, total, row);
-                offset += m[0];
-            }
-            for (int64_t r = 0; r < R; r++) {
-                float *p = scores + r * total;
-                const float top = max_or_nan(p, total);
-                for (int64_t l = 0; l < total; l++) p[l] = exp_nonpositive(p[l] - top);
-                const float inv = 1.0f / sum(p, total);
-                for (int64_t l = 0; l < total; l++) p[l] *= inv;
-            }
-            for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
-            offset = 0;
-            for (int s = 0; s < n_seg; s++) {
-                const int64_t *m = meta + 9 * s, L = m[0];
-                float *slot_mass = mass[s] + (b * Hkv + j) * L;
-                for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
-                for (int64_t q = 0; q < Q; q++) {
-                    for (int64_t l = 0; l < L; l++) {
-                        float group = 0.0f;
-                        for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + offset + l];
-                        slot_mass[l] += group / (float)G;
-                    }
-                }
-                weighted_sum_segment(scores + offset, total, R, D, at(values[s], (int)m[2], b * m[6] + j * m[7]),
-                                     (int)m[2], m[8], L, acc, row);
-                offset += L;
-            }
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t q = 0; q < Q; q++)
-                    store_row(acc + (g * Q + q) * D, q_dtype, D,
-                              (char *)out + (((b * Hq + j * G + g) * Q + q) * D) * (q_dtype == BF16 ? 2 : 4));
-        }
-    }
-    free(qf);
+                     void *out, float *const *mass, int threads) {
+    mass_args a = {query, q_dtype, q_sb, q_sh, q_sq, Hq, Q, D, Hkv, Hq / Hkv, (Hq / Hkv) * Q, 0, n_seg, keys, values,
+                   meta, scaling, out, mass, NULL, 0};
+    for (int s = 0; s < n_seg; s++) a.total += meta[9 * s];
+    const int64_t units = B * Hkv;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int parallel = threads >= 2 && units >= 2 && units * a.R * a.total * D >= mass_min_parallel;
+    a.scratch_stride = parallel ? mass_scratch(&a) : 0;
+    a.scratch = malloc(sizeof(float) * (size_t)(parallel ? units * a.scratch_stride : mass_scratch(&a)));
+    if (!a.scratch) return 1;
+    if (!parallel || pool_run(mass_read_unit, &a, units, threads))
+        for (int64_t unit = 0; unit < units; unit++) mass_read_unit(&a, unit);
+    free(a.scratch);
     return 0;
 }
 
@@ -517,7 +552,6 @@ static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
  * (Dekker-style: both sides use sequentially consistent atomics, and the sleeper re-checks the
  * generation under the mutex). fork(): the child starts with no workers (pthread_atfork) and creates
  * them again on its first call. A second thread calling while the pool is busy computes alone. */
-enum { MAX_THREADS = 16 };
 
 static struct {
     pthread_mutex_t lock;
@@ -530,9 +564,10 @@ static struct {
     uint64_t ticket;       /* (generation & 0xFFFFFFFF) << 32 | the next unclaimed chunk */
     int64_t done;          /* chunks finished in the current generation */
     int64_t spin_ns;       /* how long an idle worker spins before it sleeps */
-    int64_t chunk_rows, chunks;
-    gemv_args job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 50000, 0, 0, {0}};
+    int64_t chunks;        /* of the current call */
+    void (*task)(const void *ctx, int64_t chunk); /* computes one chunk of the current call */
+    const void *ctx;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .spin_ns = 50000};
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
@@ -576,8 +611,7 @@ static int pool_claim(uint64_t generation, int64_t *index) {
 static void pool_work(uint64_t generation) {
     int64_t index;
     while (pool_claim(generation, &index)) {
-        const int64_t n0 = index * pool.chunk_rows, end = n0 + pool.chunk_rows;
-        gemv_rows(&pool.job, n0, end < pool.job.N ? end : pool.job.N);
+        pool.task(pool.ctx, index);
         __atomic_add_fetch(&pool.done, 1, __ATOMIC_SEQ_CST);
     }
 }
@@ -624,9 +658,9 @@ static int pool_grow(int wanted) {
     return pool.workers;
 }
 
-/* the product on the caller and up to threads - 1 workers; 0 when done, 1 when the pool is busy or no
- * worker could start (the caller then computes alone) */
-static int pool_run(const gemv_args *a, int threads) {
+/* task(ctx, 0 .. chunks - 1) on the caller and up to threads - 1 workers, each chunk once; 0 when done, 1 when
+ * the pool is busy or no worker could start (the caller then computes alone) */
+static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_t chunks, int threads) {
     int idle = 0;
     if (!__atomic_compare_exchange_n(&pool.busy, &idle, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) return 1;
     pthread_once(&pool_once, pool_register_fork_handler);
@@ -634,12 +668,9 @@ static int pool_run(const gemv_args *a, int threads) {
         STORE(&pool.busy, 0);
         return 1;
     }
-    /* about 8 chunks per thread, whole 8-row blocks, at least 16 rows */
-    int64_t rows = (a->N + 8 * threads - 1) / (8 * threads);
-    rows = rows < 16 ? 16 : (rows + 7) & ~(int64_t)7;
-    pool.job = *a;
-    pool.chunk_rows = rows;
-    pool.chunks = (a->N + rows - 1) / rows;
+    pool.task = task;
+    pool.ctx = ctx;
+    pool.chunks = chunks;
     STORE(&pool.done, 0);
     const uint64_t generation = LOAD(&pool.generation) + 1;
     STORE(&pool.ticket, (generation & 0xFFFFFFFFu) << 32);
@@ -663,6 +694,45 @@ static int pool_run(const gemv_args *a, int threads) {
  * (about a microsecond) costs more than the second core saves */
 static int64_t gemv_min_parallel = 65536;
 
+/* up to MAX_PARTS products of one call, cut into chunks of output rows for the pool */
+typedef struct {
+    int parts;
+    int64_t part_start[MAX_PARTS + 1], part_rows[MAX_PARTS]; /* a part's first chunk; its rows per chunk */
+    gemv_args job[MAX_PARTS];
+} gemv_job;
+
+static void gemv_chunk(const void *ctx, int64_t index) {
+    const gemv_job *j = (const gemv_job *)ctx;
+    int p = 0;
+    while (index >= j->part_start[p + 1]) p++;
+    const int64_t n0 = (index - j->part_start[p]) * j->part_rows[p], end = n0 + j->part_rows[p];
+    gemv_rows(&j->job[p], n0, end < j->job[p].N ? end : j->job[p].N);
+}
+
+/* the products a[0..parts) (parts <= MAX_PARTS, e.g. the q, k and v projections of one input) on up to
+ * `threads` threads: in parallel when they are big enough together, else one after another on the caller */
+static void gemv_many(const gemv_args *a, int parts, int threads) {
+    int64_t work = 0, rows = 0;
+    for (int p = 0; p < parts; p++) {
+        work += a[p].M * a[p].N * a[p].K;
+        rows += a[p].N;
+    }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads >= 2 && work >= gemv_min_parallel && rows >= 16) {
+        /* each part in about 8 chunks per thread, whole 8-row blocks, at least 16 rows */
+        gemv_job job = {.parts = parts};
+        for (int p = 0; p < parts; p++) {
+            int64_t chunk = (a[p].N + 8 * threads - 1) / (8 * threads);
+            chunk = chunk < 16 ? 16 : (chunk + 7) & ~(int64_t)7;
+            job.job[p] = a[p];
+            job.part_rows[p] = chunk;
+            job.part_start[p + 1] = job.part_start[p] + (a[p].N + chunk - 1) / chunk;
+        }
+        if (!pool_run(gemv_chunk, &job, job.part_start[parts], threads)) return;
+    }
+    for (int p = 0; p < parts; p++) gemv_rows(&a[p], 0, a[p].N);
+}
+
 /* out [M, N] (contiguous, od) = x [M, K] (rows x_sr elements apart, xd) times w [N, K] int8 with the
  * per-row scale [N] (sd) and optional bias [N] (bd, NULL for none), on up to `threads` threads.
  * Returns 0, or 1 when out of memory. */
@@ -676,8 +746,7 @@ int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, 
         for (int64_t k = K; k < Kp; k++) xf[m * Kp + k] = 0.0f;
     }
     const gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out};
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 2 || M * N * K < gemv_min_parallel || N < 16 || pool_run(&a, threads)) gemv_rows(&a, 0, N);
+    gemv_many(&a, 1, threads);
     free(xf);
     return 0;
 }
@@ -696,4 +765,114 @@ int confkv_gemv_configure(int64_t spin_ns, int64_t min_parallel) {
     if (spin_ns >= 0) STORE(&pool.spin_ns, spin_ns);
     if (min_parallel >= 0) gemv_min_parallel = min_parallel;
     return LOAD(&pool.workers);
+}
+
+/* ================= one Llama-family decoder layer around its attention, in two calls (lean decoder) =================
+ * The torch lines of confkv/hf/lean.py with weight-only INT8 projections, each step rounded to the activations'
+ * dtype `xd` as torch rounds it: RMSNorm (confkv_rms_norm), the projections (the GEMV above, several products
+ * of one input in one pool call), rotary (confkv_rotary), SiLU and the products and sums of the gated MLP.
+ * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd}; every tensor is contiguous. */
+
+/* rows [M, K] of x (xd) widened to float32, each zero-padded to *Kp = K rounded up to 16; NULL when out of memory */
+static float *widen_rows(const void *x, int xd, int64_t M, int64_t K, int64_t *Kp) {
+    *Kp = (K + 15) & ~(int64_t)15;
+    float *xf = malloc(sizeof(float) * (size_t)(M * *Kp > 0 ? M * *Kp : 1));
+    if (!xf) return NULL;
+    for (int64_t m = 0; m < M; m++) {
+        load_row(at(x, xd, m * K), xd, K, xf + m * *Kp);
+        for (int64_t k = K; k < *Kp; k++) xf[m * *Kp + k] = 0.0f;
+    }
+    return xf;
+}
+
+static gemv_args plan_args(const int64_t *plan, const float *xf, int64_t M, int64_t Kp, void *out, int od) {
+    const gemv_args a = {xf, M, plan[2], Kp, plan[1], (const int8_t *)(intptr_t)plan[0], (const void *)(intptr_t)plan[3],
+                         (const void *)(intptr_t)plan[5], (int)plan[4], (int)plan[6], od, out};
+    return a;
+}
+
+/* the attention's inputs: n = RMSNorm(x), q = rotary(q_proj(n)), k = rotary(k_proj(n)), v = v_proj(n)
+ *   x [B * Q, K] (xd), norm_w [K] (xd), cos and sin [B, Q, D] (strides c_sb, c_sq; xd);
+ *   q_out [B, Q, Hq, D], k_out [B, Q, Hkv, D], v_out [B, Q, Hkv, D] (xd). Returns 0, 1 when out of memory. */
+int confkv_lean_qkv(const void *x, int xd, int64_t B, int64_t Q, int64_t K, const void *norm_w, float eps, int lanes,
+                    const int64_t *plan_q, const int64_t *plan_k, const int64_t *plan_v, const void *cos,
+                    const void *sin, int64_t c_sb, int64_t c_sq, int64_t D, void *q_out, void *k_out, void *v_out,
+                    int threads) {
+    const int64_t M = B * Q, es = xd == BF16 ? 2 : 4, Nq = plan_q[1], Nk = plan_k[1];
+    int64_t Kp;
+    void *normed = malloc((size_t)(M * K * es)), *q = malloc((size_t)(M * Nq * es)), *k = malloc((size_t)(M * Nk * es));
+    float *xf = NULL;
+    int status = 1;
+    if (!normed || !q || !k) goto done;
+    confkv_rms_norm(x, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
+    if (!(xf = widen_rows(normed, xd, M, K, &Kp))) goto done;
+    const gemv_args parts[3] = {plan_args(plan_q, xf, M, Kp, q, xd), plan_args(plan_k, xf, M, Kp, k, xd),
+                                plan_args(plan_v, xf, M, Kp, v_out, xd)};
+    gemv_many(parts, 3, threads);
+    confkv_rotary(q, Q * Nq, Nq, D, cos, sin, c_sb, c_sq, xd, q_out, B, Q, Nq / D, D);
+    confkv_rotary(k, Q * Nk, Nk, D, cos, sin, c_sb, c_sq, xd, k_out, B, Q, Nk / D, D);
+    status = 0;
+done:
+    free(normed);
+    free(q);
+    free(k);
+    free(xf);
+    return status;
+}
+
+/* the layer after its attention read: h = hidden + o_proj(attn); n = RMSNorm(h);
+ * out = h + down_proj(silu(gate_proj(n)) * up_proj(n)), SiLU as torch's x / (1 + exp(-x)) in float32
+ *   attn [M, A], hidden and out [M, K], norm_w [K], all xd. Returns 0, 1 when out of memory. */
+int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int64_t A, int64_t K,
+                    const int64_t *plan_o, const void *norm_w, float eps, int lanes, const int64_t *plan_gate,
+                    const int64_t *plan_up, const int64_t *plan_down, void *out, int threads) {
+    const int64_t es = xd == BF16 ? 2 : 4, I = plan_gate[1];
+    int64_t Kp;
+    float *xf = NULL, *row = malloc(sizeof(float) * (size_t)((K > I ? K : I) * 2));
+    void *h = malloc((size_t)(M * K * es)), *normed = malloc((size_t)(M * K * es));
+    void *gate = malloc((size_t)(M * I * es)), *up = malloc((size_t)(M * I * es));
+    int status = 1;
+    if (!row || !h || !normed || !gate || !up) goto done;
+    float *left = row, *right = row + (K > I ? K : I);
+    /* h = hidden + o_proj(attn), the sum rounded once */
+    if (!(xf = widen_rows(attn, xd, M, A, &Kp))) goto done;
+    gemv_args o = plan_args(plan_o, xf, M, Kp, normed, xd); /* `normed` holds o_proj's output for now */
+    gemv_many(&o, 1, threads);
+    for (int64_t m = 0; m < M; m++) {
+        load_row(at(hidden, xd, m * K), xd, K, left);
+        load_row(at(normed, xd, m * K), xd, K, right);
+        for (int64_t d = 0; d < K; d++) left[d] = left[d] + right[d];
+        store_row(left, xd, K, (char *)h + m * K * es);
+    }
+    free(xf);
+    /* the gated MLP */
+    confkv_rms_norm(h, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
+    if (!(xf = widen_rows(normed, xd, M, K, &Kp))) goto done;
+    const gemv_args gate_up[2] = {plan_args(plan_gate, xf, M, Kp, gate, xd), plan_args(plan_up, xf, M, Kp, up, xd)};
+    gemv_many(gate_up, 2, threads);
+    for (int64_t m = 0; m < M; m++) { /* silu(gate) * up, each rounded; the product back into `gate` */
+        load_row(at(gate, xd, m * I), xd, I, left);
+        load_row(at(up, xd, m * I), xd, I, right);
+        for (int64_t i = 0; i < I; i++) left[i] = round_to(round_to(left[i] / (1.0f + expf(-left[i])), xd) * right[i], xd);
+        store_row(left, xd, I, (char *)gate + m * I * es);
+    }
+    free(xf);
+    if (!(xf = widen_rows(gate, xd, M, I, &Kp))) goto done;
+    gemv_args down = plan_args(plan_down, xf, M, Kp, normed, xd); /* `normed` now holds down_proj's output */
+    gemv_many(&down, 1, threads);
+    for (int64_t m = 0; m < M; m++) {
+        load_row(at(h, xd, m * K), xd, K, left);
+        load_row(at(normed, xd, m * K), xd, K, right);
+        for (int64_t d = 0; d < K; d++) left[d] = left[d] + right[d];
+        store_row(left, xd, K, (char *)out + m * K * es);
+    }
+    status = 0;
+done:
+    free(xf);
+    free(row);
+    free(h);
+    free(normed);
+    free(gate);
+    free(up);
+    return status;
 }

@@ -112,7 +112,7 @@ def load(path: Path) -> ctypes.CDLL:
     i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
     lib.confkv_mass_read.restype = i32
     lib.confkv_mass_read.argtypes = [ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, f32,
-                                     ptr, ptr]
+                                     ptr, ptr, i32]
     lib.confkv_rms_norm.restype = None
     lib.confkv_rms_norm.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i64, f32, i32]
     lib.confkv_torch_order_sum.restype = f32
@@ -123,6 +123,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_int8_gemv.argtypes = [ptr, i32, i64, i64, i64, ptr, i64, ptr, i32, ptr, i32, ptr, i32, i32]
     lib.confkv_int8_linear.restype = i32
     lib.confkv_int8_linear.argtypes = [ptr, ptr, i32, i64, i64, ptr, i32]
+    lib.confkv_lean_qkv.restype = i32
+    lib.confkv_lean_qkv.argtypes = [ptr, i32, i64, i64, i64, ptr, f32, i32, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,
+                                    ptr, ptr, ptr, i32]
+    lib.confkv_lean_mlp.restype = i32
+    lib.confkv_lean_mlp.argtypes = [ptr, ptr, i32, i64, i64, i64, ptr, ptr, f32, i32, ptr, ptr, ptr, ptr, i32]
     lib.confkv_gemv_configure.restype = i32
     lib.confkv_gemv_configure.argtypes = [i64, i64]
     spin = os.environ.get("CONFKV_GEMV_SPIN_US")

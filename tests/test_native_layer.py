@@ -1,0 +1,138 @@
+"""The fused native layer calls (confkv/native/layer.py) give the lean decoder's per-op results, and the
+threaded mass read gives the single-threaded one bit for bit."""
+
+import pytest
+import torch
+
+from confkv import native
+from confkv.config import StoreConfig
+from confkv.hf import ConfKVCache, prefill
+from confkv.hf.lean import LeanDecoder
+from confkv.hf.weights import quantize_linear_weights
+from confkv.models import tiny_model
+from confkv.native.layer import LayerKernels
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off")
+
+SHAPES = {
+    "default": {},  # hidden 64, 4 / 2 heads of 16, MLP 128
+    "ragged": {"hidden_size": 40, "head_dim": 10, "intermediate_size": 72},  # widths not multiples of 16
+}
+
+
+def _model(arch: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
+    model = tiny_model(arch, num_hidden_layers=3, **overrides).to(dtype)
+    quantize_linear_weights(model, allow_float32=True)
+    return model
+
+
+def _decode(model, fuse: bool, batch: int, steps: int = 12, prompt: int = 20, policy=("streaming", {"budget": 16})):
+    """Prefill, then decode the same tokens through the lean decoder; logits of every step, and the calls
+    that went through the fused kernels."""
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, 250, (batch, prompt + steps), generator=gen)
+    mask = torch.ones(batch, prompt + steps, dtype=torch.long)
+    mask[1:, :3] = 0  # left padding of every sequence after the first
+    cache = ConfKVCache.for_model(model, policy[0], store=StoreConfig(), **policy[1])
+    prefill(model, cache, ids[:, :prompt], attention_mask=mask[:, :prompt], chunk=8)
+    decoder = LeanDecoder(model)
+    decoder.fuse_layers = fuse
+    calls = []
+    original = LayerKernels.mlp
+    def counted(self, attention, hidden):
+        calls.append(1)
+        return original(self, attention, hidden)
+    LayerKernels.mlp = counted
+    try:
+        logits = [decoder(ids[:, t:t + 1], cache, attention_mask=mask[:, :t + 1]) for t in range(prompt, prompt + steps)]
+    finally:
+        LayerKernels.mlp = original
+    return logits, len(calls), cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q / k / v
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_layers_equal_the_per_op_path(arch, shape, dtype, batch):
+    model = _model(arch, dtype, **SHAPES[shape])
+    fused, used, fused_cache = _decode(model, True, batch)
+    per_op, unused, per_op_cache = _decode(model, False, batch)
+    assert used == 12 * 3 and unused == 0  # every layer of every step went through the fused calls (or none)
+    for got, expected in zip(fused, per_op):
+        # the same GEMV and roundings (bit-equal here in bfloat16); SiLU's exp is libm's here and Sleef's in
+        # torch, one float32 ulp apart at times, which may flip a bfloat16 rounding
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert fused_cache.kept_counts().tolist() == per_op_cache.kept_counts().tolist()
+
+
+def test_fused_layers_use_several_threads_alike():
+    model = _model("llama", torch.bfloat16, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single, _, _ = _decode(model, True, batch=2)
+        torch.set_num_threads(2)
+        double, used, _ = _decode(model, True, batch=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert used
+    for a, b in zip(single, double):
+        assert torch.equal(a, b)  # the rows are split over threads, each computed as alone
+
+
+def test_a_replaced_projection_falls_back_to_the_per_op_path():
+    model = _model("llama", torch.bfloat16)
+    decoder = LeanDecoder(model)
+    cache = ConfKVCache.for_model(model, "full")
+    token = torch.tensor([[5]])
+    decoder(token, cache)  # prepares the fused kernels
+    layer = model.model.layers[1].mlp.down_proj
+    layer.weight_int8 = torch.zeros_like(layer.weight_int8)  # the prepared GEMV pointed at the old tensor
+    reference_model = _model("llama", torch.bfloat16)
+    reference_model.model.layers[1].mlp.down_proj.weight_int8 = torch.zeros_like(layer.weight_int8)
+    reference = LeanDecoder(reference_model)
+    reference.fuse_layers = False
+    reference_cache = ConfKVCache.for_model(reference_model, "full")
+    reference(token, reference_cache)
+    torch.testing.assert_close(decoder(torch.tensor([[7]]), cache), reference(torch.tensor([[7]]), reference_cache),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_unquantized_models_and_prefill_chunks_take_the_per_op_path():
+    model = tiny_model("llama").to(torch.bfloat16)  # nn.Linear projections: nothing to fuse
+    decoder = LeanDecoder(model)
+    assert decoder._fused_layers(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) is None
+    quantize_linear_weights(model)
+    decoder = LeanDecoder(model)
+    assert decoder._fused_layers(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) is not None
+    assert decoder._fused_layers(torch.zeros(1, 5, 64, dtype=torch.bfloat16)) is None  # 5 rows: a prefill chunk
+    assert decoder._fused_layers(torch.zeros(1, 1, 64)) is None  # another dtype than the weights'
+    with native.loader.disabled():
+        assert decoder._fused_layers(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threaded_mass_read_equals_the_single_threaded_one(dtype):
+    from confkv.attention import KVSegment
+
+    gen = torch.Generator().manual_seed(3)
+    batch, kv_heads, groups, queries, dim = 2, 3, 3, 2, 64
+    query = torch.randn(batch, kv_heads * groups, queries, dim, generator=gen).to(dtype)
+    segments = [KVSegment(torch.randn(batch, kv_heads, n, dim, generator=gen).to(dtype),
+                          torch.randn(batch, kv_heads, n, dim, generator=gen).to(dtype), None) for n in (300, 45)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out1, mass1 = native.mass_read(query, segments, 0.125)
+        torch.set_num_threads(2)
+        out2, mass2 = native.mass_read(query, segments, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out1, out2)
+    assert all(torch.equal(a, b) for a, b in zip(mass1, mass2))
+    workers = native.gemv_settings()
+    assert workers >= 1  # the two-thread read ran on the pool (a worker exists)

@@ -102,6 +102,23 @@ def test_a_replaced_projection_falls_back_to_the_per_op_path():
                                rtol=2e-2, atol=2e-2)
 
 
+def test_a_replaced_norm_weight_falls_back_to_the_per_op_path():
+    model = _model("llama", torch.bfloat16)
+    decoder = LeanDecoder(model)
+    cache = ConfKVCache.for_model(model, "full")
+    decoder(torch.tensor([[5]]), cache)  # prepares the fused kernels
+    norm = model.model.layers[0].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 2, requires_grad=False)
+    kernels, states = decoder._fused[1][0]
+    assert not decoder._current(states, decoder.layers[0])  # the kernels hold the old weight: not used
+    assert decoder._current(decoder._fused[1][1][1], decoder.layers[1])  # the other layer keeps its kernels
+    reference = LeanDecoder(model)
+    reference.fuse_layers = False
+    reference_cache = cache.clone()
+    torch.testing.assert_close(decoder(torch.tensor([[7]]), cache), reference(torch.tensor([[7]]), reference_cache),
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_unquantized_models_and_prefill_chunks_take_the_per_op_path():
     model = tiny_model("llama").to(torch.bfloat16)  # nn.Linear projections: nothing to fuse
     decoder = LeanDecoder(model)

@@ -157,9 +157,11 @@ class LeanDecoder:
 
     @classmethod
     def _current(cls, states: tuple, layer: _Layer) -> bool:
-        """Whether the layer's projections still hold the prepared GEMVs the kernels were made from (an
-        Int8Linear drops its prepared state when its tensors change)."""
-        return all(module.__dict__.get("_native") is state for module, state in zip(cls._projections(layer), states))
+        """Whether the layer still holds what its kernels were made from: the projections' prepared GEMVs (an
+        Int8Linear drops its prepared state when its tensors change) and the norms' weight tensors."""
+        held = (*(m.__dict__.get("_native") for m in cls._projections(layer)), layer.input_norm.weight,
+                layer.post_norm.weight)
+        return all(now is then for now, then in zip(held, states))
 
     def _fused_layers(self, hidden: torch.Tensor) -> list[tuple[LayerKernels, tuple] | None] | None:
         """Per layer, its :class:`LayerKernels` (and the states they were made from) for this input, or
@@ -189,7 +191,8 @@ class LeanDecoder:
             norms.append((norm.weight.detach(), eps))
         if any(p is None for p in projections) or not LayerKernels.supports(projections, *norms, layer.head_dim):
             return None
-        return LayerKernels(*projections, *norms, layer.head_dim), tuple(m.__dict__.get("_native") for m in modules)
+        states = (*(m.__dict__.get("_native") for m in modules), layer.input_norm.weight, layer.post_norm.weight)
+        return LayerKernels(*projections, *norms, layer.head_dim), states
 
     @staticmethod
     def _fused_layer(kernels: LayerKernels, layer: _Layer, hidden: torch.Tensor, cache: ConfKVCache, index: int,

@@ -820,6 +820,16 @@ done:
     return status;
 }
 
+/* out = a + b for rows [M, K] of dtype xd, each sum rounded once (torch's add); left and right: K floats each */
+static void add_rows(const void *a, const void *b, void *out, int xd, int64_t M, int64_t K, float *left, float *right) {
+    for (int64_t m = 0; m < M; m++) {
+        load_row(at(a, xd, m * K), xd, K, left);
+        load_row(at(b, xd, m * K), xd, K, right);
+        for (int64_t d = 0; d < K; d++) left[d] = left[d] + right[d];
+        store_row(left, xd, K, (char *)out + m * K * (xd == BF16 ? 2 : 4));
+    }
+}
+
 /* g[i] = round(round(silu(g[i])) * u[i]) (rounding to xd), silu(x) = x * sigmoid(x) with sigmoid from
  * exp(-|x|) <= 1 (exp_nonpositive, branch-free, so the loop vectorises): within a few float32 ulps of
  * torch's x / (1 + exp(-x)); +-inf and NaN as torch's (NaN for -inf, as -inf / inf there) */
@@ -850,12 +860,7 @@ int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int
     if (!(xf = widen_rows(attn, xd, M, A, &Kp))) goto done;
     gemv_args o = plan_args(plan_o, xf, M, Kp, normed, xd); /* `normed` holds o_proj's output for now */
     gemv_many(&o, 1, threads);
-    for (int64_t m = 0; m < M; m++) {
-        load_row(at(hidden, xd, m * K), xd, K, left);
-        load_row(at(normed, xd, m * K), xd, K, right);
-        for (int64_t d = 0; d < K; d++) left[d] = left[d] + right[d];
-        store_row(left, xd, K, (char *)h + m * K * es);
-    }
+    add_rows(hidden, normed, h, xd, M, K, left, right);
     free(xf);
     /* the gated MLP */
     confkv_rms_norm(h, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
@@ -872,12 +877,7 @@ int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int
     if (!(xf = widen_rows(gate, xd, M, I, &Kp))) goto done;
     gemv_args down = plan_args(plan_down, xf, M, Kp, normed, xd); /* `normed` now holds down_proj's output */
     gemv_many(&down, 1, threads);
-    for (int64_t m = 0; m < M; m++) {
-        load_row(at(h, xd, m * K), xd, K, left);
-        load_row(at(normed, xd, m * K), xd, K, right);
-        for (int64_t d = 0; d < K; d++) left[d] = left[d] + right[d];
-        store_row(left, xd, K, (char *)out + m * K * es);
-    }
+    add_rows(h, normed, out, xd, M, K, left, right);
     status = 0;
 done:
     free(xf);

@@ -27,16 +27,18 @@ from typing import Callable
 
 import torch
 
-from confkv import profiling, tier_moves
+from confkv import native, profiling, tier_moves
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.cold import ColdTier
 from confkv.eviction import protection_mask, select_kept
 from confkv.attention import KVSegment, attention_read, reads_pages
+from confkv.attention.mass_read import MAX_SCORES, mass_read
 from confkv.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
 from confkv.region import Region, concat, select_batch
+from confkv.window_buffer import WindowBuffer
 
 
 def check_store_fits(policy: Policy, config: StoreConfig) -> None:
@@ -85,6 +87,7 @@ class LayerStore:
         self.pending = 0  # tokens appended by `append` whose attention has not been read yet
         self.cold: ColdTier | None = None
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
+        self.window: WindowBuffer | None = None  # the recent region's slots with spare capacity (decode_step)
         if isinstance(policy, TieredPolicy) and sliding_window is None:
             if policy.cold.promote is not None and not policy.needs_attention:
                 raise ConfigError(f"promote: policy {policy.name!r} reads no attention mass, so no page can earn "
@@ -126,7 +129,10 @@ class LayerStore:
             return 0
         extra = self.channel_scale.nbytes if self.channel_scale is not None else 0
         cold = self.cold.kv_bytes() if self.cold is not None else 0
-        return self.old.nbytes() + self.recent.nbytes() + extra + cold
+        window = self.recent.nbytes()
+        if self.window is not None:  # its spare slots are held too
+            window = self.window.nbytes() + (0 if self.window.backs(self.recent) else window)
+        return self.old.nbytes() + window + extra + cold
 
     def offloaded_bytes(self) -> int:
         """Of :meth:`kv_bytes`, the bytes kept in the page file rather than RAM."""
@@ -151,6 +157,7 @@ class LayerStore:
         if not self.is_initialized:
             return
         self.old, self.recent = select_batch(self.old, index), select_batch(self.recent, index)
+        self.window = None  # the recent region is a fresh copy now
         self.seen_real = self.seen_real.index_select(0, index.to(self.seen_real.device))
         if self.cold is not None:
             self.cold.select_batch(index)
@@ -200,8 +207,50 @@ class LayerStore:
                 dense=True,  # until `_place_new_tokens` sees padding
             )
             self.recent = concat(self.recent, fresh)
+            self.window = None  # the recent region is a fresh copy now
             self.seen_tokens += new
             self.pending = new
+
+    def decode_step(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, *, scaling: float) -> torch.Tensor:
+        """:meth:`append` then :meth:`attend` of one new token per sequence, nothing padded, the same state
+        and output: keys and values [B, Hkv, 1, D], query [B, Hq, 1, D] -> [B, Hq, 1, D].
+
+        When the read is the native mass read over full-precision dense regions (the common decode step
+        of an attention-ranked policy on CPU), the new token is written into the FP window's
+        :class:`~confkv.window_buffer.WindowBuffer` (grown by ``move_block`` + 1 slots when full) and
+        read at once, without the per-step concatenation and checks; otherwise the two calls run.
+        """
+        if not self._decodes_in_place(keys, query):
+            self.append(keys, values)
+            return self.attend(query, scaling=scaling)
+        with profiling.section("append (FP window)"):
+            window, length = self.window, self.recent.length
+            if window is None or length >= window.capacity or not window.backs(self.recent):
+                self.window = window = WindowBuffer.around(self.recent, length + self.config.move_block + 1)
+            self.recent = window.append_one(length, keys, values, self.seen_real)
+            self.seen_real = self.seen_real + 1
+            self.seen_tokens += 1
+            regions = [r for r in (self.old, self.recent) if r.length]
+        with profiling.section("attention read"):
+            segments = [KVSegment(r.keys, r.values, None) for r in regions]
+            read = native.mass_read(query, segments, scaling)
+            out, masses = read if read is not None else mass_read(query, segments, scaling)
+        with profiling.section("EMA / stats update"):
+            for region, mass in zip(regions, masses):
+                self.policy.observe(region.stats, mass, 1)
+        return out
+
+    def _decodes_in_place(self, keys: torch.Tensor, query: torch.Tensor) -> bool:
+        """Whether :meth:`decode_step` may take its in-place path (see there)."""
+        if not self.is_initialized or self.pending or keys.shape[2] != 1 or query.shape[2] != 1:
+            return False
+        if self.cold is not None or self.sliding_window is not None or self.int8 or not self.stat_names:
+            return False
+        if not (self.old.dense and self.recent.dense and self.policy.needs_attention):
+            return False
+        if self.config.read_backend != "auto" or query.device.type != "cpu" or keys.dtype != self.recent.keys.dtype:
+            return False
+        return query.shape[0] * query.shape[1] * (self.physical_length + 1) <= MAX_SCORES
 
     def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
         """Set positions/validity of the pending tokens; return query positions [B, q]."""
@@ -317,6 +366,7 @@ class LayerStore:
             return
         moving = self.recent.slice(0, surplus)
         self.recent = self.recent.slice(surplus, self.recent.length, copy=True)  # frees the old window
+        self.window = None  # its buffer too: the next decode step makes one around the new window
         if self.int8:
             with profiling.section("quantization"):
                 moving = self._quantize(moving)

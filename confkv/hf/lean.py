@@ -72,6 +72,16 @@ def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
     return module(x) if out is None else out
 
 
+def _store_read(store: Any, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, scaling: float,
+                attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Append key / value [B, Hkv, q, D] to ``store`` and read with query [B, Hq, q, D] -> [B, Hq, q, D]; a
+    decode step with nothing padded takes the store's :meth:`~confkv.store.LayerStore.decode_step`."""
+    if attention_mask is None and query.shape[2] == 1:
+        return store.decode_step(key, value, query, scaling=scaling)
+    store.append(key, value)
+    return store.attend(query, scaling=scaling, padding=attention_mask, softcap=None)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -200,9 +210,8 @@ class LeanDecoder:
         """One decoder layer on ``hidden`` [B, q, hidden] through the two native calls and the store."""
         batch, length, _ = hidden.shape
         query, key, value = kernels.attention_inputs(hidden, cos, sin)  # [B, q, H, D]
-        store = cache.layers[index].store
-        store.append(key.transpose(1, 2), value.transpose(1, 2))
-        out = store.attend(query.transpose(1, 2), scaling=layer.scaling, padding=attention_mask, softcap=None)
+        out = _store_read(cache.layers[index].store, key.transpose(1, 2), value.transpose(1, 2), query.transpose(1, 2),
+                          layer.scaling, attention_mask)
         return kernels.mlp(out.transpose(1, 2).reshape(batch, length, -1), hidden)
 
     @staticmethod
@@ -221,7 +230,5 @@ class LeanDecoder:
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
             query = query * cos + _rotate_half(query) * sin
             key = key * cos + _rotate_half(key) * sin
-        store = cache.layers[index].store
-        store.append(key, value)
-        out = store.attend(query, scaling=layer.scaling, padding=attention_mask, softcap=None)
+        out = _store_read(cache.layers[index].store, key, value, query, layer.scaling, attention_mask)
         return layer.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

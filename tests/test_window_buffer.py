@@ -1,0 +1,132 @@
+"""The FP window's preallocated buffer (confkv/window_buffer.py) and the store's in-place decode step
+(LayerStore.decode_step): the same state and output as append + attend, its spare bytes counted."""
+
+import pytest
+import torch
+
+from confkv import native
+from confkv.config import StoreConfig
+from confkv.hf import ConfKVCache, prefill
+from confkv.hf.lean import LeanDecoder
+from confkv.models import tiny_model
+from confkv.region import Region
+from confkv.window_buffer import WindowBuffer
+
+# attention-ranked policies (the in-place path needs the mass); budgets small enough to evict
+RANKED = [
+    ("h2o", {"budget": 20, "protect": 4}),
+    ("tova", {"budget": 20, "protect": 4}),
+    ("confkv", {"n_high": 16, "n_low": 28, "tau": 0.02, "protect": 4}),
+    ("scissorhands", {"budget": 20, "protect": 4}),
+]
+
+
+def _region(length: int, seed: int = 0) -> Region:
+    gen = torch.Generator().manual_seed(seed)
+    return Region(keys=torch.randn(2, 3, length, 8, generator=gen), values=torch.randn(2, 3, length, 8, generator=gen),
+                  positions=torch.arange(length).expand(2, 3, length).clone(), valid=torch.ones(2, length, dtype=torch.bool),
+                  stats={"ema": torch.rand(2, 3, length, generator=gen)}, dense=True)
+
+
+def test_a_buffer_holds_the_region_and_appends_in_place():
+    region = _region(5)
+    buffer = WindowBuffer.around(region, 7)
+    assert buffer.capacity == 7 and not buffer.backs(region)  # a copy, not the region's own tensors
+    grown = buffer.append_one(5, torch.ones(2, 3, 1, 8), torch.full((2, 3, 1, 8), 2.0), torch.tensor([40, 41]))
+    assert buffer.backs(grown) and grown.length == 6 and grown.dense
+    assert torch.equal(grown.keys[:, :, :5], region.keys) and torch.equal(grown.stats["ema"][:, :, :5], region.stats["ema"])
+    assert torch.equal(grown.keys[:, :, 5], torch.ones(2, 3, 8)) and torch.equal(grown.values[:, :, 5], torch.full((2, 3, 8), 2.0))
+    assert grown.positions[:, :, 5].tolist() == [[40] * 3, [41] * 3] and bool(grown.valid[:, 5].all())
+    assert float(grown.stats["ema"][:, :, 5].abs().sum()) == 0.0
+    again = buffer.append_one(6, torch.zeros(2, 3, 1, 8), torch.zeros(2, 3, 1, 8), torch.tensor([42, 43]))
+    assert buffer.backs(again) and again.length == 7 and torch.equal(again.keys[:, :, 5], grown.keys[:, :, 5])
+    assert buffer.nbytes() == 2 * 2 * 3 * 7 * 8 * 4
+    assert not buffer.backs(again.slice(0, 7, copy=True))
+
+
+def test_a_buffer_refuses_too_little_room_and_int8_regions():
+    with pytest.raises(ValueError, match="5"):
+        WindowBuffer.around(_region(5), 4)
+
+
+def _decode_both(name, params, store, steps=30, prompt=24):
+    """The same tokens through the lean decoder (decode_step) and model(...) (append + attend)."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 250, (2, prompt + steps), generator=torch.Generator().manual_seed(1))
+    caches = [ConfKVCache.for_model(model, name, store=store, **params) for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, ids[:, :prompt], chunk=8)
+    lean = LeanDecoder(model)
+    appended = []
+    original = WindowBuffer.append_one
+    def counted(self, *args):
+        appended.append(1)
+        return original(self, *args)
+    WindowBuffer.append_one = counted
+    try:
+        for t in range(prompt, prompt + steps):
+            token = ids[:, t:t + 1]
+            expected = model(input_ids=token, cache=caches[0], logits_to_keep=1).logits[:, -1]
+            got = lean(token, caches[1])
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert caches[1].kept_counts().tolist() == caches[0].kept_counts().tolist()
+    finally:
+        WindowBuffer.append_one = original
+    return caches, len(appended)
+
+
+@pytest.mark.skipif(not native.available(), reason="the in-place path reads with the native mass read")
+@pytest.mark.parametrize("name,params", RANKED, ids=[r[0] for r in RANKED])
+def test_decode_step_equals_append_and_attend(name, params):
+    (reference, lean), appended = _decode_both(name, params, StoreConfig(move_block=4))
+    if name == "confkv":  # the gate gives the two sequences different budgets: holes, the general path
+        assert 0 < appended < 30 * 2
+    else:
+        assert appended == 30 * 2  # every decode step of both layers took the in-place path
+    for a, b in zip(reference.layers, lean.layers):
+        sa, sb = a.store, b.store
+        assert torch.equal(sa.seen_real, sb.seen_real) and sa.seen_tokens == sb.seen_tokens
+        for ra, rb in ((sa.old, sb.old), (sa.recent, sb.recent)):
+            assert torch.equal(ra.positions, rb.positions) and torch.equal(ra.keys, rb.keys)
+            torch.testing.assert_close(rb.stats, ra.stats, rtol=1e-6, atol=1e-7)
+        # the lean store holds its buffer's spare slots too, and counts them
+        spare = sb.window.nbytes() - sb.recent.nbytes() if sb.window is not None else 0
+        assert sb.kv_bytes() == sa.kv_bytes() + spare
+        if sb.window is not None:
+            assert spare > 0 and sb.window.backs(sb.recent)
+
+
+@pytest.mark.skipif(not native.available(), reason="the in-place path reads with the native mass read")
+def test_ageing_drops_the_buffer_and_a_stale_one_is_counted_whole():
+    (_, lean), _ = _decode_both("h2o", {"budget": 20, "protect": 4}, StoreConfig(move_block=4), steps=5)
+    store = lean.layers[0].store
+    store._age(force=True)  # the recent region becomes a fresh copy
+    assert store.window is None
+    buffer = WindowBuffer.around(store.recent, store.recent.length + 3)
+    store.window = buffer  # held but not backing the region: both are counted
+    assert store.kv_bytes() == store.old.nbytes() + store.recent.nbytes() + buffer.nbytes()
+
+
+@pytest.mark.parametrize("case", ["int8", "cold tier", "no mass", "padded", "two tokens"])
+def test_the_other_steps_take_append_and_attend(case):
+    model = tiny_model("llama")
+    name, params, store = "h2o", {"budget": 20, "protect": 4}, StoreConfig()
+    if case == "int8":
+        name, params, store = "confkv", {"n_high": 16, "n_low": 28, "tau": 0.02, "protect": 4}, \
+            StoreConfig(kv_int8=True, fp_window=8, move_block=8)
+    elif case == "cold tier":
+        name, params = "confkv-r", {"budget": 16, "protect": 4, "bits": 4, "page_size": 4, "group_size": 4, "k": 2}
+    elif case == "no mass":
+        name, params = "streaming", {"budget": 20, "sinks": 2}
+    cache = ConfKVCache.for_model(model, name, store=store, **params)
+    ids = torch.randint(1, 250, (2, 40), generator=torch.Generator().manual_seed(2))
+    prefill(model, cache, ids[:, :24], chunk=8)
+    lean = LeanDecoder(model)
+    for t in range(24, 30):
+        if case == "padded":
+            lean(ids[:, t:t + 1], cache, attention_mask=torch.ones(2, t + 1, dtype=torch.long))
+        elif case == "two tokens":
+            lean(ids[:, t:t + 2], cache)
+        else:
+            lean(ids[:, t:t + 1], cache)
+    assert all(layer.store.window is None for layer in cache.layers)

@@ -1,7 +1,7 @@
 """Where the lean decode step's time goes: SmolLM2-135M in bfloat16 with INT8 weights, CONF-KV (budget 1,024,
 gate 768 / 1,280, slack 64) after a 1,024-token prefill, decode steps back to back through the lean decoder,
 with a timer around each part (the fused layer calls, the LM head's GEMV, the mass read, the store's append,
-attend and end of step). Prints the median step and each part's mean ms per step, for --rounds rounds.
+attend or decode step, and end of step). Prints the median step and each part's mean ms per step, for --rounds rounds.
 
     .venv/bin/python benchmarks/lean_step_split.py [--threads 2] [--steps 30] [--rounds 3]
 """
@@ -53,6 +53,7 @@ def main():
     timed(layer.LayerKernels, "mlp", "o+norm+MLP (C)")
     timed(native.Int8Projection, "__call__", "LM head GEMV")
     timed(native, "mass_read", "mass read (C)")
+    timed(store.LayerStore, "decode_step", "store.decode_step incl. read")
     timed(store.LayerStore, "append", "store.append")
     timed(store.LayerStore, "attend", "store.attend incl. read")
     timed(store.LayerStore, "end_step", "store.end_step")

@@ -11,7 +11,7 @@ buffer's bytes (used or spare) are counted by the store's ``kv_bytes``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class WindowBuffer:
     positions: torch.Tensor
     valid: torch.Tensor
     stats: dict[str, torch.Tensor]
+    last: Region | None = field(default=None, repr=False, compare=False)  # the region append_one returned last
 
     @property
     def capacity(self) -> int:
@@ -52,27 +53,27 @@ class WindowBuffer:
                    {name: room(t) for name, t in region.stats.items()})
 
     def backs(self, region: Region) -> bool:
-        """Whether every tensor of ``region`` is the view of this buffer's first ``region.length`` slots."""
-        return (region.keys.data_ptr() == self.keys.data_ptr() and region.values.data_ptr() == self.values.data_ptr()
-                and region.positions.data_ptr() == self.positions.data_ptr()
-                and region.valid.data_ptr() == self.valid.data_ptr() and region.stats.keys() == self.stats.keys()
-                and all(t.data_ptr() == self.stats[name].data_ptr() for name, t in region.stats.items())
-                and region.length <= self.capacity and region.keys.shape == (*self.keys.shape[:2], region.length,
-                                                                               self.keys.shape[3]))
+        """Whether ``region`` is the views of this buffer's first slots that :meth:`append_one` returned last
+        (a store replaces its regions whole and writes into them only in place, so the object and its
+        keys' and values' storage identify it)."""
+        return (region is self.last and region.keys.data_ptr() == self.keys.data_ptr()
+                and region.values.data_ptr() == self.values.data_ptr())
 
     def append_one(self, length: int, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> Region:
         """Write one new token per sequence into slot ``length`` (< capacity): keys and values [B, Hkv, 1, D],
         its position [B] int64, valid, zero statistics; returns the region of the first ``length + 1`` slots."""
-        self.keys[:, :, length:length + 1] = keys
-        self.values[:, :, length:length + 1] = values
-        self.positions[:, :, length] = position[:, None]
-        self.valid[:, length] = True
+        # narrow / copy_ rather than indexing: a decode step makes these calls in every layer
+        self.keys.narrow(2, length, 1).copy_(keys)
+        self.values.narrow(2, length, 1).copy_(values)
+        self.positions.narrow(2, length, 1).copy_(position.view(-1, 1, 1))
+        self.valid.narrow(1, length, 1).fill_(True)
         for t in self.stats.values():
-            t[:, :, length] = 0.0
+            t.narrow(2, length, 1).zero_()
         end = length + 1
-        return Region(keys=self.keys[:, :, :end], values=self.values[:, :, :end], positions=self.positions[:, :, :end],
-                      valid=self.valid[:, :end], stats={name: t[:, :, :end] for name, t in self.stats.items()},
-                      dense=True)
+        self.last = Region(keys=self.keys.narrow(2, 0, end), values=self.values.narrow(2, 0, end),
+                           positions=self.positions.narrow(2, 0, end), valid=self.valid.narrow(1, 0, end),
+                           stats={name: t.narrow(2, 0, end) for name, t in self.stats.items()}, dense=True)
+        return self.last
 
     def nbytes(self) -> int:
         """Bytes of the keys and values of every slot, used or spare (the KV measure of :meth:`Region.nbytes`)."""

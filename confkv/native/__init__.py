@@ -69,28 +69,37 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
         when the library is unavailable or a dtype is not float32 / bfloat16.
     """
     lib = library()
-    if lib is None or query.dtype not in _CODES:
+    if lib is None or query.dtype not in _CODES or query.device.type != "cpu":
         return None
-    if not _on_cpu(query, *(t for s in segments for t in (s.keys, s.values))):
-        return None
+    # one pass over the segments (a decode step makes this call in every layer: plain loops, no generators)
+    keys, values, meta = [], [], []
+    kv_heads = 0
+    for segment in segments:
+        k, v = segment.keys, segment.values
+        if k.dtype not in _CODES or v.dtype not in _CODES or k.device.type != "cpu" or v.device.type != "cpu":
+            return None
+        k, v = _rows_contiguous(k), _rows_contiguous(v)
+        length = k.shape[2]
+        if length and not kv_heads:
+            kv_heads = k.shape[1]
+        ks, vs = k.stride(), v.stride()
+        meta += (length, _CODES[k.dtype], _CODES[v.dtype], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+        keys.append(k)
+        values.append(v)
     batch, q_heads, num_queries, head_dim = query.shape
-    if any(s.keys.dtype not in _CODES or s.values.dtype not in _CODES for s in segments):
-        return None
-    kv_heads = next(s for s in segments if s.length).keys.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
     query = _rows_contiguous(query)
-    pairs = [(_rows_contiguous(s.keys), _rows_contiguous(s.values)) for s in segments]
-    count = len(pairs)
+    count = len(keys)
+    pointers = ctypes.c_void_p * count
     out = torch.empty(batch, q_heads, num_queries, head_dim, dtype=query.dtype)
-    mass = [torch.empty(batch, kv_heads, k.shape[2], dtype=torch.float32) for k, _ in pairs]
-    meta = [n for k, v in pairs
-            for n in (k.shape[2], _CODES[k.dtype], _CODES[v.dtype], *k.stride()[:3], *v.stride()[:3])]
+    mass = [torch.empty(batch, kv_heads, k.shape[2], dtype=torch.float32) for k in keys]
+    qs = query.stride()
     status = lib.confkv_mass_read(
-        query.data_ptr(), _CODES[query.dtype], *query.stride()[:3], batch, q_heads, num_queries, head_dim,
-        kv_heads, count, (ctypes.c_void_p * count)(*[k.data_ptr() for k, _ in pairs]),
-        (ctypes.c_void_p * count)(*[v.data_ptr() for _, v in pairs]), (ctypes.c_int64 * len(meta))(*meta),
-        scaling, out.data_ptr(), (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]), torch.get_num_threads())
+        query.data_ptr(), _CODES[query.dtype], qs[0], qs[1], qs[2], batch, q_heads, num_queries, head_dim,
+        kv_heads, count, pointers(*[k.data_ptr() for k in keys]), pointers(*[v.data_ptr() for v in values]),
+        (ctypes.c_int64 * len(meta))(*meta), scaling, out.data_ptr(), pointers(*[m.data_ptr() for m in mass]),
+        torch.get_num_threads())
     if status:
         raise MemoryError("confkv native mass read: out of memory for the scores")
     return out, mass

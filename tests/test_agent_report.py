@@ -1,6 +1,6 @@
 """The agent report's views (confkv.agent.report), on records written by hand."""
 
-from confkv.agent.report import agent_markdown, teacher_forced_views, value_recall
+from confkv.agent.report import agent_markdown, lost_values, teacher_forced_views, value_recall
 
 
 def _record(policy, compression, task, template, steps):
@@ -46,3 +46,15 @@ def test_markdown_has_the_command_and_one_line_per_policy():
     assert "confkv agent --x" in md
     assert "| teacher-forced | h2o | 2.8 | 1 | 0.500 | 0.50 | 0.250 | - | - | 2.0 | 2.80 | 1.0 |" in md
     assert "| h2o x2.8 | 0.25 | 0.50 | 0.50 |" in md and "| full | 1.00 | 1.00 | 1.00 |" in md
+
+
+def test_lost_values_are_those_full_typed_and_the_policy_did_not():
+    lost = lost_values([FULL, LOSSY])
+    # SAVE-KCMC: full typed it, h2o typed SAVE-XXXX -> lost; Gorvane: both have it -> not lost
+    assert lost == [{"policy": "h2o", "compression": 2.8, "task": "promo-0", "step": 1, "value": "SAVE-KCMC",
+                     "typed": 'type [7] "SAVE-XXXX"'}]
+    missed_by_full = _record("full", 1.0, "promo-0", "promo", [("click [3]", "click [3]", "click [3]"),
+                                                                ('type [7] "SAVE-KCMC"', "scroll down", "scroll down")])
+    assert lost_values([missed_by_full, LOSSY]) == []  # full never typed it: nothing the policy lost
+    md = agent_markdown([], [FULL, LOSSY])
+    assert '| h2o x2.8 | promo-0 | 1 | SAVE-KCMC | type [7] "SAVE-XXXX" |' in md

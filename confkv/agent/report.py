@@ -8,7 +8,9 @@ two views say *what* a compressed cache lost:
   code, a ticket code, an amount, a name: most of them read pages earlier in the history), is
   that value anywhere in the policy's generated action text? Full KV's recall is the reference,
   so a policy that drops the page holding the code shows it here even when the model formats
-  its actions badly (the agreement scores need the whole action right).
+  its actions badly (the agreement scores need the whole action right);
+- **lost values** (teacher-forced): each typed value that full KV's action contains and the
+  policy's does not, with what the policy typed instead: the information its cache lost.
 """
 
 from __future__ import annotations
@@ -38,6 +40,27 @@ def value_recall(record: dict[str, Any]) -> float | None:
     if not pairs:
         return None
     return sum(value.lower() in raw.lower() for value, raw in pairs) / len(pairs)
+
+
+def lost_values(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Teacher-forced steps where full KV's generated text contains the value the expert types and the
+    policy's (same task, same step) does not: policy, compression, task, step, value, the policy's text."""
+    tf = [r for r in records if r["protocol"] == "teacher-forced"]
+    full = {r["task"]: r for r in tf if r["policy"] == "full"}
+    lost = []
+    for r in sorted(tf, key=lambda r: (r["compression"], r["policy"], r["task"])):
+        reference = full.get(r["task"])
+        if r["policy"] == "full" or reference is None:
+            continue
+        for index, (mine, theirs) in enumerate(zip(r["steps"], reference["steps"])):
+            expert = parse_action(theirs["expert"])
+            if expert.kind != "type" or not expert.text:
+                continue
+            value = expert.text.lower()
+            if value in theirs.get("raw", "").lower() and value not in mine.get("raw", "").lower():
+                lost.append({"policy": r["policy"], "compression": r["compression"], "task": r["task"], "step": index,
+                             "value": expert.text, "typed": mine.get("raw", "")})
+    return lost
 
 
 def _label(policy: str, compression: float) -> str:
@@ -95,6 +118,14 @@ def agent_markdown(summary: list[dict[str, Any]], records: list[dict[str, Any]],
                          f"{_f(r['value_recall_vs_full'])} |")
         lines += ["", "Typed-value recall: at each expert step that types a value (a code, an amount, a name), "
                   "whether that value is in the generated action text (`confkv.agent.report`)."]
+        lost = lost_values(records)
+        lines += ["", "## Teacher-forced: values full KV typed and a policy lost", ""]
+        if lost:
+            lines += ["| policy | task | step | value (expert, full KV) | the policy's action |", "|---|---|---|---|---|"]
+            lines += [f"| {_label(x['policy'], x['compression'])} | {x['task']} | {x['step']} | {x['value']} | "
+                      f"{x['typed'].replace('|', '/')} |" for x in lost]
+        else:
+            lines.append("None: every value full KV typed, every policy typed too (or full typed none).")
     return "\n".join(lines) + "\n"
 
 
@@ -145,5 +176,5 @@ def write_agent_report(summary: list[dict[str, Any]], records: list[dict[str, An
     return [md, plot_agent(summary, records, out_dir / "agent.png")]
 
 
-__all__ = ["agent_markdown", "plot_agent", "teacher_forced_views", "typed_values", "value_recall",
+__all__ = ["agent_markdown", "lost_values", "plot_agent", "teacher_forced_views", "typed_values", "value_recall",
            "write_agent_report"]

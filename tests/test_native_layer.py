@@ -110,8 +110,8 @@ def test_a_replaced_norm_weight_falls_back_to_the_per_op_path():
     norm = model.model.layers[0].post_attention_layernorm
     norm.weight = torch.nn.Parameter(norm.weight.detach() * 2, requires_grad=False)
     kernels, states = decoder._fused[1][0]
-    assert not decoder._current(states, decoder.layers[0])  # the kernels hold the old weight: not used
-    assert decoder._current(decoder._fused[1][1][1], decoder.layers[1])  # the other layer keeps its kernels
+    assert not decoder._current(states)  # the kernels hold the old weight: not used
+    assert decoder._current(decoder._fused[1][1][1])  # the other layer keeps its kernels
     reference = LeanDecoder(model)
     reference.fuse_layers = False
     reference_cache = cache.clone()

@@ -150,7 +150,7 @@ class LeanDecoder:
         fused = self._fused_layers(hidden)
         for index, layer in enumerate(self.layers):
             kernels = fused[index] if fused is not None else None
-            if kernels is not None and self._current(kernels[1], layer):
+            if kernels is not None and self._current(kernels[1]):
                 hidden = self._fused_layer(kernels[0], layer, hidden, cache, index, cos, sin, attention_mask)
                 continue
             hidden = hidden + self._attention(layer, _norm(layer.input_norm, hidden), cache, index, cos, sin,
@@ -165,13 +165,15 @@ class LeanDecoder:
         return (layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj,
                 layer.down_proj)
 
-    @classmethod
-    def _current(cls, states: tuple, layer: _Layer) -> bool:
-        """Whether the layer still holds what its kernels were made from: the projections' prepared GEMVs (an
-        Int8Linear drops its prepared state when its tensors change) and the norms' weight tensors."""
-        held = (*(m.__dict__.get("_native") for m in cls._projections(layer)), layer.input_norm.weight,
-                layer.post_norm.weight)
-        return all(now is then for now, then in zip(held, states))
+    @staticmethod
+    def _current(states: tuple) -> bool:
+        """Whether a layer still holds what its kernels were made from: ``states`` are (mapping, key, object)
+        for the projections' prepared GEMVs (an Int8Linear drops its prepared state when its tensors change)
+        and the norms' weight parameters; a plain loop, as it runs in every layer of every step."""
+        for mapping, key, then in states:
+            if mapping.get(key) is not then:
+                return False
+        return True
 
     def _fused_layers(self, hidden: torch.Tensor) -> list[tuple[LayerKernels, tuple] | None] | None:
         """Per layer, its :class:`LayerKernels` (and the states they were made from) for this input, or
@@ -201,7 +203,8 @@ class LeanDecoder:
             norms.append((norm.weight.detach(), eps))
         if any(p is None for p in projections) or not LayerKernels.supports(projections, *norms, layer.head_dim):
             return None
-        states = (*(m.__dict__.get("_native") for m in modules), layer.input_norm.weight, layer.post_norm.weight)
+        states = (*((m.__dict__, "_native", m.__dict__.get("_native")) for m in modules),
+                  *((n._parameters, "weight", n._parameters.get("weight")) for n in (layer.input_norm, layer.post_norm)))
         return LayerKernels(*projections, *norms, layer.head_dim), states
 
     @staticmethod

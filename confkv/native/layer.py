@@ -83,7 +83,8 @@ class LayerKernels:
         q, k, v = self.projections[:3]
         dim = self.head_dim
         x = x.contiguous()
-        cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        if cos.dtype is not self.dtype or sin.dtype is not self.dtype:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride() != sin.stride():
             cos, sin = cos.contiguous(), sin.contiguous()
         query = torch.empty(batch, length, q.outputs // dim, dim, dtype=self.dtype)

@@ -217,7 +217,8 @@ class LayerStore:
 
         When the read is the native mass read over full-precision dense regions (the common decode step
         of an attention-ranked policy on CPU), the new token is written into the FP window's
-        :class:`~confkv.window_buffer.WindowBuffer` (grown by ``move_block`` + 1 slots when full) and
+        :class:`~confkv.window_buffer.WindowBuffer` (one with ``move_block`` + 1 spare slots is made when the
+        window has none left) and
         read at once, without the per-step concatenation and checks; otherwise the two calls run.
         """
         if not self._decodes_in_place(keys, query):

@@ -41,8 +41,10 @@ class WindowBuffer:
     @classmethod
     def around(cls, region: Region, capacity: int) -> "WindowBuffer":
         """A buffer of ``capacity`` >= ``region.length`` slots holding a copy of ``region`` (full precision) in its first slots."""
-        if capacity < region.length or region.key_scale is not None:
-            raise ValueError(f"a window buffer holds a full-precision region in {capacity} >= {region.length} slots")
+        if capacity < region.length:
+            raise ValueError(f"a window buffer of {capacity} slots cannot hold a region of {region.length}")
+        if region.key_scale is not None:
+            raise ValueError("a window buffer holds a full-precision region, not an INT8 one")
         def room(t: torch.Tensor) -> torch.Tensor:
             out = t.new_empty((*t.shape[:2], capacity, *t.shape[3:]))
             out[:, :, :t.shape[2]] = t

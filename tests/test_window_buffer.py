@@ -45,8 +45,12 @@ def test_a_buffer_holds_the_region_and_appends_in_place():
 
 
 def test_a_buffer_refuses_too_little_room_and_int8_regions():
-    with pytest.raises(ValueError, match="5"):
+    with pytest.raises(ValueError, match="4 slots cannot hold a region of 5"):
         WindowBuffer.around(_region(5), 4)
+    region = _region(5)
+    region.key_scale = region.value_scale = torch.ones(2, 3, 5)
+    with pytest.raises(ValueError, match="not an INT8 one"):
+        WindowBuffer.around(region, 8)
 
 
 def _decode_both(name, params, store, steps=30, prompt=24):

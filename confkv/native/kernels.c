@@ -733,18 +733,27 @@ static void gemv_many(const gemv_args *a, int parts, int threads) {
     for (int p = 0; p < parts; p++) gemv_rows(&a[p], 0, a[p].N);
 }
 
+/* rows [M, K] of x (xd, rows x_sr elements apart) widened to float32, each zero-padded to *Kp = K rounded up
+ * to 16; NULL when out of memory */
+static float *widen_rows(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, int64_t *Kp) {
+    *Kp = (K + 15) & ~(int64_t)15;
+    float *xf = malloc(sizeof(float) * (size_t)(M * *Kp > 0 ? M * *Kp : 1));
+    if (!xf) return NULL;
+    for (int64_t m = 0; m < M; m++) {
+        load_row(at(x, xd, m * x_sr), xd, K, xf + m * *Kp);
+        for (int64_t k = K; k < *Kp; k++) xf[m * *Kp + k] = 0.0f;
+    }
+    return xf;
+}
+
 /* out [M, N] (contiguous, od) = x [M, K] (rows x_sr elements apart, xd) times w [N, K] int8 with the
  * per-row scale [N] (sd) and optional bias [N] (bd, NULL for none), on up to `threads` threads.
  * Returns 0, or 1 when out of memory. */
 int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
                      const void *scale, int sd, const void *bias, int bd, void *out, int od, int threads) {
-    const int64_t Kp = (K + 15) & ~(int64_t)15;
-    float *xf = malloc(sizeof(float) * (size_t)(M * Kp > 0 ? M * Kp : 1));
+    int64_t Kp;
+    float *xf = widen_rows(x, xd, x_sr, M, K, &Kp);
     if (!xf) return 1;
-    for (int64_t m = 0; m < M; m++) {
-        load_row(at(x, xd, m * x_sr), xd, K, xf + m * Kp);
-        for (int64_t k = K; k < Kp; k++) xf[m * Kp + k] = 0.0f;
-    }
     const gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out};
     gemv_many(&a, 1, threads);
     free(xf);
@@ -773,18 +782,6 @@ int confkv_gemv_configure(int64_t spin_ns, int64_t min_parallel) {
  * of one input in one pool call), rotary (confkv_rotary), SiLU and the products and sums of the gated MLP.
  * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd}; every tensor is contiguous. */
 
-/* rows [M, K] of x (xd) widened to float32, each zero-padded to *Kp = K rounded up to 16; NULL when out of memory */
-static float *widen_rows(const void *x, int xd, int64_t M, int64_t K, int64_t *Kp) {
-    *Kp = (K + 15) & ~(int64_t)15;
-    float *xf = malloc(sizeof(float) * (size_t)(M * *Kp > 0 ? M * *Kp : 1));
-    if (!xf) return NULL;
-    for (int64_t m = 0; m < M; m++) {
-        load_row(at(x, xd, m * K), xd, K, xf + m * *Kp);
-        for (int64_t k = K; k < *Kp; k++) xf[m * *Kp + k] = 0.0f;
-    }
-    return xf;
-}
-
 static gemv_args plan_args(const int64_t *plan, const float *xf, int64_t M, int64_t Kp, void *out, int od) {
     const gemv_args a = {xf, M, plan[2], Kp, plan[1], (const int8_t *)(intptr_t)plan[0], (const void *)(intptr_t)plan[3],
                          (const void *)(intptr_t)plan[5], (int)plan[4], (int)plan[6], od, out};
@@ -805,7 +802,7 @@ int confkv_lean_qkv(const void *x, int xd, int64_t B, int64_t Q, int64_t K, cons
     int status = 1;
     if (!normed || !q || !k) goto done;
     confkv_rms_norm(x, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
-    if (!(xf = widen_rows(normed, xd, M, K, &Kp))) goto done;
+    if (!(xf = widen_rows(normed, xd, K, M, K, &Kp))) goto done;
     const gemv_args parts[3] = {plan_args(plan_q, xf, M, Kp, q, xd), plan_args(plan_k, xf, M, Kp, k, xd),
                                 plan_args(plan_v, xf, M, Kp, v_out, xd)};
     gemv_many(parts, 3, threads);
@@ -857,14 +854,14 @@ int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int
     if (!row || !h || !normed || !gate || !up) goto done;
     float *left = row, *right = row + (K > I ? K : I);
     /* h = hidden + o_proj(attn), the sum rounded once */
-    if (!(xf = widen_rows(attn, xd, M, A, &Kp))) goto done;
+    if (!(xf = widen_rows(attn, xd, A, M, A, &Kp))) goto done;
     gemv_args o = plan_args(plan_o, xf, M, Kp, normed, xd); /* `normed` holds o_proj's output for now */
     gemv_many(&o, 1, threads);
     add_rows(hidden, normed, h, xd, M, K, left, right);
     free(xf);
     /* the gated MLP */
     confkv_rms_norm(h, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
-    if (!(xf = widen_rows(normed, xd, M, K, &Kp))) goto done;
+    if (!(xf = widen_rows(normed, xd, K, M, K, &Kp))) goto done;
     const gemv_args gate_up[2] = {plan_args(plan_gate, xf, M, Kp, gate, xd), plan_args(plan_up, xf, M, Kp, up, xd)};
     gemv_many(gate_up, 2, threads);
     for (int64_t m = 0; m < M; m++) { /* silu(gate) * up, each rounded; the product back into `gate` */
@@ -874,7 +871,7 @@ int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int
         store_row(left, xd, I, (char *)gate + m * I * es);
     }
     free(xf);
-    if (!(xf = widen_rows(gate, xd, M, I, &Kp))) goto done;
+    if (!(xf = widen_rows(gate, xd, I, M, I, &Kp))) goto done;
     gemv_args down = plan_args(plan_down, xf, M, Kp, normed, xd); /* `normed` now holds down_proj's output */
     gemv_many(&down, 1, threads);
     add_rows(h, normed, out, xd, M, K, left, right);

@@ -14,6 +14,7 @@ import torch
 import confkv.native as native
 import confkv.native.layer as layer
 import confkv.store as store
+from confkv.native.decode import DecodePlan
 from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
@@ -57,6 +58,7 @@ def main():
     timed(store.LayerStore, "append", "store.append")
     timed(store.LayerStore, "attend", "store.attend incl. read")
     timed(store.LayerStore, "end_step", "store.end_step")
+    timed(DecodePlan, "step", "native decode step (C)")
     position = 1024
     for _ in range(args.rounds):
         for _ in range(5):  # unmeasured

@@ -39,6 +39,7 @@ from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
 from confkv.region import Region, concat, select_batch
 from confkv.window_buffer import WindowBuffer
+from confkv.native.decode import DecodePlan
 
 
 def check_store_fits(policy: Policy, config: StoreConfig) -> None:
@@ -88,6 +89,7 @@ class LayerStore:
         self.cold: ColdTier | None = None
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
         self.window: WindowBuffer | None = None  # the recent region's slots with spare capacity (decode_step)
+        self._decode_plan: DecodePlan | None = None  # the window's and old region's pointers for the native decode step
         if isinstance(policy, TieredPolicy) and sliding_window is None:
             if policy.cold.promote is not None and not policy.needs_attention:
                 raise ConfigError(f"promote: policy {policy.name!r} reads no attention mass, so no page can earn "
@@ -224,10 +226,23 @@ class LayerStore:
         if not self._decodes_in_place(keys, query):
             self.append(keys, values)
             return self.attend(query, scaling=scaling)
+        window, length = self.window, self.recent.length
+        if window is None or length >= window.capacity or not window.backs(self.recent):
+            self.window = window = WindowBuffer.around(self.recent, length + self.config.move_block + 1)
+        plan = self._decode_plan
+        if plan is None or not plan.serves(window, self.old):
+            plan = self._decode_plan = DecodePlan.build(window, self.old, query.shape[1], self.policy.linear_observe(1))
+        if plan is not None and keys.stride(-1) == 1 and values.stride(-1) == 1:
+            with profiling.section("native decode step"):
+                out, masses = plan.step(query, keys, values, self.seen_real.contiguous(), length, scaling)
+                self.recent = window.views(length + 1)
+                self.seen_real = self.seen_real + 1
+                self.seen_tokens += 1
+                if masses is not None:
+                    for region, mass in zip((self.old, self.recent), masses):
+                        self.policy.observe(region.stats, mass, 1)
+            return out
         with profiling.section("append (FP window)"):
-            window, length = self.window, self.recent.length
-            if window is None or length >= window.capacity or not window.backs(self.recent):
-                self.window = window = WindowBuffer.around(self.recent, length + self.config.move_block + 1)
             self.recent = window.append_one(length, keys, values, self.seen_real)
             self.seen_real = self.seen_real + 1
             self.seen_tokens += 1

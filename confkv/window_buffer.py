@@ -71,7 +71,10 @@ class WindowBuffer:
         self.valid.narrow(1, length, 1).fill_(True)
         for t in self.stats.values():
             t.narrow(2, length, 1).zero_()
-        end = length + 1
+        return self.views(length + 1)
+
+    def views(self, end: int) -> Region:
+        """The region of the first ``end`` slots, as views (the one :meth:`backs` recognises from now on)."""
         self.last = Region(keys=self.keys.narrow(2, 0, end), values=self.values.narrow(2, 0, end),
                            positions=self.positions.narrow(2, 0, end), valid=self.valid.narrow(1, 0, end),
                            stats={name: t.narrow(2, 0, end) for name, t in self.stats.items()}, dense=True)

@@ -10,6 +10,7 @@ from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
 from confkv.models import tiny_model
 from confkv.region import Region
+from confkv.native.decode import DecodePlan
 from confkv.window_buffer import WindowBuffer
 
 # attention-ranked policies (the in-place path needs the mass); budgets small enough to evict
@@ -61,12 +62,18 @@ def _decode_both(name, params, store, steps=30, prompt=24):
     for cache in caches:
         prefill(model, cache, ids[:, :prompt], chunk=8)
     lean = LeanDecoder(model)
-    appended = []
-    original = WindowBuffer.append_one
+    appended = []  # every in-place step ends with the buffer's views of one more slot
+    original = WindowBuffer.views
     def counted(self, *args):
         appended.append(1)
         return original(self, *args)
-    WindowBuffer.append_one = counted
+    WindowBuffer.views = counted
+    native_steps = []  # whether each native decode step updated the statistics itself
+    original_step = DecodePlan.step
+    def counted_step(self, *args):
+        native_steps.append(bool(self.linear))
+        return original_step(self, *args)
+    DecodePlan.step = counted_step
     try:
         for t in range(prompt, prompt + steps):
             token = ids[:, t:t + 1]
@@ -75,7 +82,9 @@ def _decode_both(name, params, store, steps=30, prompt=24):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             assert caches[1].kept_counts().tolist() == caches[0].kept_counts().tolist()
     finally:
-        WindowBuffer.append_one = original
+        WindowBuffer.views = original
+        DecodePlan.step = original_step
+    _decode_both.native_steps = native_steps
     return caches, len(appended)
 
 
@@ -87,6 +96,9 @@ def test_decode_step_equals_append_and_attend(name, params):
         assert 0 < appended < 30 * 2
     else:
         assert appended == 30 * 2  # every decode step of both layers took the in-place path
+    # ... as one native call each, with the statistics updated in C for the linear observes (EMA, sum)
+    assert len(_decode_both.native_steps) == appended
+    assert set(_decode_both.native_steps) == {name in ("h2o", "confkv")}
     for a, b in zip(reference.layers, lean.layers):
         sa, sb = a.store, b.store
         assert torch.equal(sa.seen_real, sb.seen_real) and sa.seen_tokens == sb.seen_tokens

@@ -23,6 +23,8 @@ enum { MAX_THREADS = 16, MAX_PARTS = 3 }; /* the worker pool's threads; products
 
 /* the worker pool (defined with the INT8 GEMV below): task(ctx, 0 .. chunks - 1) over up to `threads` threads */
 static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_t chunks, int threads);
+typedef struct mass_args mass_args;
+static int mass_read_run(mass_args *a, int64_t B, int threads);
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -218,7 +220,7 @@ static void weighted_sum_segment(const float *p, int64_t stride, int64_t R, int6
 }
 
 /* one call's operands (see confkv_mass_read) */
-typedef struct {
+struct mass_args {
     const void *query;
     int q_dtype;
     int64_t q_sb, q_sh, q_sq, Hq, Q, D, Hkv, G, R, total;
@@ -230,7 +232,13 @@ typedef struct {
     float *const *mass;
     float *scratch;         /* R * D + R * total + R * D + D floats for each pair that runs at once */
     int64_t scratch_stride; /* floats between two pairs' scratch (0: one scratch, the pairs in turn) */
-} mass_args;
+    /* optional: after its mass, each slot's statistics become stat * stat_scale[k] + mass * stat_gain[k]
+     * (the linear observe of confkv_decode_step); stats[s * n_stats + k] is segment s's [B, Hkv, L_s] float32 */
+    int n_stats;
+    float *const *stats;
+    const int64_t *stat_rows; /* per segment: floats between two (sequence, KV head) rows of its statistics */
+    const float *stat_scale, *stat_gain;
+};
 
 static int64_t mass_scratch(const mass_args *a) { return a->R * a->D + a->R * a->total + a->R * a->D + a->D; }
 
@@ -272,6 +280,11 @@ static void mass_read_unit(const void *ctx, int64_t unit) {
                 slot_mass[l] += group / (float)G;
             }
         }
+        for (int k = 0; k < a->n_stats; k++) { /* torch's stat.mul_(scale).add_(mass, alpha=gain) */
+            float *stat = a->stats[s * a->n_stats + k] + (b * a->Hkv + j) * a->stat_rows[s];
+            const float scale = a->stat_scale[k], gain = a->stat_gain[k];
+            for (int64_t l = 0; l < L; l++) stat[l] = fmaf(slot_mass[l], gain, stat[l] * scale);
+        }
         weighted_sum_segment(scores + offset, total, R, D, at(a->values[s], (int)m[2], b * m[6] + j * m[7]),
                              (int)m[2], m[8], L, acc, row);
         offset += L;
@@ -301,9 +314,16 @@ int confkv_mass_read(const void *query, int q_dtype, int64_t q_sb, int64_t q_sh,
                      const void *const *keys, const void *const *values, const int64_t *meta, float scaling,
                      void *out, float *const *mass, int threads) {
     mass_args a = {query, q_dtype, q_sb, q_sh, q_sq, Hq, Q, D, Hkv, Hq / Hkv, (Hq / Hkv) * Q, 0, n_seg, keys, values,
-                   meta, scaling, out, mass, NULL, 0};
-    for (int s = 0; s < n_seg; s++) a.total += meta[9 * s];
-    const int64_t units = B * Hkv;
+                   meta, scaling, out, mass, NULL, 0, 0, NULL, NULL, NULL, NULL};
+    return mass_read_run(&a, B, threads);
+}
+
+/* runs the B * Hkv pairs of `a` (a.total set by the caller or here) on up to `threads` threads; 0 or 1 (out of memory) */
+static int mass_read_run(mass_args *a_in, int64_t B, int threads) {
+    mass_args a = *a_in;
+    a.total = 0;
+    for (int s = 0; s < a.n_seg; s++) a.total += a.meta[9 * s];
+    const int64_t units = B * a.Hkv, D = a.D;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     const int parallel = threads >= 2 && units >= 2 && units * a.R * a.total * D >= mass_min_parallel;
     a.scratch_stride = parallel ? mass_scratch(&a) : 0;
@@ -313,6 +333,78 @@ int confkv_mass_read(const void *query, int q_dtype, int64_t q_sb, int64_t q_sh,
         for (int64_t unit = 0; unit < units; unit++) mass_read_unit(&a, unit);
     free(a.scratch);
     return 0;
+}
+
+enum { MAX_STATS = 8 };
+
+/* One layer's FP window buffer and older region, fixed between two changes of either (see
+ * confkv/native/decode.py, which mirrors this struct and rebuilds it when the store replaces one). */
+typedef struct {
+    int64_t B, Hkv, Hq, D, capacity;
+    int kv_dtype;
+    void *window_keys, *window_values; /* [B, Hkv, C, D] contiguous */
+    int64_t *window_positions;         /* [B, Hkv, C] */
+    uint8_t *window_valid;             /* [B, C] bool */
+    const void *old_keys, *old_values; /* [B, Hkv, L_old, D] with the strides below */
+    int64_t old_length, old_key_strides[3], old_value_strides[3];
+    int n_stats;                       /* the regions' statistics (the new slot's are zeroed) */
+    int linear;                        /* 1: stat = stat * scale + mass * gain here; 0: the masses go out */
+    float *window_stats[MAX_STATS];    /* [B, Hkv, C] float32 contiguous */
+    float *old_stats[MAX_STATS];       /* [B, Hkv, L_old] float32 contiguous */
+    float stat_scale[MAX_STATS], stat_gain[MAX_STATS];
+} decode_plan;
+
+/* LayerStore.decode_step's in-place path in one call. Writes one new token per sequence into slot
+ * `length` (< capacity) of the window: key / value [B, Hkv, 1, D] (strides k_sb, k_sh / v_sb, v_sh, the
+ * plan's dtype), position[b] int64, valid, zero statistics. Then the mass read of query [B, Hq, 1, D]
+ * (dtype q_dtype, strides q_sb, q_sh) over the old region's L_old slots and the window's length + 1
+ * (confkv_mass_read's contract) into out [B, Hq, 1, D] contiguous; then, when the plan is linear,
+ * stat = stat * scale + mass * gain for each statistic (the policy's observe, float32), else the masses go
+ * to mass_old [B, Hkv, L_old] and mass_window [B, Hkv, length + 1] float32. Returns 0, 1 when out of memory,
+ * 2 when `length` is outside the window. */
+int confkv_decode_step(const decode_plan *p, const void *query, int q_dtype, int64_t q_sb, int64_t q_sh,
+                       const void *key, int64_t k_sb, int64_t k_sh, const void *value, int64_t v_sb, int64_t v_sh,
+                       const int64_t *position, int64_t length, float scaling, void *out, float *mass_old,
+                       float *mass_window, int threads) {
+    if (length < 0 || length >= p->capacity || p->n_stats < 0 || p->n_stats > MAX_STATS) return 2;
+    const int64_t B = p->B, H = p->Hkv, D = p->D, C = p->capacity, bytes = p->kv_dtype == BF16 ? 2 : 4;
+    for (int64_t b = 0; b < B; b++) {
+        p->window_valid[b * C + length] = 1;
+        for (int64_t j = 0; j < H; j++) {
+            const int64_t slot = (b * H + j) * C + length;
+            memcpy((char *)p->window_keys + slot * D * bytes, (const char *)key + (b * k_sb + j * k_sh) * bytes,
+                   (size_t)(D * bytes));
+            memcpy((char *)p->window_values + slot * D * bytes,
+                   (const char *)value + (b * v_sb + j * v_sh) * bytes, (size_t)(D * bytes));
+            p->window_positions[slot] = position[b];
+            for (int k = 0; k < p->n_stats; k++) p->window_stats[k][slot] = 0.0f;
+        }
+    }
+    const int64_t meta[18] = {p->old_length, p->kv_dtype, p->kv_dtype, p->old_key_strides[0], p->old_key_strides[1],
+                              p->old_key_strides[2], p->old_value_strides[0], p->old_value_strides[1],
+                              p->old_value_strides[2],
+                              length + 1, p->kv_dtype, p->kv_dtype, H * C * D, C * D, D, H * C * D, C * D, D};
+    const void *keys[2] = {p->old_keys, p->window_keys}, *values[2] = {p->old_values, p->window_values};
+    float *stats[2 * MAX_STATS];
+    for (int k = 0; k < p->n_stats; k++) {
+        stats[k] = p->old_stats[k];
+        stats[p->n_stats + k] = p->window_stats[k];
+    }
+    const int64_t stat_rows[2] = {p->old_length, C};
+    float *scratch_mass = NULL;
+    if (p->linear) { /* the masses only feed the statistics: scratch rows */
+        scratch_mass = malloc(sizeof(float) * (size_t)(B * H * (p->old_length + length + 1)));
+        if (!scratch_mass) return 1;
+        mass_old = scratch_mass;
+        mass_window = scratch_mass + B * H * p->old_length;
+    }
+    float *mass[2] = {mass_old, mass_window};
+    mass_args a = {query, q_dtype, q_sb, q_sh, 0, p->Hq, 1, D, H, p->Hq / H, p->Hq / H, 0, 2, keys, values, meta,
+                   scaling, out, mass, NULL, 0, p->linear ? p->n_stats : 0, stats, stat_rows, p->stat_scale,
+                   p->stat_gain};
+    const int status = mass_read_run(&a, B, threads);
+    free(scratch_mass);
+    return status;
 }
 
 /* The float32 sum of a[0..n) in the order of torch's CPU sum over a contiguous last dimension
@@ -719,10 +811,12 @@ static void gemv_many(const gemv_args *a, int parts, int threads) {
     }
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads >= 2 && work >= gemv_min_parallel && rows >= 16) {
-        /* each part in about 8 chunks per thread, whole 8-row blocks, at least 16 rows */
+        /* each part in about 2 chunks per thread, whole 8-row blocks, at least 16 rows: long contiguous
+         * runs of weight rows for the prefetchers (a decode step's fused layers at 2 threads, interleaved
+         * A/B runs of benchmarks/native_layer_loop.py, both interleaved: 4.7-7.9 ms against 7.0-11 ms with 8 chunks per thread) */
         gemv_job job = {.parts = parts};
         for (int p = 0; p < parts; p++) {
-            int64_t chunk = (a[p].N + 8 * threads - 1) / (8 * threads);
+            int64_t chunk = (a[p].N + 2 * threads - 1) / (2 * threads);
             chunk = chunk < 16 ? 16 : (chunk + 7) & ~(int64_t)7;
             job.job[p] = a[p];
             job.part_rows[p] = chunk;

@@ -97,6 +97,12 @@ class Policy:
             num_queries: queries in this pass (1 when decoding, the chunk during prefill).
         """
 
+    def linear_observe(self, num_queries: int) -> dict[str, tuple[float, float]] | None:
+        """``{name: (scale, gain)}`` when :meth:`observe` sets every statistic to ``stat * scale + mass * gain``
+        (float32, rounded as torch's ``stat.mul_(scale).add_(mass, alpha=gain)``), so that a native
+        decode step can update them itself (:mod:`confkv.native.decode`); None otherwise (the default)."""
+        return None
+
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
         """Keep-priority of each slot; higher is kept first.

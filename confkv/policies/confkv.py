@@ -68,6 +68,11 @@ class ConfKVPolicy(Policy):
         ema = stats["ema"]
         ema.mul_(self.ema_decay).add_(mass, alpha=(1.0 - self.ema_decay) / max(num_queries, 1))
 
+    def linear_observe(self, num_queries: int) -> dict[str, tuple[float, float]] | None:
+        if type(self).observe is not ConfKVPolicy.observe:  # a subclass with its own update
+            return None
+        return {"ema": (self.ema_decay, (1.0 - self.ema_decay) / max(num_queries, 1))}
+
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
         age = (current_position[:, None, None] - positions).clamp_min(0).float()

@@ -55,6 +55,11 @@ class H2OPolicy(FixedBudgetPolicy):
     def observe(self, stats: dict[str, torch.Tensor], mass: torch.Tensor, num_queries: int) -> None:
         stats["acc"].add_(mass)
 
+    def linear_observe(self, num_queries: int) -> dict[str, tuple[float, float]] | None:
+        if type(self).observe is not H2OPolicy.observe:  # a subclass with its own update
+            return None
+        return {"acc": (1.0, 1.0)}
+
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
         return recent_first(stats["acc"], positions, current_position, self.n_recent)

@@ -5,6 +5,17 @@ import pytest
 import torch
 
 from confkv import ConfidenceConfig, confidence
+from confkv.native import loader
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def code_path(request):
+    """Every test on both codes: the native confidence terms (when built) and the torch code."""
+    if request.param == "torch":
+        with loader.disabled():
+            yield
+    else:
+        yield
 
 
 def test_one_hot_is_confident():

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from confkv.native.loader import available, library
 
-__all__ = ["Int8Projection", "available", "gemv_settings", "int8_linear", "mass_read", "rms_norm", "rotary"]
+__all__ = ["Int8Projection", "available", "confidence_terms", "gemv_settings", "int8_linear", "mass_read", "rms_norm", "rotary"]
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 #: widest row the RMSNorm takes in bfloat16: torch splits longer sums over threads (another order)
@@ -103,6 +103,30 @@ def mass_read(query: Tensor, segments: Sequence, scaling: float) -> tuple[Tensor
     if status:
         raise MemoryError("confkv native mass read: out of memory for the scores")
     return out, mass
+
+
+def confidence_terms(logits: Tensor) -> Tensor | None:
+    """The entropy and the two largest log-probabilities of each row of ``logits`` in one call
+    (:func:`confkv.confidence.confidence`'s terms, temperature 1, float32).
+
+    Args:
+        logits: [B, V] float32 or bfloat16 on CPU, last dimension contiguous.
+    Returns:
+        [B, 3] float32 (entropy, log p1, log p2), or None when the library is off, the input is not
+        one it takes, or a row holds a NaN or an infinity (the torch code handles those).
+    """
+    lib = library()
+    if lib is None or logits.dtype not in _CODES or logits.device.type != "cpu" or logits.ndim != 2:
+        return None
+    if logits.shape[1] == 0:
+        return None
+    logits = _rows_contiguous(logits)
+    out = torch.empty(logits.shape[0], 3, dtype=torch.float32)
+    status = lib.confkv_confidence_terms(logits.data_ptr(), _CODES[logits.dtype], logits.shape[0], logits.shape[1],
+                                         logits.stride(0), out.data_ptr())
+    if status == 2:
+        raise MemoryError("confkv native confidence: out of memory for a row of logits")
+    return None if status else out
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:

@@ -407,6 +407,49 @@ int confkv_decode_step(const decode_plan *p, const void *query, int q_dtype, int
     return status;
 }
 
+/* The terms of confkv.confidence for each row of logits [B, V] (dtype, rows `row_stride` elements apart),
+ * on the temperature-1 distribution, float32: out[3 b ..] = entropy H, log p1, log p2 (the two largest
+ * log-probabilities; log p2 = log p1 when V = 1). One pass for the top two, one for
+ * Z = sum exp(x - top) and S = sum exp(x - top) (x - top); H = log Z - S / Z. Returns 1 (nothing
+ * written for that row and after) at the first row holding a NaN or an infinity: the caller's torch code
+ * handles those rows. */
+int confkv_confidence_terms(const void *logits, int dtype, int64_t B, int64_t V, int64_t row_stride, float *out) {
+    float *row = malloc(sizeof(float) * (size_t)V);
+    if (!row) return 2;
+    for (int64_t b = 0; b < B; b++) {
+        load_row(at(logits, dtype, b * row_stride), dtype, V, row);
+        float top = -INFINITY, second = -INFINITY;
+        int finite = 1;
+        for (int64_t v = 0; v < V; v++) {
+            const float x = row[v];
+            finite &= isfinite(x) != 0;
+            if (x > top) {
+                second = top;
+                top = x;
+            } else if (x > second) {
+                second = x;
+            }
+        }
+        if (!finite) {
+            free(row);
+            return 1;
+        }
+        float z = 0.0f, s = 0.0f;
+#pragma omp simd reduction(+ : z, s)
+        for (int64_t v = 0; v < V; v++) {
+            const float d = row[v] - top, e = exp_nonpositive(d);
+            z += e;
+            s += e * d;
+        }
+        const float log_z = logf(z);
+        out[3 * b] = log_z - s / z;
+        out[3 * b + 1] = -log_z;
+        out[3 * b + 2] = V > 1 ? second - top - log_z : -log_z;
+    }
+    free(row);
+    return 0;
+}
+
 /* The float32 sum of a[0..n) in the order of torch's CPU sum over a contiguous last dimension
  * (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum -> vectorized_inner_sum): `lanes`-wide
  * vectors V_0.. of a, four interleaved vector accumulators (acc_k sums V_{4i+k}) cascaded over

@@ -49,6 +49,23 @@ def test_mass_read_equals_the_torch_mass_read(dtype, lengths, group, num_queries
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[300, 5], [256, 256, 1], [700], [10, 250, 400]])
+@pytest.mark.parametrize("peak", [None, 0, 259, 650])  # one key aligned with the queries takes most of the mass
+def test_long_mass_read_equals_the_torch_mass_read(dtype, lengths, peak):
+    segments = unmasked_segments(lengths, dim=64, num_queries=2, dtype=dtype)
+    query = torch.randn(2, 6, 2, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    if peak is not None and peak < sum(lengths):
+        index = peak
+        for segment in segments:  # the slot `peak` of the concatenation
+            if index < segment.keys.shape[2]:
+                segment.keys[:, :, index] = (query[:, ::2, 0] * 4).to(dtype)  # KV head j: its first query head, 2 j
+                break
+            index -= segment.keys.shape[2]
+    _check_read(query, segments, dtype)
+
+
+@needs_native
 def test_mass_read_takes_strided_inputs_and_propagates_nan():
     gen = torch.Generator().manual_seed(5)
     query = torch.randn(1, 4, 6, 64, generator=gen).transpose(1, 2)  # [1, 6, 4, 64] view: strided heads
@@ -60,6 +77,10 @@ def test_mass_read_takes_strided_inputs_and_propagates_nan():
     _check_read(query, segments, torch.float32)
     out, mass = native.mass_read(query, segments, 0.25)
     assert out[0, 3:].isnan().all() and not out[0, :3].isnan().any() and mass[0][0, 1].isnan().all()
+    long = [KVSegment(torch.randn(1, 2, 600, 64, generator=gen), torch.randn(1, 2, 600, 64, generator=gen), None)]
+    long[0].keys[0, 0, 590, 5] = float("nan")  # near the end of a long segment: all of head 0's rows are NaN
+    out, mass = native.mass_read(query, long, 0.25)
+    assert out[0, :3].isnan().all() and not out[0, 3:].isnan().any() and mass[0][0, 0].isnan().all()
 
 
 @needs_native

@@ -27,19 +27,19 @@ from typing import Callable
 
 import torch
 
-from confkv import native, profiling, tier_moves
+from confkv import profiling, tier_moves
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.cold import ColdTier
 from confkv.eviction import protection_mask, select_kept
 from confkv.attention import KVSegment, attention_read, reads_pages
-from confkv.attention.mass_read import MAX_SCORES, mass_read
 from confkv.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
 from confkv.region import Region, concat, select_batch
-from confkv.window_buffer import WindowBuffer
 from confkv.native.decode import DecodePlan
+from confkv.store_decode import decode_in_place, decodes_in_place
+from confkv.window_buffer import WindowBuffer
 
 
 def check_store_fits(policy: Policy, config: StoreConfig) -> None:
@@ -89,7 +89,7 @@ class LayerStore:
         self.cold: ColdTier | None = None
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
         self.window: WindowBuffer | None = None  # the recent region's slots with spare capacity (decode_step)
-        self._decode_plan: DecodePlan | None = None  # the window's and old region's pointers for the native decode step
+        self.decode_plan: DecodePlan | None = None  # the pointers of the native decode step (confkv.store_decode)
         if isinstance(policy, TieredPolicy) and sliding_window is None:
             if policy.cold.promote is not None and not policy.needs_attention:
                 raise ConfigError(f"promote: policy {policy.name!r} reads no attention mass, so no page can earn "
@@ -217,56 +217,14 @@ class LayerStore:
         """:meth:`append` then :meth:`attend` of one new token per sequence, nothing padded, the same state
         and output: keys and values [B, Hkv, 1, D], query [B, Hq, 1, D] -> [B, Hq, 1, D].
 
-        When the read is the native mass read over full-precision dense regions (the common decode step
-        of an attention-ranked policy on CPU), the new token is written into the FP window's
-        :class:`~confkv.window_buffer.WindowBuffer` (one with ``move_block`` + 1 spare slots is made when the
-        window has none left) and
-        read at once, without the per-step concatenation and checks; otherwise the two calls run.
+        The common decode step of an attention-ranked policy on CPU (full-precision dense regions, the
+        native mass read) writes its token into the FP window's preallocated slots and reads at once,
+        as one C call where it can (:mod:`confkv.store_decode`); otherwise the two calls run.
         """
-        if not self._decodes_in_place(keys, query):
+        if not decodes_in_place(self, keys, query):
             self.append(keys, values)
             return self.attend(query, scaling=scaling)
-        window, length = self.window, self.recent.length
-        if window is None or length >= window.capacity or not window.backs(self.recent):
-            self.window = window = WindowBuffer.around(self.recent, length + self.config.move_block + 1)
-        plan = self._decode_plan
-        if plan is None or not plan.serves(window, self.old):
-            plan = self._decode_plan = DecodePlan.build(window, self.old, query.shape[1], self.policy.linear_observe(1))
-        if plan is not None and keys.stride(-1) == 1 and values.stride(-1) == 1:
-            with profiling.section("native decode step"):
-                out, masses = plan.step(query, keys, values, self.seen_real.contiguous(), length, scaling)
-                self.recent = window.views(length + 1)
-                self.seen_real = self.seen_real + 1
-                self.seen_tokens += 1
-                if masses is not None:
-                    for region, mass in zip((self.old, self.recent), masses):
-                        self.policy.observe(region.stats, mass, 1)
-            return out
-        with profiling.section("append (FP window)"):
-            self.recent = window.append_one(length, keys, values, self.seen_real)
-            self.seen_real = self.seen_real + 1
-            self.seen_tokens += 1
-            regions = [r for r in (self.old, self.recent) if r.length]
-        with profiling.section("attention read"):
-            segments = [KVSegment(r.keys, r.values, None) for r in regions]
-            read = native.mass_read(query, segments, scaling)
-            out, masses = read if read is not None else mass_read(query, segments, scaling)
-        with profiling.section("EMA / stats update"):
-            for region, mass in zip(regions, masses):
-                self.policy.observe(region.stats, mass, 1)
-        return out
-
-    def _decodes_in_place(self, keys: torch.Tensor, query: torch.Tensor) -> bool:
-        """Whether :meth:`decode_step` may take its in-place path (see there)."""
-        if not self.is_initialized or self.pending or keys.shape[2] != 1 or query.shape[2] != 1:
-            return False
-        if self.cold is not None or self.sliding_window is not None or self.int8 or not self.stat_names:
-            return False
-        if not (self.old.dense and self.recent.dense and self.policy.needs_attention):
-            return False
-        if self.config.read_backend != "auto" or query.device.type != "cpu" or keys.dtype != self.recent.keys.dtype:
-            return False
-        return query.shape[0] * query.shape[1] * (self.physical_length + 1) <= MAX_SCORES
+        return decode_in_place(self, keys, values, query, scaling)
 
     def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
         """Set positions/validity of the pending tokens; return query positions [B, q]."""

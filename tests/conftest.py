@@ -28,3 +28,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["native", "torch"])
+def native_and_torch_code(request):
+    """Runs a test twice: with the native kernels (when built) and with the torch code (kernels off)."""
+    from confkv.native import loader
+
+    if request.param == "torch":
+        with loader.disabled():
+            yield
+    else:
+        yield

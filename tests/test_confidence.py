@@ -5,17 +5,9 @@ import pytest
 import torch
 
 from confkv import ConfidenceConfig, confidence
-from confkv.native import loader
 
-
-@pytest.fixture(autouse=True, params=["native", "torch"])
-def code_path(request):
-    """Every test on both codes: the native confidence terms (when built) and the torch code."""
-    if request.param == "torch":
-        with loader.disabled():
-            yield
-    else:
-        yield
+# every test on both codes: the native confidence terms (when built) and the torch code (conftest.py)
+pytestmark = pytest.mark.usefixtures("native_and_torch_code")
 
 
 def test_one_hot_is_confident():

@@ -146,3 +146,19 @@ def test_the_other_steps_take_append_and_attend(case):
         else:
             lean(ids[:, t:t + 1], cache)
     assert all(layer.store.window is None for layer in cache.layers)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step needs the library")
+def test_a_cache_with_native_decode_plans_clones_and_pickles():
+    import pickle
+
+    (_, lean), _ = _decode_both("h2o", {"budget": 20, "protect": 4}, StoreConfig(move_block=4), steps=6)
+    assert all(layer.store.decode_plan is not None for layer in lean.layers)
+    twin = lean.clone()  # a deep copy: the plans (pointers into the original's tensors) are not copied
+    assert all(layer.store.decode_plan is None for layer in twin.layers)
+    assert pickle.loads(pickle.dumps(lean.layers[0].store.decode_plan)) is None
+    model = tiny_model("llama")
+    token = torch.tensor([[7], [9]])
+    decoder = LeanDecoder(model)
+    torch.testing.assert_close(decoder(token, twin), decoder(token, lean), rtol=0, atol=0)
+    assert all(layer.store.decode_plan is not None for layer in twin.layers)  # its own, built at its step

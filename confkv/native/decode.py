@@ -50,6 +50,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                        _f32, _ptr, _ptr, _ptr, i32]
 
 
+def _no_plan() -> None:
+    return None
+
+
 class DecodePlan:
     """One layer's window buffer and older region as the C call's struct.
 
@@ -83,6 +87,14 @@ class DecodePlan:
             plan.stat_scale[k], plan.stat_gain[k] = linear[name] if linear else (1.0, 0.0)
         self.plan = plan
         self.plan_ref = ctypes.byref(plan)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        """None: a plan holds the original's pointers (and ctypes objects, which cannot be copied); a copied store
+        (``ConfKVCache.clone``) builds its own at its next decode step."""
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (_no_plan, ())  # pickled as None, for the same reason
 
     @classmethod
     def build(cls, window: WindowBuffer, old: Region, q_heads: int,

@@ -3,7 +3,7 @@ gate 768 / 1,280, slack 64) after a 1,024-token prefill, decode steps back to ba
 with a timer around each part (the fused layer calls, the LM head's GEMV, the mass read, the store's append,
 attend or decode step, and end of step). Prints the median step and each part's mean ms per step, for --rounds rounds.
 
-    .venv/bin/python benchmarks/lean_step_split.py [--threads 2] [--steps 30] [--rounds 3]
+    .venv/bin/python benchmarks/lean_step_split.py [--threads 2] [--activation-bits 16|8] [--steps 30] [--rounds 3]
 """
 import argparse
 import statistics
@@ -25,12 +25,14 @@ from confkv.models import load_model
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--activation-bits", type=int, default=16, choices=(16, 8),
+                        help="16: weight-only INT8 (W8A16); 8: int8 activation blocks too (W8A8)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model("smollm2", dtype=torch.bfloat16)
-    quantize_linear_weights(model)
+    quantize_linear_weights(model, activation_bits=args.activation_bits)
     gate = {"n_high": 768, "n_low": 1280, "tau": 0.5}
     ids = torch.randint(1, 40000, (1, 1024 + args.rounds * (args.steps + 5)), generator=torch.Generator().manual_seed(0))
     cache = ConfKVCache.for_model(model, "confkv", **gate, store=StoreConfig(evict_slack=64))

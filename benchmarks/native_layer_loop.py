@@ -5,7 +5,7 @@ last-level cache), the MLP calls alone, and both interleaved as in a decode step
 the weights' streaming rate without the rest of the step. Used for A/B runs of kernels.c's GEMV settings
 (run the variants alternately; this machine's bandwidth drifts by 2x within minutes).
 
-    .venv/bin/python benchmarks/native_layer_loop.py [--threads 2]
+    .venv/bin/python benchmarks/native_layer_loop.py [--threads 2] [--activation-bits 16|8]
 """
 import argparse
 import timeit
@@ -20,10 +20,12 @@ from confkv.models import load_model
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--activation-bits", type=int, default=16, choices=(16, 8),
+                        help="16: weight-only INT8 (W8A16); 8: int8 activation blocks too (W8A8)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model("smollm2", dtype=torch.bfloat16)
-    quantize_linear_weights(model)
+    quantize_linear_weights(model, activation_bits=args.activation_bits)
     hidden = torch.randn(1, 1, 576).bfloat16()
     fused = LeanDecoder(model)._fused_layers(hidden)
     if fused is None:

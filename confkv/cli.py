@@ -93,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", type=Path, default=Path("results/bench"))
     bench.add_argument("--threads", type=int, default=2,
                        help="torch CPU threads, and llama.cpp's n_threads for its row (default 2)")
-    bench.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "bfloat16-w8"],
+    bench.add_argument("--dtype", nargs="+", default=["float32"],
+                       choices=["float32", "bfloat16", "bfloat16-w8", "bfloat16-w8a8"],
                        help="model dtype(s): the whole grid runs once per dtype, rows labelled (e.g. confkv@bf16); "
-                            "bfloat16-w8: bfloat16 with weight-only INT8 linear layers")
+                            "bfloat16-w8: bfloat16 with weight-only INT8 linear layers; bfloat16-w8a8: also int8 "
+                            "activation blocks of 32 (integer products)")
     bench.add_argument("--quality-tokens", type=int, default=2048,
                        help="perplexity check per dtype on the text's first N tokens, ratio to float32 (0: skip)")
     bench.add_argument("--no-llamacpp", action="store_true",

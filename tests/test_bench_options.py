@@ -257,6 +257,20 @@ def test_weight_int8_dtype_and_the_lean_row():
     assert quality["bfloat16-w8"]["ppl"] != quality["bfloat16"]["ppl"]  # really quantized
 
 
+def test_w8a8_dtype_quantizes_the_activations_too():
+    """``bfloat16-w8a8``: INT8 weights whose inputs are quantised to int8 blocks (rows ``@bf16w8a8``), its own
+    perplexity beside the others."""
+    from confkv.eval.bench_dtypes import models_by_dtype, parse_dtypes, row_label
+    from confkv.hf.weights import Int8Linear
+
+    assert parse_dtypes(["bfloat16-w8a8", "float32"]) == ["bfloat16-w8a8", "float32"]
+    assert row_label("confkv", "bfloat16-w8a8") == "confkv@bf16w8a8"
+    model = tiny_model("llama", seed=3)
+    models, _ = models_by_dtype(["bfloat16-w8", "bfloat16-w8a8"], "tiny", model, tiny_tokenizer(), None)
+    bits = {name: {m.activation_bits for m in m_.modules() if isinstance(m, Int8Linear)} for name, m_ in models.items()}
+    assert bits == {"bfloat16-w8": {16}, "bfloat16-w8a8": {8}}
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_the_lean_torch_row_runs_its_steps_with_the_native_kernels_off(monkeypatch):
     """``-lean-torch`` (the A/B twin of ``-lean``) decodes every step inside ``native.loader.disabled()``;

@@ -5,7 +5,8 @@ store keeps keys and values in the dtype the model hands it; its statistics stay
 Rows of float32 keep the configuration's name (``confkv``), rows of another dtype carry it
 (``confkv@bf16``); every row also records its ``dtype``. ``bfloat16-w8`` is the bfloat16 model with
 weight-only INT8 linear layers (:func:`confkv.hf.weights.quantize_linear_weights`; rows
-``confkv@bf16w8``).
+``confkv@bf16w8``); ``bfloat16-w8a8`` also quantises each projection's input to int8 in blocks of 32
+(W8A8, llama.cpp's Q8_0 activations; rows ``confkv@bf16w8a8``).
 
 Quality: streaming perplexity (:func:`confkv.eval.ppl.streaming_ppl`, policy ``full``) of
 the first ``quality_tokens`` tokens of the bench's text, per dtype, with its ratio to
@@ -28,10 +29,12 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "bfloat16": (torch.bfloat16, "bf16"),
     # bfloat16 activations and KV, weight-only INT8 linear layers (confkv.hf.weights)
     "bfloat16-w8": (torch.bfloat16, "bf16w8"),
+    # the same with the projections' inputs quantised to int8 blocks (W8A8: integer products in the GEMV)
+    "bfloat16-w8a8": (torch.bfloat16, "bf16w8a8"),
 }
 
-#: ``--dtype`` names whose linear weights are quantized to INT8 after loading
-WEIGHT_INT8 = ("bfloat16-w8",)
+#: ``--dtype`` names whose linear weights are quantized to INT8 after loading -> their activation bits
+WEIGHT_INT8 = {"bfloat16-w8": 16, "bfloat16-w8a8": 8}
 
 
 def parse_dtypes(names: list[str] | tuple[str, ...] | None) -> list[str]:
@@ -71,7 +74,7 @@ def models_by_dtype(dtypes: list[str], model_name: str, model: Any, tokenizer: A
 
             if models[name] is model:
                 models[name] = copy.deepcopy(model)
-            quantize_linear_weights(models[name])
+            quantize_linear_weights(models[name], activation_bits=WEIGHT_INT8[name])
     return models, tokenizer
 
 

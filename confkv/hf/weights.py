@@ -34,8 +34,12 @@ class Int8Linear(nn.Module):
         bias: [out] or None.
     """
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, *, activation_bits: int = 16) -> None:
         super().__init__()
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 16 (weight-only INT8, W8A16) or 8 (int8 activations in blocks "
+                             f"of {native.ACTIVATION_BLOCK}, W8A8), got {activation_bits!r}")
+        self.activation_bits = activation_bits
         weight = linear.weight.detach().float()
         exact = weight.abs().amax(dim=1).clamp_min(torch.finfo(dtype).tiny) / 127.0
         scale = exact.to(dtype)  # rounded up to the stored dtype, so that no weight's code passes 127
@@ -46,6 +50,8 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
+    #: 16: weight-only INT8 (W8A16); 8: int8 activations in blocks too (W8A8); see quantize_linear_weights
+    activation_bits = 16
     # (library, its prepared GEMV or None) for this layer's tensors; dropped when the tensors change, and
     # prepared again when the library changes (CONFKV_NATIVE, loader.disabled()), never on every call
     _native: "tuple[object, native.Int8Projection | None] | None" = None
@@ -76,7 +82,9 @@ class Int8Linear(nn.Module):
         torch 2.13's bfloat16 ``_weight_int8pack_mm`` reads past the rows when ``in`` is not a multiple
         of 16 (garbage out); such layers multiply by the dequantized weight in float32 instead.
         """
-        if flat.dtype != torch.float32 and self.in_features % 16:
+        if self.activation_bits == 8:  # W8A8: the activations' int8 blocks as numbers, the product in float32
+            out = (native.quantize_activation_blocks(flat) @ self.weight_int8.float().T * self.scale.float()).to(flat.dtype)
+        elif flat.dtype != torch.float32 and self.in_features % 16:
             out = (flat.float() @ self.weight_int8.float().T * self.scale.float()).to(flat.dtype)
         else:
             out = torch._weight_int8pack_mm(flat.contiguous(), self.weight_int8, self.scale)
@@ -90,7 +98,7 @@ class Int8Linear(nn.Module):
         weight, scale, bias = self.weight_int8, self.scale, self.bias
         lib = native.library()
         ready = lib is not None and native.Int8Projection.supports(weight, scale, bias)
-        projection = native.Int8Projection(weight, scale, bias) if ready else None
+        projection = native.Int8Projection(weight, scale, bias, activation_bits=self.activation_bits) if ready else None
         self.__dict__["_native"] = (lib, projection)
         return projection
 
@@ -117,16 +125,20 @@ class Int8Linear(nn.Module):
         return self.weight_int8.float() * self.scale.float()[:, None]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"activation_bits={self.activation_bits}")
 
 
-def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False) -> int:
+def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, activation_bits: int = 16) -> int:
     """Replace the decoder's and the LM head's ``nn.Linear`` modules of ``model`` by :class:`Int8Linear`, in place.
 
     Returns the number of layers replaced. The model must be in bfloat16 or float16
     (float32 activations run the int8 kernel slowly on CPU; ``allow_float32=True`` permits it,
     e.g. for a quality check). The embedding stays in the model's dtype; a tied LM head gets
-    its own INT8 copy.
+    its own INT8 copy. ``activation_bits=8`` also quantises each projection's input to int8 in
+    blocks of 32 (W8A8, as llama.cpp's Q8_0 activations): the decode GEMV then sums integer
+    products (AVX-512 VNNI), and prefill multiplies the same quantised numbers, so perplexity
+    measures what decoding computes.
     """
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.bfloat16, torch.float16) and not (allow_float32 and dtype == torch.float32):
@@ -136,6 +148,8 @@ def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False) ->
                if isinstance(child, nn.Linear)]
     if not targets:
         raise ValueError("the model has no nn.Linear layers to quantize (GPT-2's Conv1D projections are not supported)")
+    if activation_bits not in (8, 16):
+        raise ValueError(f"activation_bits must be 16 (weight-only INT8) or 8 (W8A8), got {activation_bits!r}")
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child, dtype))
+        setattr(parent, name, Int8Linear(child, dtype, activation_bits=activation_bits))
     return len(targets)

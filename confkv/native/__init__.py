@@ -20,9 +20,12 @@ from torch import Tensor
 
 from confkv.native.loader import available, library
 
-__all__ = ["Int8Projection", "available", "confidence_terms", "gemv_settings", "int8_linear", "mass_read", "rms_norm", "rotary"]
+__all__ = ["ACTIVATION_BLOCK", "Int8Projection", "available", "confidence_terms", "gemv_settings", "int8_linear",
+           "mass_read", "quantize_activation_blocks", "rms_norm", "rotary"]
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
+#: W8A8: activations quantised to int8 in blocks of this many values, one scale each (kernels.c's ACT_BLOCK)
+ACTIVATION_BLOCK = 32
 #: widest row the RMSNorm takes in bfloat16: torch splits longer sums over threads (another order)
 MAX_EXACT_WIDTH = 16384
 #: most activation rows the INT8 GEMV takes (decode: batch x 1 token); prefill chunks run torch's kernel
@@ -239,6 +242,21 @@ def int8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None = 
     return out
 
 
+def quantize_activation_blocks(x: Tensor) -> Tensor:
+    """The W8A8 activations as numbers: ``x`` [..., K] -> float32 [..., K] with each row's blocks of
+    :data:`ACTIVATION_BLOCK` values replaced by ``round(x / s) * s``, ``s = max|x| / 127`` in float32 (round half
+    to even; an all-zero block stays zero); the last block may be shorter. The torch reference of
+    :class:`Int8Projection` with ``activation_bits=8``, and the prefill path of such a layer."""
+    x = x.float()
+    width = x.shape[-1]
+    pad = (-width) % ACTIVATION_BLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, ACTIVATION_BLOCK)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = torch.where(scale > 0, torch.round(blocks / safe), torch.zeros_like(blocks)) * scale
+    return quantized.reshape(*x.shape[:-1], -1)[..., :width]
+
+
 class Int8Projection:
     """:func:`int8_linear` for one weight, its operands checked and packed once (a decode step makes
     ~200 such calls: the per-call Python and ctypes work is most of a small projection's time).
@@ -247,22 +265,32 @@ class Int8Projection:
         weight: [N, K] int8 contiguous; scale: [N]; bias: [N] or None; scale and bias float32 or
             bfloat16; all on CPU. The tensors are held (not copied); their owner prepares a
             new projection when it replaces them (:class:`confkv.hf.weights.Int8Linear`).
+        activation_bits: 16 (default): the activations as they are, float32 sums (W8A16, the contract of
+            ``torch._weight_int8pack_mm``); 8: each row's blocks of :data:`ACTIVATION_BLOCK` values
+            quantised to int8 (scale max|x| / 127, round half to even) and the products summed in
+            integers per block (W8A8, llama.cpp's Q8_0 activations; AVX-512 VNNI where the CPU has it):
+            :func:`quantize_activation_blocks` then the W8A16 product gives the same numbers up to float32
+            summation order.
     Raises:
         ValueError: when the library is unavailable or the operands are not of this kind (callers
             check :func:`available` and :meth:`supports` first).
     """
 
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None = None, *, activation_bits: int = 16) -> None:
         lib = library()
+        if activation_bits not in (8, 16):
+            raise ValueError(f"activation_bits must be 16 (the activations as they are, W8A16) or 8 (int8 blocks of "
+                             f"{ACTIVATION_BLOCK}, W8A8), got {activation_bits!r}")
         if lib is None or not self.supports(weight, scale, bias):
             raise ValueError("Int8Projection needs the native library and an int8 [N, K] contiguous CPU weight with "
                              "a float32 / bfloat16 [N] scale (and bias); use int8_linear's torch fallback otherwise")
         self.lib, self.tensors = lib, (weight, scale, bias)  # held: the plan points into them
         self.outputs, self.inputs = weight.shape
         self.dtype, self._code = scale.dtype, _CODES[scale.dtype]  # the activations' dtype: the scale's
-        self._plan = (ctypes.c_int64 * 7)(weight.data_ptr(), weight.shape[0], weight.shape[1], scale.data_ptr(),
+        self.activation_bits = activation_bits
+        self._plan = (ctypes.c_int64 * 8)(weight.data_ptr(), weight.shape[0], weight.shape[1], scale.data_ptr(),
                                           _CODES[scale.dtype], 0 if bias is None else bias.data_ptr(),
-                                          0 if bias is None else _CODES[bias.dtype])
+                                          0 if bias is None else _CODES[bias.dtype], 8 if activation_bits == 8 else 0)
         self._call = lib.confkv_int8_linear
 
     @staticmethod

@@ -573,6 +573,11 @@ typedef struct {
     const void *scale, *bias;
     int sd, bd, od;
     void *out;
+    /* W8A8 (xq != NULL): the activations quantised by quantize_acts, the product in integers (see there) */
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *xcorr;
+    int64_t Kq;
 } gemv_args;
 
 static inline float value_at(const void *p, int dtype, int64_t i) {
@@ -663,7 +668,109 @@ static void gemv_rows_avx512(const gemv_args *a, int64_t n0, int64_t n1) {
 #endif
 
 /* output rows [n0, n1) of every activation row, in groups of up to 4 activation rows */
+/* W8A8: blocks of ACT_BLOCK activations share one scale; rows of the quantised activations are padded
+ * to a multiple of 64 (one AVX-512 VNNI step) */
+enum { ACT_BLOCK = 32, ACT_STEP = 64 };
+
+/* the portable W8A8 loop: out[m, n] = scale[n] * (sum over blocks b of xscale_b * sum_{k in b} q_k w_k), the
+ * integer sums exact, the blocks added in order in float32 */
+static __attribute__((unused)) void gemv_rows_a8_c(const gemv_args *a, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *w = a->w + n * a->K;
+        for (int64_t m = 0; m < a->M; m++) {
+            const int8_t *q = a->xq + m * a->Kq;
+            const float *xs = a->xs + m * (a->Kq / ACT_STEP) * 16;
+            float s = 0.0f;
+            for (int64_t b0 = 0; b0 < a->K; b0 += ACT_BLOCK) {
+                int32_t dot = 0;
+                const int64_t b1 = b0 + ACT_BLOCK < a->K ? b0 + ACT_BLOCK : a->K;
+                for (int64_t k = b0; k < b1; k++) dot += (int32_t)q[k] * (int32_t)w[k];
+                s = fmaf((float)dot, xs[(b0 / ACT_STEP) * 16 + ((b0 % ACT_STEP) / ACT_BLOCK) * 8], s);
+            }
+            gemv_store(a, m, n, s);
+        }
+    }
+}
+
+#if defined(CONFKV_GEMV_AVX512) && defined(__AVX512VNNI__)
+#define CONFKV_GEMV_VNNI 1
+/* output rows [n, n + NB) for the M <= 4 quantised activation rows: per 64 columns, each weight vector has
+ * its sign bit flipped (w + 128, unsigned) and vpdpbusd sums four byte products per lane (exact in int32);
+ * lanes 0-7 hold one block of 32, lanes 8-15 the next, so one multiply-add by the blocks' scales moves
+ * them into the float32 accumulators. Each lane's sum starts at -128 times its four activations (xcorr), so
+ * that the flip's 128 * sum(q) cancels in integers and every block's sum is exact. */
+static inline __attribute__((always_inline)) void gemv_block_vnni(const gemv_args *a, int64_t n, const int M,
+                                                                  const int NB) {
+    __m512 acc[4][8];
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = _mm512_setzero_ps();
+    const int64_t K = a->K, Kq = a->Kq, steps = Kq / ACT_STEP;
+    const int8_t *w = a->w + n * K;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const char *next = (const char *)(w + 2 * NB * K);
+    const int ahead = NB >= 4 ? NB / 4 : 1;
+    for (int64_t j = 0; j < steps; j++) {
+        const int64_t k = j * ACT_STEP;
+        for (int p = 0; p < ahead * 4; p++) _mm_prefetch(next + (j * ahead * 4 + p) * 64, _MM_HINT_T0);
+        const __mmask64 mask = k + ACT_STEP <= K ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+        __m512i x[4], start[4];
+        __m512 scale[4];
+        for (int m = 0; m < M; m++) {
+            x[m] = _mm512_loadu_si512((const void *)(a->xq + m * Kq + k));
+            start[m] = _mm512_loadu_si512((const void *)(a->xcorr + (m * steps + j) * 16));
+            scale[m] = _mm512_loadu_ps(a->xs + (m * steps + j) * 16);
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + b * K + k), flip);
+            for (int m = 0; m < M; m++)
+                acc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start[m], wv, x[m])), scale[m],
+                                            acc[m][b]);
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, _mm512_reduce_add_ps(acc[m][b]));
+}
+
+static void gemv_rows_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
+    const int M = (int)a->M, nb = M <= 2 ? 8 : 4;
+    int64_t n = n0;
+    for (; n + nb <= n1; n += nb) {
+        switch (M) {
+        case 1: gemv_block_vnni(a, n, 1, 8); break;
+        case 2: gemv_block_vnni(a, n, 2, 8); break;
+        case 3: gemv_block_vnni(a, n, 3, 4); break;
+        default: gemv_block_vnni(a, n, 4, 4); break;
+        }
+    }
+    for (; n < n1; n++) {
+        switch (M) {
+        case 1: gemv_block_vnni(a, n, 1, 1); break;
+        case 2: gemv_block_vnni(a, n, 2, 1); break;
+        case 3: gemv_block_vnni(a, n, 3, 1); break;
+        default: gemv_block_vnni(a, n, 4, 1); break;
+        }
+    }
+}
+#endif
+
 static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
+    if (a->xq) {
+#ifdef CONFKV_GEMV_VNNI
+        const int64_t out_bytes = a->od == BF16 ? 2 : 4;
+        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+            gemv_args part = *a;
+            part.M = a->M - m0 < 4 ? a->M - m0 : 4;
+            part.xq = a->xq + m0 * a->Kq;
+            part.xs = a->xs + m0 * (a->Kq / ACT_STEP) * 16;
+            part.xcorr = a->xcorr + m0 * (a->Kq / ACT_STEP) * 16;
+            part.out = (char *)a->out + m0 * a->N * out_bytes;
+            gemv_rows_vnni(&part, n0, n1);
+        }
+#else
+        gemv_rows_a8_c(a, n0, n1);
+#endif
+        return;
+    }
 #ifdef CONFKV_GEMV_AVX512
     const int64_t out_bytes = a->od == BF16 ? 2 : 4;
     for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
@@ -883,26 +990,73 @@ static float *widen_rows(const void *x, int xd, int64_t x_sr, int64_t M, int64_t
     return xf;
 }
 
+/* The W8A8 activations of rows xf [M, K] (float32, rows Kp apart), in one buffer: per row, each block of
+ * ACT_BLOCK values quantised to int8 with the scale s = max|x| / 127 (q = x / s rounded half to even, as
+ * torch.round; an all-zero block: s = 0, q = 0), the row zero-padded to Kq = K rounded up to 64; the scales
+ * of blocks 2j and 2j + 1 repeated over lanes 0-7 and 8-15 of xs[m, j, 0..16); xcorr[m, j, lane] = -128 times
+ * the sum of the lane's four activations (the VNNI GEMV's unsigned weights add it back). Sets a->xq, xs,
+ * xcorr, Kq; returns the buffer to free, or NULL when out of memory. */
+static void *quantize_acts(gemv_args *a, int64_t M) {
+    const int64_t K = a->K, Kq = (K + ACT_STEP - 1) / ACT_STEP * ACT_STEP, steps = Kq / ACT_STEP;
+    char *buffer = malloc((size_t)(M * Kq + 64) + sizeof(float) * (size_t)(M * steps * 16 * 2));
+    if (!buffer) return NULL;
+    int8_t *q = (int8_t *)buffer;
+    float *xs = (float *)(buffer + ((M * Kq + 63) / 64) * 64);
+    int32_t *corr = (int32_t *)(xs + M * steps * 16);
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = a->xf + m * a->Kp;
+        for (int64_t b0 = 0; b0 < Kq; b0 += ACT_BLOCK) {
+            const int64_t b1 = b0 + ACT_BLOCK < K ? b0 + ACT_BLOCK : K;
+            float top = 0.0f;
+            for (int64_t k = b0; k < b1; k++) top = fabsf(x[k]) > top ? fabsf(x[k]) : top;
+            const float scale = top / 127.0f;
+            for (int64_t k = b0; k < b0 + ACT_BLOCK; k++)
+                q[m * Kq + k] = (int8_t)(k < b1 && scale > 0.0f ? (int32_t)nearbyintf(x[k] / scale) : 0);
+            const int64_t j = b0 / ACT_STEP, half = (b0 % ACT_STEP) / ACT_BLOCK;
+            for (int lane = 0; lane < 8; lane++) xs[(m * steps + j) * 16 + half * 8 + lane] = scale;
+        }
+        for (int64_t i = 0; i < steps * 16; i++) { /* lane i % 16 of step i / 16 sums activations 4i .. 4i + 3 */
+            const int8_t *four = q + m * Kq + 4 * i;
+            corr[m * steps * 16 + i] = -128 * ((int32_t)four[0] + four[1] + four[2] + four[3]);
+        }
+    }
+    a->xq = q;
+    a->xs = xs;
+    a->xcorr = corr;
+    a->Kq = Kq;
+    return buffer;
+}
+
 /* out [M, N] (contiguous, od) = x [M, K] (rows x_sr elements apart, xd) times w [N, K] int8 with the
  * per-row scale [N] (sd) and optional bias [N] (bd, NULL for none), on up to `threads` threads.
  * Returns 0, or 1 when out of memory. */
-int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
-                     const void *scale, int sd, const void *bias, int bd, void *out, int od, int threads) {
+static int int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                     const void *scale, int sd, const void *bias, int bd, void *out, int od, int a8, int threads) {
     int64_t Kp;
     float *xf = widen_rows(x, xd, x_sr, M, K, &Kp);
     if (!xf) return 1;
-    const gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out};
+    gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out, NULL, NULL, NULL, 0};
+    void *acts = a8 ? quantize_acts(&a, M) : NULL;
+    if (a8 && !acts) {
+        free(xf);
+        return 1;
+    }
     gemv_many(&a, 1, threads);
+    free(acts);
     free(xf);
     return 0;
 }
 
+int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                     const void *scale, int sd, const void *bias, int bd, void *out, int od, int threads) {
+    return int8_gemv(x, xd, x_sr, M, K, w, N, scale, sd, bias, bd, out, od, 0, threads);
+}
+
 /* confkv_int8_gemv with the weight's operands prepared once (fewer arguments through ctypes per call):
- * plan = {w, N, K, scale, sd, bias (0: none), bd} as int64 */
+ * plan = {w, N, K, scale, sd, bias (0: none), bd, activations (0: float, W8A16; 8: int8 blocks, W8A8)} as int64 */
 int confkv_int8_linear(const int64_t *plan, const void *x, int xd, int64_t x_sr, int64_t M, void *out, int threads) {
-    return confkv_int8_gemv(x, xd, x_sr, M, plan[2], (const int8_t *)(intptr_t)plan[0], plan[1],
-                            (const void *)(intptr_t)plan[3], (int)plan[4], (const void *)(intptr_t)plan[5], (int)plan[6],
-                            out, xd, threads);
+    return int8_gemv(x, xd, x_sr, M, plan[2], (const int8_t *)(intptr_t)plan[0], plan[1], (const void *)(intptr_t)plan[3],
+                     (int)plan[4], (const void *)(intptr_t)plan[5], (int)plan[6], out, xd, plan[7] == 8, threads);
 }
 
 /* settings (benchmarks, tests): the idle workers' spin before they sleep (ns; < 0 keeps it) and the
@@ -917,12 +1071,30 @@ int confkv_gemv_configure(int64_t spin_ns, int64_t min_parallel) {
  * The torch lines of confkv/hf/lean.py with weight-only INT8 projections, each step rounded to the activations'
  * dtype `xd` as torch rounds it: RMSNorm (confkv_rms_norm), the projections (the GEMV above, several products
  * of one input in one pool call), rotary (confkv_rotary), SiLU and the products and sums of the gated MLP.
- * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd}; every tensor is contiguous. */
+ * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd, activations}; every tensor is contiguous. */
 
 static gemv_args plan_args(const int64_t *plan, const float *xf, int64_t M, int64_t Kp, void *out, int od) {
     const gemv_args a = {xf, M, plan[2], Kp, plan[1], (const int8_t *)(intptr_t)plan[0], (const void *)(intptr_t)plan[3],
-                         (const void *)(intptr_t)plan[5], (int)plan[4], (int)plan[6], od, out};
+                         (const void *)(intptr_t)plan[5], (int)plan[4], (int)plan[6], od, out, NULL, NULL, NULL, 0};
     return a;
+}
+
+/* the products of one input `parts` (same K), W8A16 or, when the first plan says so, W8A8 (the activations
+ * quantised once for all of them); 0, or 1 when out of memory */
+static int gemv_plans(gemv_args *parts, int count, const int64_t *plan, int64_t M, int threads) {
+    void *acts = NULL;
+    if (plan[7] == 8) {
+        if (!(acts = quantize_acts(&parts[0], M))) return 1;
+        for (int p = 1; p < count; p++) {
+            parts[p].xq = parts[0].xq;
+            parts[p].xs = parts[0].xs;
+            parts[p].xcorr = parts[0].xcorr;
+            parts[p].Kq = parts[0].Kq;
+        }
+    }
+    gemv_many(parts, count, threads);
+    free(acts);
+    return 0;
 }
 
 /* the attention's inputs: n = RMSNorm(x), q = rotary(q_proj(n)), k = rotary(k_proj(n)), v = v_proj(n)
@@ -940,9 +1112,9 @@ int confkv_lean_qkv(const void *x, int xd, int64_t B, int64_t Q, int64_t K, cons
     if (!normed || !q || !k) goto done;
     confkv_rms_norm(x, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
     if (!(xf = widen_rows(normed, xd, K, M, K, &Kp))) goto done;
-    const gemv_args parts[3] = {plan_args(plan_q, xf, M, Kp, q, xd), plan_args(plan_k, xf, M, Kp, k, xd),
-                                plan_args(plan_v, xf, M, Kp, v_out, xd)};
-    gemv_many(parts, 3, threads);
+    gemv_args parts[3] = {plan_args(plan_q, xf, M, Kp, q, xd), plan_args(plan_k, xf, M, Kp, k, xd),
+                          plan_args(plan_v, xf, M, Kp, v_out, xd)};
+    if (gemv_plans(parts, 3, plan_q, M, threads)) goto done;
     confkv_rotary(q, Q * Nq, Nq, D, cos, sin, c_sb, c_sq, xd, q_out, B, Q, Nq / D, D);
     confkv_rotary(k, Q * Nk, Nk, D, cos, sin, c_sb, c_sq, xd, k_out, B, Q, Nk / D, D);
     status = 0;
@@ -993,14 +1165,14 @@ int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int
     /* h = hidden + o_proj(attn), the sum rounded once */
     if (!(xf = widen_rows(attn, xd, A, M, A, &Kp))) goto done;
     gemv_args o = plan_args(plan_o, xf, M, Kp, normed, xd); /* `normed` holds o_proj's output for now */
-    gemv_many(&o, 1, threads);
+    if (gemv_plans(&o, 1, plan_o, M, threads)) goto done;
     add_rows(hidden, normed, h, xd, M, K, left, right);
     free(xf);
     /* the gated MLP */
     confkv_rms_norm(h, xd, K, norm_w, xd, normed, xd, M, K, eps, lanes);
     if (!(xf = widen_rows(normed, xd, K, M, K, &Kp))) goto done;
-    const gemv_args gate_up[2] = {plan_args(plan_gate, xf, M, Kp, gate, xd), plan_args(plan_up, xf, M, Kp, up, xd)};
-    gemv_many(gate_up, 2, threads);
+    gemv_args gate_up[2] = {plan_args(plan_gate, xf, M, Kp, gate, xd), plan_args(plan_up, xf, M, Kp, up, xd)};
+    if (gemv_plans(gate_up, 2, plan_gate, M, threads)) goto done;
     for (int64_t m = 0; m < M; m++) { /* silu(gate) * up, each rounded; the product back into `gate` */
         load_row(at(gate, xd, m * I), xd, I, left);
         load_row(at(up, xd, m * I), xd, I, right);
@@ -1010,7 +1182,7 @@ int confkv_lean_mlp(const void *attn, const void *hidden, int xd, int64_t M, int
     free(xf);
     if (!(xf = widen_rows(gate, xd, I, M, I, &Kp))) goto done;
     gemv_args down = plan_args(plan_down, xf, M, Kp, normed, xd); /* `normed` now holds down_proj's output */
-    gemv_many(&down, 1, threads);
+    if (gemv_plans(&down, 1, plan_down, M, threads)) goto done;
     add_rows(h, normed, out, xd, M, K, left, right);
     status = 0;
 done:

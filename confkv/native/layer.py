@@ -63,6 +63,8 @@ class LayerKernels:
         dtype, hidden = q.dtype, q.inputs
         if any(p.dtype is not dtype for p in projections) or dtype not in _CODES or not head_dim:
             return False
+        if len({p.activation_bits for p in projections}) != 1:  # one call quantises an input once for its products
+            return False
         shapes_fit = (k.inputs == v.inputs == gate.inputs == up.inputs == hidden == o.outputs == down.outputs
                       and o.inputs == q.outputs and k.outputs == v.outputs and gate.outputs == up.outputs == down.inputs
                       and q.outputs % head_dim == 0 and k.outputs % head_dim == 0)

@@ -1,0 +1,110 @@
+"""W8A8: the projections' inputs quantised to int8 in blocks of 32 (``quantize_linear_weights(...,
+activation_bits=8)``), the decode GEMV summing integer products (kernels.c, AVX-512 VNNI or the portable
+loop), against the torch reference (the quantised numbers times the INT8 weight in float32)."""
+
+import pytest
+import torch
+
+from confkv import native
+from confkv.hf.weights import Int8Linear, quantize_linear_weights
+from confkv.models import tiny_model
+from confkv.native import loader
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off")
+
+
+def test_activation_blocks_by_hand():
+    x = torch.tensor([[0.0] * 31 + [127.0] + [1.0, -2.0, 0.5] + [0.0] * 29 + [3.0, 0.25]])  # 66 values: 3 blocks
+    got = native.quantize_activation_blocks(x)
+    assert torch.equal(got[0, :32], x[0, :32])  # block 0: scale 1, integers stay
+    s1 = 2.0 / 127  # block 1: max |x| 2
+    expected = [round(v / s1) * s1 for v in (1.0, -2.0, 0.5)]
+    torch.testing.assert_close(got[0, 32:35], torch.tensor(expected), rtol=1e-6, atol=0)
+    assert got[0, 35:64].abs().sum() == 0
+    s2 = 3.0 / 127  # block 2 (2 values): max 3
+    torch.testing.assert_close(got[0, 64:], torch.tensor([3.0, round(0.25 / s2) * s2]), rtol=1e-6, atol=0)
+    assert torch.equal(native.quantize_activation_blocks(torch.zeros(2, 40)), torch.zeros(2, 40))
+
+
+def _reference(x, weight, scale, bias):
+    out = (native.quantize_activation_blocks(x) @ weight.float().T * scale.float()).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("width", [64, 576, 100, 40, 130])  # multiples of 64, of 32, neither
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_gemv_equals_the_reference(width, rows, dtype, with_bias):
+    gen = torch.Generator().manual_seed(width * 10 + rows)
+    weight = torch.randint(-127, 128, (37, width), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(37, generator=gen) * 0.02 + 1e-3).to(dtype)
+    bias = torch.randn(37, generator=gen).to(dtype) if with_bias else None
+    x = (torch.randn(rows, width, generator=gen) * torch.rand(1, width, generator=gen) * 4).to(dtype)
+    x[0, :7] = 0.0  # a partly zero block
+    got = native.Int8Projection(weight, scale, bias, activation_bits=8)(x)
+    # integer sums are exact; the blocks' float32 sum in another order: within a rounding of the output
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, _reference(x, weight, scale, bias), rtol=tolerance, atol=tolerance)
+    w8a16 = native.Int8Projection(weight, scale, bias)(x)
+    assert not torch.equal(got, w8a16)  # the activations were quantised
+
+
+def test_the_portable_w8a8_loop_equals_the_reference(tmp_path, monkeypatch):
+    """A build without AVX-512 (so without VNNI) runs the portable integer loop."""
+    path = loader.build(tmp_path, loader.FLAGS + ["-mno-avx512f"])
+    monkeypatch.setitem(loader._state, "lib", loader.load(path))
+    gen = torch.Generator().manual_seed(3)
+    for width in (576, 100):
+        weight = torch.randint(-127, 128, (20, width), dtype=torch.int8, generator=gen)
+        scale = torch.rand(20, generator=gen) * 0.02 + 1e-3
+        x = torch.randn(3, width, generator=gen)
+        got = native.Int8Projection(weight, scale, None, activation_bits=8)(x)
+        torch.testing.assert_close(got, _reference(x, weight, scale, None), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_linear_prefill_and_decode_compute_the_same_numbers():
+    model = tiny_model("llama", num_hidden_layers=2).to(torch.bfloat16)
+    assert quantize_linear_weights(model, activation_bits=8) > 0
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.activation_bits == 8 for m in layers) and "activation_bits=8" in repr(layers[0])
+    linear = layers[0]
+    x = torch.randn(3, linear.in_features).bfloat16()
+    decode = linear(x)  # 3 rows: the native GEMV
+    prefill = linear.torch_forward(x)  # the torch code of prefill chunks
+    torch.testing.assert_close(decode, prefill, rtol=1e-2, atol=1e-2)
+    with loader.disabled():
+        torch.testing.assert_close(linear(x), prefill, rtol=0, atol=0)
+
+
+def test_fused_layers_equal_the_per_op_w8a8_path():
+    from confkv.config import StoreConfig
+    from confkv.hf import ConfKVCache, prefill
+    from confkv.hf.lean import LeanDecoder
+
+    model = tiny_model("llama", num_hidden_layers=3).to(torch.bfloat16)
+    quantize_linear_weights(model, activation_bits=8)
+    ids = torch.randint(1, 250, (1, 30), generator=torch.Generator().manual_seed(4))
+    outputs = []
+    for fuse in (True, False):
+        cache = ConfKVCache.for_model(model, "streaming", store=StoreConfig(), budget=16)
+        prefill(model, cache, ids[:, :20], chunk=8)
+        decoder = LeanDecoder(model)
+        decoder.fuse_layers = fuse
+        assert (decoder._fused_layers(torch.zeros(1, 1, 64, dtype=torch.bfloat16)) is not None) == fuse
+        outputs.append(torch.stack([decoder(ids[:, t:t + 1], cache) for t in range(20, 30)]))
+    # one quantisation of each input for all of its projections, the same GEMV: the same numbers
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-2, atol=1e-2)
+    assert torch.equal(outputs[0].argmax(-1), outputs[1].argmax(-1))
+
+
+def test_bad_activation_bits_name_the_choices():
+    linear = torch.nn.Linear(8, 4)
+    with pytest.raises(ValueError, match="activation_bits must be 16 .* or 8"):
+        Int8Linear(linear, torch.bfloat16, activation_bits=4)
+    model = tiny_model("llama", num_hidden_layers=1).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="activation_bits must be 16"):
+        quantize_linear_weights(model, activation_bits=12)
+    weight = torch.zeros(4, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="activation_bits must be 16"):
+        native.Int8Projection(weight, torch.ones(4), None, activation_bits=32)

@@ -9,7 +9,10 @@ torchao's ``int8_weight_only``), and the product is computed by
 ``torch._weight_int8pack_mm(x, W_int8, s)``, which dequantizes inside the kernel; decode-sized
 inputs (at most ``confkv.native.MAX_GEMV_ROWS`` rows on CPU) run the same product in
 :func:`confkv.native.int8_linear` (kernels.c, split over torch's thread count) when the native
-kernels are on. The
+kernels are on. With ``activation_bits=8`` each projection's input is also quantised to int8 in
+blocks of 32 (W8A8, as llama.cpp's Q8_0 activations): the native GEMV then sums integer products
+(AVX-512 VNNI) and prefill multiplies the same quantised numbers in float32
+(:func:`confkv.native.quantize_activation_blocks`). By default the
 activations keep the model's dtype: the kernel is fast for bfloat16 activations and slow for
 float32 ones on CPU, so use it with a bfloat16 model (:func:`quantize_linear_weights` refuses
 other dtypes unless told otherwise). The embedding table stays as it is (a lookup reads one

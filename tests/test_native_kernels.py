@@ -257,3 +257,22 @@ def test_the_library_is_cached_by_source_flags_and_compiler(tmp_path):
     assert loader.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # not rebuilt
     other = loader.build(tmp_path, loader.FLAGS + ["-O2"])
     assert other != first and sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])
+
+
+@needs_native
+def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch):
+    """kernels.c includes its parts from c/: the build's hash covers them, so an edited part is rebuilt."""
+    import shutil
+
+    parts = tmp_path / "c"
+    shutil.copytree(loader.PARTS, parts)
+    source = tmp_path / "kernels.c"
+    shutil.copy(loader.SOURCE, source)
+    monkeypatch.setattr(loader, "SOURCE", source)
+    monkeypatch.setattr(loader, "PARTS", parts)
+    first = loader.build(tmp_path / "cache")
+    assert loader.build(tmp_path / "cache") == first  # cached
+    layer = parts / "layer.c"
+    layer.write_text(layer.read_text() + "\n/* edited */\n")
+    second = loader.build(tmp_path / "cache")
+    assert second != first and second.exists()

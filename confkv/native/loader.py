@@ -1,8 +1,9 @@
 """Compile ``kernels.c`` with the system C compiler on first use, cache the shared library, load it with ctypes.
 
 The library is cached under ``$CONFKV_NATIVE_CACHE`` (default ``~/.cache/confkv/native``) as
-``kernels-<hash>.so``, the hash covering the source, the flags, the compiler's ``--version`` and
-the CPU (``-march=native``), so a changed source, compiler or machine builds a new one. The
+``kernels-<hash>.so``, the hash covering the source (kernels.c and its parts in ``c/``), the flags,
+the compiler's ``--version`` and the CPU (``-march=native``), so a changed source, compiler or
+machine builds a new one. The
 build writes a temporary file and renames it into place (atomic on POSIX), so two processes
 building at once do not clash. The compiler is ``$CC`` when set, else ``cc`` or ``gcc`` on
 PATH; the source needs no torch headers and builds in about a second.
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Iterator
 
 SOURCE = Path(__file__).with_name("kernels.c")
+#: the parts kernels.c includes (one translation unit); the build's hash covers them too
+PARTS = Path(__file__).with_name("c")
 # no -ffast-math: NaN / inf semantics stay those of torch (-fno-trapping-math and -fno-math-errno
 # change no result: they let the compiler vectorise floor / int conversions without FP-exception or
 # errno side effects); no contraction of a * b + c into an FMA
@@ -85,7 +88,7 @@ def build(directory: Path | None = None, flags: list[str] | None = None) -> Path
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeBuildError(f"the C compiler {cc} does not run ({exc}); fix $CC or set CONFKV_NATIVE=0") from exc
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + b"".join(part.read_bytes() for part in sorted(PARTS.glob("*.[ch]")))
     digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode() + _cpu().encode()).hexdigest()[:16]
     directory = Path(directory) if directory is not None else cache_dir()
     target = directory / f"kernels-{digest}.so"

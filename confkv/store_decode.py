@@ -52,7 +52,8 @@ def decode_in_place(store: LayerStore, keys: torch.Tensor, values: torch.Tensor,
     plan = store.decode_plan
     if plan is None or not plan.serves(window, store.old):
         plan = store.decode_plan = DecodePlan.build(window, store.old, query.shape[1], store.policy.linear_observe(1))
-    if plan is not None and query.dtype == keys.dtype and keys.stride(-1) == 1 and values.stride(-1) == 1:
+    if (plan is not None and query.dtype == keys.dtype and keys.stride(-1) == 1 and values.stride(-1) == 1
+            and store.seen_real.dtype == torch.int64):
         with profiling.section("native decode step"):
             out, masses = plan.step(query, keys, values, store.seen_real.contiguous(), length, scaling)
             store.recent = window.views(length + 1)

@@ -1,7 +1,7 @@
 """Where the lean decode step's time goes: SmolLM2-135M in bfloat16 with INT8 weights, CONF-KV (budget 1,024,
 gate 768 / 1,280, slack 64) after a 1,024-token prefill, decode steps back to back through the lean decoder,
 with a timer around each part (the fused layer calls, the LM head's GEMV, the mass read, the store's append,
-attend or decode step, and end of step). Prints the median step and each part's mean ms per step, for --rounds rounds.
+attend or decode step, the native decode step, and the end of step: the stores' and the cache's, with its confidence). Prints the median step and each part's mean ms per step, for --rounds rounds.
 
     .venv/bin/python benchmarks/lean_step_split.py [--threads 2] [--activation-bits 16|8] [--steps 30] [--rounds 3]
 """
@@ -13,6 +13,7 @@ import torch
 
 import confkv.native as native
 import confkv.native.layer as layer
+import confkv.hf.cache as hf_cache
 import confkv.store as store
 from confkv.native.decode import DecodePlan
 from confkv.config import StoreConfig
@@ -60,6 +61,8 @@ def main():
     timed(store.LayerStore, "append", "store.append")
     timed(store.LayerStore, "attend", "store.attend incl. read")
     timed(store.LayerStore, "end_step", "store.end_step")
+    timed(hf_cache.ConfKVCache, "end_step", "cache.end_step")
+    timed(hf_cache, "confidence_of", "confidence")
     timed(DecodePlan, "step", "native decode step (C)")
     position = 1024
     for _ in range(args.rounds):

@@ -10,7 +10,11 @@ kernels are single-threaded). Prints per-call medians (us) and torch / native.
   SmolLM2 projection shapes (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536, the LM head
   49152x576), M = 1 and 4 (torch._weight_int8pack_mm vs confkv.native.Int8Projection, prepared once
   as Int8Linear holds it; it splits N over torch's thread count); the last column is the native kernel's weight bytes per second;
-- sweep: a decode step's 211 projections one after another, each with its own weight (135 MB).
+- sweep: a decode step's 211 projections one after another, each with its own weight (135 MB);
+- confidence: confkv.confidence on logits [1, 49152] bfloat16 with the native kernels off (the torch
+  code) vs on (confkv.native.confidence_terms);
+- w8a8: the "torch" column is the native W8A16 GEMV (Int8Projection), the "native" one the W8A8 GEMV
+  (activation_bits=8: int8 activation blocks, VNNI), on the gate/up, down and LM head shapes, M = 1.
 
     nice -n 0 .venv/bin/python benchmarks/native_micro.py [--repeats 200] [--block 5] [--kernels gemv sweep] [--spin-us 50]
 
@@ -71,7 +75,34 @@ def sweep_case():
     yield "sweep: 211 projections, 135 MB", run_torch, run_native, sum(w.numel() for w, _ in weights)
 
 
+def confidence_case():
+    from confkv.confidence import confidence
+    from confkv.native import loader
+
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) * 4
+
+    def torch_code():
+        with loader.disabled():
+            return confidence(logits)
+
+    yield "confidence V=49152 bf16", torch_code, lambda: confidence(logits), 0
+
+
+def w8a8_cases():
+    gen = torch.Generator().manual_seed(3)
+    for label, n, k in (GEMV_SHAPES[2], GEMV_SHAPES[3], GEMV_SHAPES[4]):
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        scale = (torch.rand(n, generator=gen) / 100).to(torch.bfloat16)
+        x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+        w8a16, w8a8 = native.Int8Projection(weight, scale), native.Int8Projection(weight, scale, activation_bits=8)
+        yield (f"w8a16 vs w8a8 {label} {n}x{k}", lambda x=x, p=w8a16: p(x), lambda x=x, p=w8a8: p(x), n * k)
+
+
 def cases(kernels):
+    if "confidence" in kernels:
+        yield from confidence_case()
+    if "w8a8" in kernels:
+        yield from w8a8_cases()
     if "sweep" in kernels:
         yield from sweep_case()
     if "gemv" in kernels:
@@ -103,7 +134,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--kernels", nargs="+", default=["read", "rmsnorm", "rotary", "gemv", "sweep"],
-                        choices=["read", "rmsnorm", "rotary", "gemv", "sweep"])
+                        choices=["read", "rmsnorm", "rotary", "gemv", "sweep", "confidence", "w8a8"])
     parser.add_argument("--block", type=int, default=5, help="timed calls per side in a row")
     parser.add_argument("--spin-us", type=float, default=None,
                         help="the GEMV workers' spin before they sleep (default: the library's, 50 us)")

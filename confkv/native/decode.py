@@ -25,7 +25,7 @@ from confkv.region import Region
 from confkv.window_buffer import WindowBuffer
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_STATS = 8  # kernels.c's MAX_STATS
+MAX_STATS = 8  # MAX_STATS of kernels.c (c/mass_read.c)
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 

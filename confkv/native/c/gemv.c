@@ -86,26 +86,29 @@ static inline __attribute__((always_inline)) void gemv_block_avx512(const gemv_a
         for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, _mm512_reduce_add_ps(acc[m][b]));
 }
 
-/* rows [n0, n1) for M <= 4: blocks of 8 output rows (M <= 2: 8-16 independent FMA chains) or 4 (M = 3, 4) */
+/* rows [n0, n1) for M <= 4 (M <= 2: 8-16 independent FMA chains a block) */
+/* output rows [n0, n1) of a->M <= 4 activation rows through BLOCK(a, n, M, NB), M and NB constants in each
+ * call so that the block's accumulators stay in registers: blocks of NB = 8 rows (M <= 2) or 4, then single rows */
+#define GEMV_ROWS_IN_BLOCKS(BLOCK, a, n0, n1)                                                                   \
+    do {                                                                                                      \
+        const int M_ = (int)(a)->M, nb_ = M_ <= 2 ? 8 : 4;                                                    \
+        int64_t n_ = (n0);                                                                                    \
+        for (; n_ + nb_ <= (n1); n_ += nb_) {                                                                 \
+            if (M_ == 1) BLOCK(a, n_, 1, 8);                                                                  \
+            else if (M_ == 2) BLOCK(a, n_, 2, 8);                                                             \
+            else if (M_ == 3) BLOCK(a, n_, 3, 4);                                                             \
+            else BLOCK(a, n_, 4, 4);                                                                          \
+        }                                                                                                     \
+        for (; n_ < (n1); n_++) {                                                                             \
+            if (M_ == 1) BLOCK(a, n_, 1, 1);                                                                  \
+            else if (M_ == 2) BLOCK(a, n_, 2, 1);                                                             \
+            else if (M_ == 3) BLOCK(a, n_, 3, 1);                                                             \
+            else BLOCK(a, n_, 4, 1);                                                                          \
+        }                                                                                                     \
+    } while (0)
+
 static void gemv_rows_avx512(const gemv_args *a, int64_t n0, int64_t n1) {
-    const int M = (int)a->M, nb = M <= 2 ? 8 : 4;
-    int64_t n = n0;
-    for (; n + nb <= n1; n += nb) {
-        switch (M) {
-        case 1: gemv_block_avx512(a, n, 1, 8); break;
-        case 2: gemv_block_avx512(a, n, 2, 8); break;
-        case 3: gemv_block_avx512(a, n, 3, 4); break;
-        default: gemv_block_avx512(a, n, 4, 4); break;
-        }
-    }
-    for (; n < n1; n++) {
-        switch (M) {
-        case 1: gemv_block_avx512(a, n, 1, 1); break;
-        case 2: gemv_block_avx512(a, n, 2, 1); break;
-        case 3: gemv_block_avx512(a, n, 3, 1); break;
-        default: gemv_block_avx512(a, n, 4, 1); break;
-        }
-    }
+    GEMV_ROWS_IN_BLOCKS(gemv_block_avx512, a, n0, n1);
 }
 #endif
 
@@ -174,24 +177,7 @@ static inline __attribute__((always_inline)) void gemv_block_vnni(const gemv_arg
 }
 
 static void gemv_rows_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
-    const int M = (int)a->M, nb = M <= 2 ? 8 : 4;
-    int64_t n = n0;
-    for (; n + nb <= n1; n += nb) {
-        switch (M) {
-        case 1: gemv_block_vnni(a, n, 1, 8); break;
-        case 2: gemv_block_vnni(a, n, 2, 8); break;
-        case 3: gemv_block_vnni(a, n, 3, 4); break;
-        default: gemv_block_vnni(a, n, 4, 4); break;
-        }
-    }
-    for (; n < n1; n++) {
-        switch (M) {
-        case 1: gemv_block_vnni(a, n, 1, 1); break;
-        case 2: gemv_block_vnni(a, n, 2, 1); break;
-        case 3: gemv_block_vnni(a, n, 3, 1); break;
-        default: gemv_block_vnni(a, n, 4, 1); break;
-        }
-    }
+    GEMV_ROWS_IN_BLOCKS(gemv_block_vnni, a, n0, n1);
 }
 #endif
 

@@ -181,17 +181,25 @@ static void gemv_rows_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
 }
 #endif
 
+/* activation rows [m0, m0 + 4) of `a` (fewer at the end) as a call of their own: the per-row operands offset */
+static __attribute__((unused)) gemv_args rows_from(const gemv_args *a, int64_t m0) {
+    gemv_args part = *a;
+    part.M = a->M - m0 < 4 ? a->M - m0 : 4;
+    part.xf = a->xf + m0 * a->Kp;
+    if (a->xq) {
+        part.xq = a->xq + m0 * a->Kq;
+        part.xs = a->xs + m0 * (a->Kq / ACT_STEP) * 16;
+        part.xcorr = a->xcorr + m0 * (a->Kq / ACT_STEP) * 16;
+    }
+    part.out = (char *)a->out + m0 * a->N * (a->od == BF16 ? 2 : 4);
+    return part;
+}
+
 static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
     if (a->xq) {
 #ifdef CONFKV_GEMV_VNNI
-        const int64_t out_bytes = a->od == BF16 ? 2 : 4;
         for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
-            gemv_args part = *a;
-            part.M = a->M - m0 < 4 ? a->M - m0 : 4;
-            part.xq = a->xq + m0 * a->Kq;
-            part.xs = a->xs + m0 * (a->Kq / ACT_STEP) * 16;
-            part.xcorr = a->xcorr + m0 * (a->Kq / ACT_STEP) * 16;
-            part.out = (char *)a->out + m0 * a->N * out_bytes;
+            const gemv_args part = rows_from(a, m0);
             gemv_rows_vnni(&part, n0, n1);
         }
 #else
@@ -200,12 +208,8 @@ static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
         return;
     }
 #ifdef CONFKV_GEMV_AVX512
-    const int64_t out_bytes = a->od == BF16 ? 2 : 4;
     for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
-        gemv_args part = *a;
-        part.M = a->M - m0 < 4 ? a->M - m0 : 4;
-        part.xf = a->xf + m0 * a->Kp;
-        part.out = (char *)a->out + m0 * a->N * out_bytes;
+        const gemv_args part = rows_from(a, m0);
         gemv_rows_avx512(&part, n0, n1);
     }
 #else

@@ -31,9 +31,16 @@ from confkv.config import ColdConfig
 from confkv.page_file import PageFile
 
 
+#: page tensors that stay in RAM when sealed pages are offloaded (metadata and digests)
+_RESIDENT = ("positions", "valid", "heat", "sealed_at", "confidence", "digest_min", "digest_max")
+
 #: page storage a PagedSegment reads, by "unquantized" (bits == 16)
 _STORAGE = {True: ("keys", "values"),
             False: ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")}
+
+
+#: per-page tensors that describe a page rather than encode it (kept when a page changes rung)
+_METADATA = ("positions", "valid", "heat", "sealed_at", "confidence")
 
 
 class ColdTier:
@@ -55,6 +62,7 @@ class ColdTier:
         self.bytes_read = 0  # cold bytes read by the last attention read
         self.reads = 0  # attention reads of this layer so far (the clock of a page's mean heat)
         self._selected: Tensor | None = None  # [B, H, K] pages read by the last read
+        self.step_confidence: Tensor | None = None  # [B] the model's confidence at this step (page metadata)
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -100,7 +108,7 @@ class ColdTier:
         if self.open is None:
             return 0
         total = self.open["positions"].nbytes + self.open["valid"].nbytes
-        for name in ("positions", "valid", "heat", "sealed_at"):
+        for name in ("positions", "valid", "heat", "sealed_at", "confidence"):
             if name in self.pages:
                 tensor = self.pages[name]
                 total += tensor.nbytes * self.num_pages // max(tensor.shape[2], 1)
@@ -147,25 +155,37 @@ class ColdTier:
         values = tokens["values"].reshape(batch, heads, count, page, head_dim)
         valid = tokens["valid"].reshape(batch, count, page)
         head_valid = valid[:, None].expand(batch, heads, count, page)
-        fresh = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
-                 "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device),
-                 "sealed_at": torch.full((batch, heads, count), self.reads, dtype=torch.int64, device=keys.device)}
+        meta = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
+                "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device),
+                "sealed_at": torch.full((batch, heads, count), self.reads, dtype=torch.int64, device=keys.device),
+                "confidence": self.confidence_now(batch, keys.device)[:, None, None].expand(batch, heads, count)}
+        self._append_pages({**meta, **self._encode(keys, values, head_valid)}, count)
+
+    def confidence_now(self, batch: int, device: torch.device) -> Tensor:
+        """[B] float32: the model's confidence at this step (set by the store; 0.5 before the first step)."""
+        if self.step_confidence is None or self.step_confidence.shape[0] != batch:
+            return torch.full((batch,), 0.5, dtype=torch.float32, device=device)
+        return self.step_confidence.to(device=device, dtype=torch.float32)
+
+    def _encode(self, keys: Tensor, values: Tensor, valid: Tensor) -> dict[str, Tensor]:
+        """Page storage of keys / values [B, H, N, P, D] (valid [B, H, N, P]): digest, then codes and side data."""
+        fresh: dict[str, Tensor] = {}
         if self.config.needs_digest:
             float_keys = keys.float()
-            fresh["digest_min"] = float_keys.masked_fill(~head_valid[..., None], float("inf")).amin(-2)
-            fresh["digest_max"] = float_keys.masked_fill(~head_valid[..., None], float("-inf")).amax(-2)
+            fresh["digest_min"] = float_keys.masked_fill(~valid[..., None], float("inf")).amin(-2)
+            fresh["digest_max"] = float_keys.masked_fill(~valid[..., None], float("-inf")).amax(-2)
             for name in ("digest_min", "digest_max"):  # an all-invalid page (never read) gets a zero digest
                 tensor = fresh[name]
                 fresh[name] = torch.where(torch.isfinite(tensor), tensor, torch.zeros_like(tensor)).to(lowbit.SCALE_DTYPE)
         if self.config.bits == 16:
-            fresh["keys"], fresh["values"] = keys, values
+            fresh["keys"], fresh["values"] = keys.to(self.dtype), values.to(self.dtype)
         else:
             bits, group = self.config.bits, self.config.group_size
-            qk = lowbit.quantize_keys(keys, head_valid, bits, group)
+            qk = lowbit.quantize_keys(keys, valid, bits, group)
             qv = lowbit.quantize_values(values, bits, group)
             fresh.update(key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
                          value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
-        self._append_pages(fresh, count)
+        return fresh
 
     def _append_pages(self, fresh: dict[str, Tensor], count: int) -> None:
         needed = self.num_pages + count
@@ -183,8 +203,7 @@ class ColdTier:
         return 0 if not self.pages else self.pages["valid"].shape[2]
 
     def _offloaded(self, name: str) -> bool:
-        return self.page_file is not None and name not in ("positions", "valid", "heat", "sealed_at", "digest_min",
-                                                            "digest_max")
+        return self.page_file is not None and name not in _RESIDENT
 
     def _enforce_budget(self) -> None:
         """Evict the coldest sealed pages while the tier holds more than ``cold_budget`` tokens.
@@ -337,6 +356,67 @@ class ColdTier:
         per_page = mass.reshape(*index.shape, -1).sum(-1)
         self.pages["heat"].narrow(2, 0, self.num_pages).scatter_add_(2, index, per_page.float())
 
+    # -- moves between rungs of a ladder (confkv.tiers.ladder) ----------------------------------
+    def page_value(self, signal: str) -> Tensor:
+        """[B, H, N] float64 keep-value of each sealed page; the lowest steps down (or is dropped) first.
+
+        ``"heat"``: attention received per read since sealing (a page not yet read: +inf, kept);
+        ``"confidence"``: ``1 - c`` for the model's confidence ``c`` at the step the page was sealed
+        (pages demoted at uncertain steps keep their precision longer); ``"age"``: the page's newest
+        position (the oldest pages go first).
+        """
+        count = self.num_pages
+        if signal == "heat":
+            reads = (self.reads - self.pages["sealed_at"][:, :, :count]).double()
+            total = self.pages["heat"][:, :, :count].double()
+            return torch.where(reads > 0, total / reads.clamp_min(1), torch.full_like(total, float("inf")))
+        if signal == "confidence":
+            return 1.0 - self.pages["confidence"][:, :, :count].double()
+        if signal == "age":
+            return self.pages["positions"][:, :, :count].amax(-1).double()
+        raise ValueError(f"signal: must be 'heat', 'confidence' or 'age', got {signal!r}")
+
+    def take_pages(self, index: Tensor) -> dict[str, Tensor]:
+        """Remove sealed pages ``index`` [B, H, M] (distinct per head) and return them decoded.
+
+        Returns keys / values [B, H, M, P, D] float32 and the pages' metadata (positions, valid,
+        heat, sealed_at, confidence), each [B, H, M, ...], for :meth:`put_pages` of another rung.
+        """
+        live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
+        keys, values = self._dequantized(live, index)
+        taken = {name: _gather_pages(live[name], index) for name in _METADATA if name in live}
+        taken["keys"], taken["values"] = keys.float(), values.float()
+        self.drop_pages(index)
+        return taken
+
+    def drop_pages(self, index: Tensor) -> None:
+        """Delete sealed pages ``index`` [B, H, M] (distinct per head); the rest keep their order."""
+        gone = torch.zeros(self.pages["heat"].shape[:2] + (self.num_pages,), dtype=torch.bool,
+                           device=index.device).scatter_(2, index, True)
+        rest = (gone.to(torch.int8)).argsort(dim=-1, stable=True)[..., :self.num_pages - index.shape[-1]]
+        self._keep_pages(rest.sort(-1).values)
+
+    def put_pages(self, taken: dict[str, Tensor], dtype: torch.dtype) -> None:
+        """Encode pages from :meth:`take_pages` at this tier's bits and append them, metadata kept.
+
+        ``dtype``: the model's dtype (the storage of 16-bit pages and of the open page).
+        """
+        batch, heads, count, page, head_dim = taken["keys"].shape
+        if page != self.config.page_size:
+            raise ValueError(f"page_size: pages of {page} tokens cannot join a tier of {self.config.page_size}")
+        if self.open is None:
+            self.head_dim, self.dtype = head_dim, dtype
+            if self.config.bits != 16:
+                lowbit.check_packable(head_dim, self.config.bits)
+            self.open = _empty_open(batch, heads, head_dim, dtype, taken["keys"].device)
+        meta = {name: taken[name] for name in _METADATA}
+        self._append_pages({**meta, **self._encode(taken["keys"], taken["values"], taken["valid"])}, count)
+
+    def drop_open(self) -> None:
+        """Delete the open page's tokens (when even no sealed page leaves room for them)."""
+        if self.open is not None:
+            self.open = {name: (t[..., :0] if name == "valid" else t[:, :, :0]).clone() for name, t in self.open.items()}
+
     # -- batch -----------------------------------------------------------------------------------
     def select_batch(self, index: Tensor) -> None:
         """Keep batch rows ``index`` [B']."""
@@ -348,6 +428,7 @@ class ColdTier:
     def clone(self) -> "ColdTier":
         twin = ColdTier(self.config, self.page_file)
         twin.head_dim, twin.dtype, twin.num_pages, twin.reads = self.head_dim, self.dtype, self.num_pages, self.reads
+        twin.step_confidence = self.step_confidence
         if self.open is not None:
             twin.open = {name: t.clone() for name, t in self.open.items()}
             twin.pages = {name: _grow(None, t, t.shape[2], self.page_file if self._offloaded(name) else None)

@@ -387,14 +387,15 @@ def test_bookkeeping_bytes_count_positions_validity_heat_and_clock_of_used_pages
     assert ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2)).bookkeeping_bytes() == 0
     tier, _, _ = _tier(bits=8, tokens=10)  # B=1, H=2: 2 sealed pages (capacity 8) and 2 open tokens
     # open: positions 1*2*2 int64 = 32, valid 1*2 bool = 2
-    # per page: positions 2*4 int64 = 64, valid 2*4 bool = 8, heat 2 float32 = 8, sealed_at 2 int64 = 16
+    # per page: positions 2*4 int64 = 64, valid 2*4 bool = 8, heat 2 float32 = 8, sealed_at 2 int64 = 16,
+    # confidence at sealing 2 float32 = 8
     got = tier.bookkeeping_bytes()
     assert type(got) is int
-    assert got == 32 + 2 + 2 * (64 + 8 + 8 + 16)
+    assert got == 32 + 2 + 2 * (64 + 8 + 8 + 16 + 8)
     tier.demote(*(torch.zeros(1, 2, 3, DIM),) * 2, torch.zeros(1, 2, 3, dtype=torch.int64),
                 torch.ones(1, 3, dtype=torch.bool))  # 5 open tokens: one more page, 1 open
     assert tier.num_pages == 3
-    assert tier.bookkeeping_bytes() == 16 + 1 + 3 * (64 + 8 + 8 + 16)
+    assert tier.bookkeeping_bytes() == 16 + 1 + 3 * (64 + 8 + 8 + 16 + 8)
 
 
 # ------------------------------------------------------------------ select_batch

@@ -9,6 +9,9 @@ corpora are long English texts that ship with Python itself:
 - ``"stdlib-docs"``: the docstrings of a fixed list of pure-Python stdlib
   modules (module docstring, then each public class/function and each public
   method of those classes, sorted by name): ~230K characters of API prose.
+- ``"idle-docs"``: the IDLE editor's user guide (``idlelib/help.html``, tags
+  stripped), then its README, NEWS, HISTORY and TODO files: ~170K characters of
+  user-facing prose and change notes. Added as a held-out text: no tuning used it.
 
 Both depend only on the Python version (3.11 here); they are deterministic for a
 given interpreter. Also accepted: a path to a UTF-8 text file, and
@@ -89,7 +92,25 @@ def _collect_docstrings() -> str:
     return "\n\n\n".join(parts)
 
 
-_BUILTIN_LOADERS = {"pydoc-topics": _pydoc_topics, "stdlib-docs": _stdlib_docs}
+_IDLE_FILES = ("README.txt", "NEWS.txt", "NEWS2x.txt", "HISTORY.txt", "TODO.txt", "extend.txt")
+
+
+def _idle_docs() -> str:
+    import html  # noqa: PLC0415
+    import idlelib  # noqa: PLC0415
+
+    folder = Path(idlelib.__file__).parent
+    guide = (folder / "help.html").read_text(encoding="utf-8")
+    guide = re.sub(r"(?s)<(script|style)[^>]*>.*?</\1>", " ", guide)
+    guide = html.unescape(re.sub(r"<[^>]+>", " ", guide))
+    guide = "\n".join(line.strip() for line in guide.splitlines())
+    guide = re.sub(r"\n{3,}", "\n\n", re.sub(r"[ \t]+", " ", guide)).strip()
+    parts = [guide] + [(folder / name).read_text(encoding="utf-8").strip() for name in _IDLE_FILES
+                       if (folder / name).is_file()]
+    return "\n\n\n".join(parts)
+
+
+_BUILTIN_LOADERS = {"pydoc-topics": _pydoc_topics, "stdlib-docs": _stdlib_docs, "idle-docs": _idle_docs}
 BUILTIN_CORPORA: tuple[str, ...] = tuple(_BUILTIN_LOADERS)
 
 

@@ -348,6 +348,11 @@ class ColdTier:
         self._selected = None
         return taken
 
+    def observe_read(self, masses: list[Tensor]) -> None:
+        """Page heat from the masses of this tier's last :meth:`segments` (open page first, pages last)."""
+        if self._selected is not None and masses:
+            self.observe(masses[-1])
+
     def observe(self, mass: Tensor) -> None:
         """Add the attention mass [B, H, K * P] the last read's pages received to their heat."""
         if self._selected is None:

@@ -40,6 +40,9 @@ from confkv.region import Region, concat, select_batch
 from confkv.native.decode import DecodePlan
 from confkv.store_decode import decode_in_place, decodes_in_place
 from confkv.window_buffer import WindowBuffer
+from confkv.config import ALL_PAGES
+from confkv.tiers.ladder import LadderTier
+from confkv.tiers.storage import Storage
 
 
 def check_store_fits(policy: Policy, config: StoreConfig) -> None:
@@ -65,12 +68,16 @@ class LayerStore:
             last ``W - 1`` tokens, uses full precision and ignores the policy.
         page_file: the cache's file for offloaded cold pages (tiered policies with
             ``cold.offload``; None: the store opens its own when it needs one).
+        storage: the storage of a cache under a memory target (:class:`~confkv.tiers.storage.Storage`):
+            with a non-empty ladder, what the hot tier lets go goes to a :class:`LadderTier`, and
+            :meth:`fit` holds a byte budget. Not with a tiered policy (it brings its own cold tier).
     """
 
     def __init__(self, policy: Policy, config: StoreConfig, *, sliding_window: int | None = None,
-                 page_file: PageFile | None = None) -> None:
+                 page_file: PageFile | None = None, storage: Storage | None = None) -> None:
         self.policy = policy
         self.config = config
+        self.storage = storage
         self.sliding_window = sliding_window
         self.int8 = config.kv_int8 and sliding_window is None
         if sliding_window is not None:
@@ -97,6 +104,13 @@ class LayerStore:
             if policy.cold.offload and page_file is None:
                 page_file = PageFile(policy.cold.offload_dir)
             self.cold = ColdTier(policy.cold, page_file if policy.cold.offload else None)
+        if storage is not None and isinstance(policy, TieredPolicy):
+            raise ConfigError(f"storage: policy {policy.name!r} brings its own cold tier (policy.cold); give a ranking "
+                              "policy (e.g. 'tova', 'h2o', 'confkv-fixed') with storage=, or the preset 'tiered'")
+        if storage is not None and storage.ladder and sliding_window is None:
+            if storage.offload and page_file is None:
+                page_file = PageFile(storage.offload_dir)
+            self.cold = LadderTier(storage, page_file)
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -291,7 +305,7 @@ class LayerStore:
                 for region, mass in zip(regions, masses):
                     self.policy.observe(region.stats, mass, new)
                 if self.cold is not None and len(masses) > len(regions):
-                    self.cold.observe(masses[-1])
+                    self.cold.observe_read(masses[len(regions):])
                     if self.cold.config.promote is not None and new == 1:
                         self._promote(masses[-1])
         return out
@@ -306,6 +320,8 @@ class LayerStore:
         """[B] cold pages this read takes: the policy's choice at the last step, or its first."""
         if self.cold_read is not None:
             return self.cold_read
+        if isinstance(self.cold, LadderTier):
+            return torch.full_like(self.seen_real, ALL_PAGES)
         return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]
 
     def end_step(self, budget: torch.Tensor | None, cold_read: torch.Tensor | None = None) -> None:
@@ -328,6 +344,15 @@ class LayerStore:
                 over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
         self._age(force=over_budget)
         self._evict(budget)
+
+    def hot_bytes(self) -> int:
+        """Of :meth:`kv_bytes`, the hot tier's (every region in the model's precision or INT8, spare slots included)."""
+        return self.kv_bytes() - (self.cold.kv_bytes() if self.cold is not None else 0)
+
+    def fit(self, budget_bytes: int) -> None:
+        """Bring the cold ladder under ``budget_bytes - hot_bytes()`` (:meth:`LadderTier.fit`); no-op without one."""
+        if isinstance(self.cold, LadderTier) and self.is_initialized:
+            self.cold.fit(budget_bytes - self.hot_bytes(), self.recent.keys.dtype)
 
     def _age(self, force: bool) -> None:
         """Move the oldest FP-window slots to the older region.

@@ -34,6 +34,8 @@ def decodes_in_place(store: LayerStore, keys: torch.Tensor, query: torch.Tensor)
         return False
     if store.cold is not None or store.sliding_window is not None or store.int8 or not store.stat_names:
         return False
+    if store.storage is not None:  # under a memory target: no spare window slots beyond the planned bytes
+        return False
     if not (store.old.dense and store.recent.dense and store.policy.needs_attention):
         return False
     if store.config.read_backend != "auto" or query.device.type != "cpu" or keys.dtype != store.recent.keys.dtype:

@@ -15,7 +15,7 @@ def fork_store(store: LayerStore, policy: Policy,
                stats_of: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> LayerStore:
     """An independent copy of ``store`` run by ``policy`` (:meth:`LayerStore.fork` documents the contract)."""
     twin = LayerStore(policy, store.config, sliding_window=store.sliding_window,
-                      page_file=store.cold.page_file if store.cold is not None else None)
+                      page_file=store.cold.page_file if store.cold is not None else None, storage=store.storage)
     if store.cold is not None and twin.cold is not None:
         twin.cold = store.cold.clone()
     if not store.is_initialized:

@@ -21,6 +21,9 @@ class StepRecord:
         seen: logical tokens fed so far (padding included).
         cold_bytes_read: cold-tier bytes the step's attention reads took (tiered policies).
         offloaded_bytes: of ``kv_bytes``, the bytes kept in the page file rather than RAM.
+        target_bytes: the memory target of the step (all layers), or None without one.
+        rung_tokens: tokens (summed over sequences) on each rung of the cold ladders, top rung
+            first, all layers; empty without a ladder.
     """
 
     confidence: torch.Tensor
@@ -30,6 +33,8 @@ class StepRecord:
     seen: int
     cold_bytes_read: int = 0
     offloaded_bytes: int = 0
+    target_bytes: int | None = None
+    rung_tokens: tuple[int, ...] = ()
 
 
 @dataclass
@@ -110,4 +115,6 @@ class MemoryTrace:
             "kv_bytes": [s.kv_bytes.tolist() for s in self.steps],
             "cold_bytes_read": [s.cold_bytes_read for s in self.steps],
             "offloaded_bytes": [s.offloaded_bytes for s in self.steps],
+            "target_bytes": [s.target_bytes for s in self.steps],
+            "rung_tokens": [list(s.rung_tokens) for s in self.steps],
         }

@@ -20,6 +20,7 @@ Contract with transformers (METHOD.md, "Integration traps"):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from typing import Any
 
@@ -30,15 +31,18 @@ from confkv import profiling
 from confkv.budget import BudgetController
 from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
-from confkv.errors import UnsupportedModelError
+from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.support import LayerLayout, layer_layout
-from confkv.policies import Policy, make_policy
+from confkv.policies import UNLIMITED, Policy, make_policy
 from confkv.page_file import PageFile
 from confkv.policies.tee import TeePolicy
 from confkv.policies.tiered import TieredPolicy
 from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
+from confkv.tiers.ladder import LadderTier
+from confkv.tiers.planner import StepPlan, fp_token_bytes, plan_step
+from confkv.tiers.storage import MemoryTarget, Storage, check_cap
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
             "prompt lookup and other speculative methods are not supported. Generate without "
@@ -94,7 +98,7 @@ class ConfKVLayer(CacheLayerMixin):
     def reset(self) -> None:
         page_file = self.store.cold.page_file if self.store.cold is not None else None
         self.store.__init__(self.store.policy, self.store.config, sliding_window=self.store.sliding_window,
-                            page_file=page_file)
+                            page_file=page_file, storage=self.store.storage)
 
     def offload(self) -> None:
         raise NotImplementedError("confkv caches do not support offloading; keep the cache on the model's device")
@@ -122,20 +126,33 @@ class ConfKVCache(Cache):
             confidence (Gemma), or None.
         trace_limit: keep only the newest ``trace_limit`` trace records (None: every
             step); peak and mean KV bytes still cover the whole run. For endless streams.
+        target: a memory target (:class:`~confkv.tiers.storage.MemoryTarget`) the cache holds at
+            the end of every step (:mod:`confkv.tiers.planner`); the policy then only ranks, its
+            budgets come from the target. None: the policy's own budgets (the paper's rows).
+        storage: how tokens are held under ``target`` (default ``Storage(ladder=())``: what the
+            hot tier lets go is dropped).
     """
 
     def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
-                 final_logit_softcapping: float | None = None, trace_limit: int | None = None) -> None:
+                 final_logit_softcapping: float | None = None, trace_limit: int | None = None, *,
+                 target: MemoryTarget | None = None, storage: Storage | None = None) -> None:
         self.policy = policy
         self.store_config = store or StoreConfig()
         self.layout = layout
         self.final_logit_softcapping = final_logit_softcapping
+        if storage is not None and target is None:
+            raise ConfigError("storage: a storage holds a memory target; give memory= (a fraction of the full "
+                              "cache's bytes) or max_kv_bytes= with it")
+        self.target = target
+        self.storage = storage if storage is not None or target is None else Storage(ladder=())
         self._validate()
         tiered = isinstance(policy, TieredPolicy)
+        offload = (tiered and policy.cold.offload) or (self.storage is not None and self.storage.offload)
+        offload_dir = policy.cold.offload_dir if tiered else (self.storage.offload_dir if self.storage else None)
         #: one file per cache for offloaded cold pages (unlinked at creation; closed with the cache)
-        self.page_file = PageFile(policy.cold.offload_dir) if tiered and policy.cold.offload else None
-        stores = [LayerStore(policy, self.store_config, sliding_window=w, page_file=self.page_file)
-                  for w in layout.sliding_windows]
+        self.page_file = PageFile(offload_dir) if offload else None
+        stores = [LayerStore(policy, self.store_config, sliding_window=w, page_file=self.page_file,
+                             storage=self.storage) for w in layout.sliding_windows]
         super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
         self.managed = layout.managed
         self.controller = BudgetController(policy, len(self.managed))
@@ -144,19 +161,53 @@ class ConfKVCache(Cache):
         gate = getattr(policy, "gate", None)
         self.confidence_config: ConfidenceConfig = gate.confidence if gate is not None else ConfidenceConfig()
         self._active = False
+        self.floor_tokens = smallest_budget(policy) if target is not None else 0
+        self._policy_at: dict[int, Policy] = {}
+        self.last_plan: StepPlan | None = None
+        self._cap_checked = 0  # the batch size the cap was checked against (its floor grows with the batch)
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def for_model(cls, model: torch.nn.Module, policy: str | Policy = "confkv", *, store: StoreConfig | None = None,
+    def for_model(cls, model: torch.nn.Module, policy: str | Policy | None = None, *, memory: float | None = None,
+                  max_kv_bytes: int | None = None, storage: Storage | None = None, store: StoreConfig | None = None,
                   trace_limit: int | None = None, **policy_params: Any) -> "ConfKVCache":
-        """Build a cache for ``model`` and switch the model to confkv attention (see :func:`confkv.hf.enable`)."""
+        """Build a cache for ``model`` and switch the model to confkv attention (see :func:`confkv.hf.enable`).
+
+        - ``for_model(model)``: the best measured preset (:data:`confkv.presets.DEFAULT_PRESET`) at
+          ``memory=0.25``; ``for_model(model, memory=0.125)``: the same preset at another target.
+        - ``memory``: a fraction in (0, 1] of the full cache's bytes at the current length, held at
+          the end of every step, every tier counted; ``max_kv_bytes``: an absolute cap instead.
+        - ``policy``: a preset name (``"tiered"``, ``"kivi-4"``, ...: its ranking and storage), a
+          registry name or a :class:`Policy`. With a target, a plain policy only ranks (its budget
+          comes from the target) and evicted tokens are dropped unless ``storage`` gives a ladder.
+          Without a target (``policy="confkv"``, ...) the policy's own budgets run: the paper's rows.
+        - ``policy_params``: the policy's parameters; with a preset, :class:`Storage` field names
+          (``ladder``, ``hot_share``, ...) override the preset's storage.
+        """
         from confkv.hf.enable import enable  # noqa: PLC0415
+        from confkv.presets import DEFAULT_MEMORY, DEFAULT_PRESET, PRESETS, split_storage_params  # noqa: PLC0415
 
         layout = layer_layout(model.config)
-        enable(model)
+        if policy is None:
+            policy = DEFAULT_PRESET
+        if isinstance(policy, str) and policy in PRESETS:
+            preset = PRESETS[policy]
+            params, storage_params = split_storage_params(policy_params)
+            if storage is not None and storage_params:
+                raise ConfigError(f"{next(iter(storage_params))}: give storage fields either in storage= or as "
+                                  "parameters of the preset, not both")
+            storage = storage or dataclasses.replace(preset.storage, **storage_params)
+            policy, policy_params = preset.policy, {**preset.params, **params}
+            if memory is None and max_kv_bytes is None:
+                memory = DEFAULT_MEMORY
+        target = None if memory is None and max_kv_bytes is None else MemoryTarget(memory, max_kv_bytes)
+        built = make_policy(policy, **policy_params)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        return cls(layout, make_policy(policy, **policy_params), store,
-                   final_logit_softcapping=getattr(config, "final_logit_softcapping", None), trace_limit=trace_limit)
+        if max_kv_bytes is not None:
+            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built))
+        enable(model)
+        return cls(layout, built, store, final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+                   trace_limit=trace_limit, target=target, storage=storage)
 
     def fork(self, member: int) -> "ConfKVCache":
         """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
@@ -173,7 +224,7 @@ class ConfKVCache(Cache):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
         twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping,
-                           trace_limit=self.trace.max_steps)
+                           trace_limit=self.trace.max_steps, target=self.target, storage=self.storage)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))
@@ -224,13 +275,64 @@ class ConfKVCache(Cache):
             budgets = self.controller.step(conf)
             budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
         cold_read = self.policy.cold_read_pages(self.controller.gated) if isinstance(self.policy, TieredPolicy) else None
-        for layer_idx, store in enumerate(stores):
-            store.end_step(budget_of.get(layer_idx) if self.evict else None, cold_read)
+        if self.target is not None and self.evict:
+            budgets = self._end_step_on_target(stores, conf, cold_read)
+        else:
+            self.last_plan = None
+            for layer_idx, store in enumerate(stores):
+                store.end_step(budget_of.get(layer_idx) if self.evict else None, cold_read)
         with profiling.section("trace record"):
             self._record(conf, budgets, stores)
 
+    def _end_step_on_target(self, stores: list[LayerStore], conf: torch.Tensor,
+                            cold_read: torch.Tensor | None) -> torch.Tensor:
+        """End the step under the memory target: sliding layers, the plan, then every managed layer's
+        eviction (the planned hot budget) and ladder fit. Returns the budgets [B, managed] recorded."""
+        managed = set(self.managed)
+        for layer_idx, store in enumerate(stores):
+            if layer_idx not in managed:
+                store.end_step(None, cold_read)
+        first = stores[self.managed[0]] if self.managed else None
+        if first is None or not first.is_initialized:
+            return torch.full((conf.shape[0], len(self.managed)), UNLIMITED, dtype=torch.int64)
+        keys = first.recent.keys
+        token = fp_token_bytes(keys.shape[1], keys.shape[3], keys.element_size())
+        if self.target.max_kv_bytes is not None and self._cap_checked != keys.shape[0]:
+            sliding = sum(w - 1 for w in self.layout.sliding_windows if w is not None)
+            check_cap(self.target.max_kv_bytes, keys.shape[0] * token * (len(self.managed) * self.floor_tokens + sliding))
+            self._cap_checked = keys.shape[0]
+        with profiling.section("memory plan"):
+            plan = plan_step(self.target, self.storage, batch=keys.shape[0], seen=first.seen_tokens,
+                             token_bytes=token,
+                             managed=len(self.managed),
+                             sliding_bytes=sum(s.kv_bytes() for i, s in enumerate(stores) if i not in managed),
+                             floor_tokens=self.floor_tokens)
+        self.last_plan = plan
+        hot = plan.hot_budget
+        row = None if hot is None else torch.full(first.seen_real.shape, hot, dtype=torch.int64)
+        policy = self.policy if hot is None else self._ranking_policy(hot)
+        for layer_idx in self.managed:
+            store = stores[layer_idx]
+            store.policy = policy
+            if isinstance(store.cold, LadderTier):
+                store.cold.set_confidence(conf)
+            store.end_step(row, cold_read)
+            store.fit(plan.layer_bytes)
+        return torch.full((conf.shape[0], len(self.managed)), UNLIMITED if hot is None else hot, dtype=torch.int64)
+
+    def _ranking_policy(self, budget: int) -> Policy:
+        """The policy with its ``budget`` set to the planned one (policies whose ranking depends on it,
+        e.g. H2O's recent share), cached per budget; a policy without a ``budget`` field as it is."""
+        if budget not in self._policy_at:
+            has_budget = any(f.name == "budget" for f in dataclasses.fields(self.policy))
+            self._policy_at[budget] = dataclasses.replace(self.policy, budget=budget) if has_budget else self.policy
+        return self._policy_at[budget]
+
     def _record(self, conf: torch.Tensor, budgets: torch.Tensor, stores: list[LayerStore]) -> None:
+        ladders = [s.cold for s in stores if isinstance(s.cold, LadderTier)]
+        rungs = tuple(map(sum, zip(*(ladder.rung_token_counts() for ladder in ladders)))) if ladders else ()
         self.trace.record(StepRecord(
+            target_bytes=self.last_plan.target_bytes if self.last_plan is not None else None, rung_tokens=rungs,
             confidence=conf.cpu(), budget=budgets.float().mean(-1).round().long().cpu(),
             kept=torch.tensor([s.kept_list() for s in stores], dtype=torch.int64),
             kv_bytes=torch.tensor([s.kv_bytes() for s in stores], dtype=torch.int64),
@@ -271,6 +373,37 @@ class ConfKVCache(Cache):
         super().batch_repeat_interleave(repeats)
         if self.controller.gated is not None:
             self.controller.gated = self.controller.gated.repeat_interleave(repeats)
+
+
+def smallest_budget(policy: Policy, search: int = 4096) -> int:
+    """The smallest per-layer budget ``policy`` accepts (``protect + sinks + 1`` for most policies;
+    more when the policy's own checks ask it, e.g. H2O's recent share). The floor of a memory target."""
+    start = policy.protect + policy.sinks + 1
+    if not any(f.name == "budget" for f in dataclasses.fields(policy)):
+        return start
+    for budget in range(start, start + search):
+        try:
+            dataclasses.replace(policy, budget=budget)
+        except ConfigError:
+            continue
+        return budget
+    raise ConfigError(f"policy: no budget in [{start}, {start + search}) is valid for {policy.name!r}")
+
+
+def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, batch: int = 1) -> int:
+    """The floor of a memory target for ``model`` (:mod:`confkv.tiers.planner`), one sequence by default:
+    the smallest hot set of every managed layer plus full sliding windows, in the model's dtype."""
+    from confkv.hf.support import text_config  # noqa: PLC0415
+
+    config = text_config(model.config)
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    size = next(model.parameters()).element_size()
+    token = fp_token_bytes(kv_heads, head_dim, size)
+    sliding = sum(w - 1 for w in layout.sliding_windows if w is not None)
+    return batch * token * (len(layout.managed) * smallest_budget(policy) + sliding)
 
 
 class _ActiveCache(__import__("threading").local):

@@ -1,0 +1,166 @@
+"""The cold tier as a ladder of bit widths: pages step down before anything is dropped.
+
+Layout (one layer): one :class:`~confkv.cold.ColdTier` per rung, top rung first::
+
+    rung 0 (e.g. 8 bits)  open page [B, H, S, D] model dtype + sealed pages [B, H, N0, ...]
+    rung 1 (4 bits)       sealed pages [B, H, N1, ...]
+    ...                   ...
+    rung k (2 bits)       sealed pages [B, H, Nk, ...]
+
+Tokens the hot tier lets go enter rung 0 (its open page, sealed at rung 0's bits when full).
+:meth:`LadderTier.fit` brings the tier under a byte budget: while over, the least valuable page
+of each KV head among the rungs above the bottom is re-quantized one rung down (MiKV, Yang et al.
+2024, "No Token Left Behind"); only when every page is at the bottom are the least valuable bottom
+pages dropped, and only when no page is left is the open page dropped. Every page of every rung is
+read at every step (reading all pages beat every top-k at equal bytes; results/tiered).
+Each head keeps the same number of pages on each rung, so a rung stays one dense tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from confkv import lowbit, profiling
+from confkv.cold import ColdTier
+from confkv.config import ALL_PAGES, ColdConfig
+from confkv.page_file import PageFile
+from confkv.tiers.storage import Storage
+
+
+class LadderTier:
+    """A layer's cold tier on the bit ladder of ``storage`` (see the module docstring).
+
+    Offers the part of :class:`ColdTier`'s interface the layer store uses (``demote``,
+    ``segments``, ``observe_read``, byte and token counts, batch selection, cloning).
+    """
+
+    def __init__(self, storage: Storage, page_file: PageFile | None = None) -> None:
+        self.storage = storage
+        self.page_file = page_file if storage.offload else None
+        self.rungs = [ColdTier(ColdConfig(bits=bits, page_size=storage.page_size, group_size=storage.group_size,
+                                          k_high=ALL_PAGES, k_low=ALL_PAGES), self.page_file)
+                      for bits in storage.ladder]
+        self.config = self.rungs[0].config  # promotion is off (config.promote is None)
+        self._read_counts: list[int] = []
+
+    @property
+    def top(self) -> ColdTier:
+        return self.rungs[0]
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def bytes_read(self) -> int:
+        return sum(rung.bytes_read for rung in self.rungs)
+
+    def token_count(self) -> Tensor | None:
+        """[B] int64 valid tokens held on every rung, or None before the first demotion."""
+        counts = [rung.token_count() for rung in self.rungs if rung.open is not None]
+        return None if not counts else torch.stack(counts).sum(0)
+
+    def rung_token_counts(self) -> list[int]:
+        """Valid tokens (all sequences and heads / heads) on each rung, the open page on the top one."""
+        out = []
+        for rung in self.rungs:
+            held = rung.token_count()
+            out.append(0 if held is None else int(held.sum()))
+        return out
+
+    def kv_bytes(self) -> int:
+        return sum(rung.kv_bytes() for rung in self.rungs)
+
+    def offloaded_bytes(self) -> int:
+        return sum(rung.offloaded_bytes() for rung in self.rungs)
+
+    def bookkeeping_bytes(self) -> int:
+        return sum(rung.bookkeeping_bytes() for rung in self.rungs)
+
+    # -- demotion and reading --------------------------------------------------------------------
+    def demote(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """Take tokens the hot tier lets go ([B, H, M, D], positions [B, H, M], valid [B, M]) on the top rung."""
+        self.top.demote(keys, values, positions, valid)
+
+    def set_confidence(self, confidence: Tensor | None) -> None:
+        """The model's confidence [B] at this step, recorded on the pages sealed now."""
+        self.top.step_confidence = confidence
+
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False) -> list:
+        """Every rung's read segments (open page, then its pages), rung by rung; all pages are read."""
+        out: list = []
+        self._read_counts = []
+        every = torch.full_like(read_pages, ALL_PAGES)
+        for rung in self.rungs:
+            parts = rung.segments(query, every, paged=paged)
+            self._read_counts.append(len(parts))
+            out += parts
+        return out
+
+    def observe_read(self, masses: list[Tensor]) -> None:
+        """Add each rung's page masses (the read's masses of :meth:`segments`, in order) to its heat."""
+        start = 0
+        for rung, count in zip(self.rungs, self._read_counts):
+            rung.observe_read(masses[start:start + count])
+            start += count
+
+    # -- holding a budget --------------------------------------------------------------------------
+    def fit(self, budget: int, dtype: torch.dtype) -> None:
+        """Step pages down, then drop, until :meth:`kv_bytes` <= ``budget`` (see the module docstring).
+
+        ``dtype``: the model's dtype (storage of 16-bit rungs). A budget below zero empties the tier.
+        """
+        signal = self.storage.step_down_by
+        with profiling.section("ladder (step down / drop)"):
+            while (excess := self.kv_bytes() - budget) > 0:
+                movable = [i for i, rung in enumerate(self.rungs[:-1]) if rung.num_pages]
+                if movable:
+                    source = min(movable, key=lambda i: _coldest_mean(self.rungs[i], signal))
+                    self._step_down(source, excess, signal, dtype)
+                elif self.rungs[-1].num_pages:
+                    bottom = self.rungs[-1]
+                    count = min(bottom.num_pages, math.ceil(excess / self._batch_page_bytes(len(self.rungs) - 1)))
+                    bottom.drop_pages(_coldest(bottom, signal, count))
+                elif self.top.open_length:
+                    self.top.drop_open()
+                else:
+                    return
+
+    def _step_down(self, source: int, excess: int, signal: str, dtype: torch.dtype) -> None:
+        upper, lower = self.rungs[source], self.rungs[source + 1]
+        saving = self._batch_page_bytes(source) - self._batch_page_bytes(source + 1)
+        count = min(upper.num_pages, max(1, math.ceil(excess / max(saving, 1))))
+        lower.put_pages(upper.take_pages(_coldest(upper, signal, count)), dtype)
+
+    def _batch_page_bytes(self, rung: int) -> int:
+        """Bytes of one page on rung ``rung`` for every sequence of the batch."""
+        top = self.top
+        batch, heads = top.open["keys"].shape[:2]
+        size = torch.empty((), dtype=top.dtype).element_size()
+        config = self.rungs[rung].config
+        return batch * lowbit.page_bytes(heads, top.head_dim, config.page_size, config.bits, config.group_size,
+                                         size, digest=False)
+
+    # -- batch -----------------------------------------------------------------------------------
+    def select_batch(self, index: Tensor) -> None:
+        for rung in self.rungs:
+            rung.select_batch(index)
+
+    def clone(self) -> "LadderTier":
+        twin = LadderTier.__new__(LadderTier)
+        twin.storage, twin.page_file, twin.config = self.storage, self.page_file, self.config
+        twin.rungs = [rung.clone() for rung in self.rungs]
+        twin._read_counts = list(self._read_counts)
+        return twin
+
+
+def _coldest(rung: ColdTier, signal: str, count: int) -> Tensor:
+    """[B, H, count] the ``count`` least valuable sealed pages of each head (ties: the oldest sealed)."""
+    value = rung.page_value(signal)
+    return torch.sort(value, dim=-1, stable=True).indices[..., :count]
+
+
+def _coldest_mean(rung: ColdTier, signal: str) -> float:
+    """The mean over sequences and heads of each head's least page value (+inf counted as a large value)."""
+    value = rung.page_value(signal).amin(-1)
+    return float(torch.nan_to_num(value, posinf=1e30).mean())

@@ -1,0 +1,72 @@
+"""The memory planner: from a :class:`~confkv.tiers.storage.MemoryTarget` to each step's hot budget
+and each layer's byte budget, computed from the stores' own byte counts (nothing is simulated).
+
+At the end of every step, for a cache of ``B`` sequences that has seen ``T`` positions:
+
+- ``full = sum over managed layers of B * T * fp_bytes + bytes of the sliding-window layers``, the
+  bytes transformers' ``DynamicCache`` holds at this length in the model's dtype (``fp_bytes =
+  2 * kv_heads * head_dim * element_size`` per token and layer), the reference of ``memory``;
+- ``floor``: the smallest hot set (``floor_tokens`` per managed layer: sinks and protected recent
+  tokens, the least budget the policy accepts) in full precision, plus the sliding layers;
+- ``target = MemoryTarget.bytes_for(full, floor)``; each managed layer gets an equal share,
+  ``layer = (target - sliding bytes) // managed layers``;
+- the hot budget: everything while ``B * T * fp_bytes <= layer`` (a target at least the full
+  cache evicts nothing), else ``hot_tokens``, or ``hot_share * layer / (B * fp_bytes)`` tokens
+  with a cold ladder, or ``layer / (B * fp_bytes)`` tokens without one; never below the floor;
+- after eviction each layer's cold ladder steps down until the layer holds at most ``layer`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from confkv.tiers.storage import MemoryTarget, Storage
+
+
+def fp_token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of one token's keys and values in one layer, in the model's dtype."""
+    return 2 * kv_heads * head_dim * element_size
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's plan.
+
+    Attributes:
+        target_bytes: the bytes the whole cache may hold at the end of this step.
+        full_bytes: what the full cache would hold at this length.
+        layer_bytes: each managed layer's share of the target.
+        hot_budget: tokens per sequence in each managed layer's hot tier (None: no eviction).
+    """
+
+    target_bytes: int
+    full_bytes: int
+    layer_bytes: int
+    hot_budget: int | None
+
+
+def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, token_bytes: int,
+              managed: int, sliding_bytes: int, floor_tokens: int) -> StepPlan:
+    """The plan of one step (see the module docstring).
+
+    Args:
+        batch: sequences ``B``; seen: positions ``T`` fed so far (padding included).
+        token_bytes: :func:`fp_token_bytes` of one managed layer.
+        managed: managed (evictable) layers; sliding_bytes: bytes the sliding-window layers hold now.
+        floor_tokens: the smallest hot budget the policy accepts.
+    """
+    per_layer_full = batch * seen * token_bytes
+    full = managed * per_layer_full + sliding_bytes
+    floor = managed * batch * min(seen, floor_tokens) * token_bytes + sliding_bytes
+    total = target.bytes_for(full, floor)
+    layer = (total - sliding_bytes) // max(managed, 1)
+    if per_layer_full <= layer:
+        return StepPlan(total, full, layer, None)
+    fits = layer // (batch * token_bytes)
+    if storage.hot_tokens is not None:
+        hot = min(storage.hot_tokens, fits)
+    elif storage.ladder:
+        hot = int(storage.hot_share * layer) // (batch * token_bytes)
+    else:
+        hot = fits
+    return StepPlan(total, full, layer, max(hot, floor_tokens))

@@ -1,0 +1,134 @@
+"""How a cache holds tokens (:class:`Storage`) and how much it may hold (:class:`MemoryTarget`).
+
+A policy ranks tokens; storage decides how they are held (ARCHITECTURE.md, "Three things a
+cache is made of"). The hot tier keeps the best-ranked tokens in the model's precision; the
+cold tier keeps every token the hot tier lets go, in pages on a *ladder* of bit widths: a page
+enters at the top rung and steps down one rung at a time when the cache is over its target,
+the least valuable pages first; a page is dropped only from the bottom rung. Mixed precision
+by importance as in MiKV (Yang et al. 2024, "No Token Left Behind: Reliable KV Cache
+Compression via Importance-Aware Mixed Precision Quantization"), inside one byte target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from confkv.config import _require
+
+#: bit widths a rung may have: 16 = the model's dtype (unquantized), the rest KIVI-style codes
+RUNG_BITS = (16, 8, 4, 3, 2)
+#: what ranks cold pages for stepping down (see :meth:`confkv.cold.ColdTier.page_value`)
+STEP_DOWN_SIGNALS = ("heat", "confidence", "age")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Storage settings of a cache under a memory target.
+
+    Attributes:
+        ladder: the cold tier's bit widths, top rung first, strictly decreasing, each one of
+            16, 8, 4, 3, 2. ``()``: no cold tier, tokens the hot tier lets go are dropped
+            (what an eviction policy does).
+        hot_share: the share of each layer's bytes the hot (full-precision) tier may take
+            when the cache is over its target; the cold tier gets the rest.
+        hot_tokens: a fixed hot tier of this many tokens per layer instead of ``hot_share``
+            (KIVI's full-precision residual), or None.
+        page_size: tokens per cold page (one KV head of one sequence).
+        group_size: quantization group (tokens for keys, channels for values); divides ``page_size``.
+        step_down_by: the page value that orders stepping down and dropping: ``"heat"``
+            (attention received per read), ``"confidence"`` (``1 -`` the model's confidence at
+            the step the page was demoted) or ``"age"`` (oldest first).
+        offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
+            ``offload_dir``: its directory (None: the system temp dir).
+    """
+
+    ladder: tuple[int, ...] = (8, 4, 3, 2)
+    hot_share: float = 0.2
+    hot_tokens: int | None = None
+    page_size: int = 64
+    group_size: int = 64
+    step_down_by: str = "heat"
+    offload: bool = False
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        ladder = self.ladder
+        _require(isinstance(ladder, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in ladder),
+                 "ladder", f"must be a tuple of bit widths, e.g. (8, 4, 3, 2), got {ladder!r}")
+        _require(all(b in RUNG_BITS for b in ladder), "ladder",
+                 f"every rung must be one of {RUNG_BITS}, got {ladder!r}")
+        _require(all(a > b for a, b in zip(ladder, ladder[1:])), "ladder",
+                 f"must be strictly decreasing (precision only steps down), got {ladder!r}")
+        _require(isinstance(self.hot_share, (int, float)) and not isinstance(self.hot_share, bool)
+                 and math.isfinite(self.hot_share) and 0.0 < self.hot_share <= 1.0, "hot_share",
+                 f"must be a share of the bytes in (0, 1], got {self.hot_share!r}")
+        _require(self.hot_tokens is None or (isinstance(self.hot_tokens, int) and not isinstance(self.hot_tokens, bool)
+                                             and self.hot_tokens >= 1), "hot_tokens",
+                 f"must be None or a positive number of tokens, got {self.hot_tokens!r}")
+        for name in ("page_size", "group_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                     f"must be a positive integer, got {value!r}")
+        _require(self.page_size % self.group_size == 0, "group_size",
+                 f"must divide page_size={self.page_size}, got {self.group_size}")
+        _require(self.step_down_by in STEP_DOWN_SIGNALS, "step_down_by",
+                 f"must be one of {', '.join(STEP_DOWN_SIGNALS)}, got {self.step_down_by!r}")
+        _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
+        _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
+        if self.offload_dir is not None:
+            import os  # noqa: PLC0415
+
+            _require(os.path.isdir(self.offload_dir) and os.access(self.offload_dir, os.W_OK | os.X_OK),
+                     "offload_dir", f"{self.offload_dir!r} is not a writable directory; create it or pass another")
+
+
+@dataclass(frozen=True)
+class MemoryTarget:
+    """The bytes a cache may hold at the end of every step, all layers and tiers counted.
+
+    Exactly one of:
+
+    - ``memory``: a fraction in (0, 1] of the bytes the full cache (transformers' ``DynamicCache``
+      in the model's dtype) would hold at the current length;
+    - ``max_kv_bytes``: an absolute cap, for streams of any length.
+
+    Whatever the target, a cache never holds less than its *floor*: the sinks and protected
+    recent tokens of every layer in full precision, plus sliding-window layers (Gemma-3). A
+    fraction of a short prefix can be below it (the first few dozen tokens); a ``max_kv_bytes``
+    below it is refused.
+    """
+
+    memory: float | None = None
+    max_kv_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _require((self.memory is None) != (self.max_kv_bytes is None), "memory",
+                 "give exactly one of memory= (a fraction of the full cache's bytes) and max_kv_bytes= (a cap)")
+        if self.memory is not None:
+            _require(isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool)
+                     and math.isfinite(self.memory) and 0.0 < self.memory <= 1.0, "memory",
+                     f"must be a fraction of the full cache's bytes in (0, 1], e.g. 0.25, got {self.memory!r}")
+        else:
+            _require(isinstance(self.max_kv_bytes, int) and not isinstance(self.max_kv_bytes, bool)
+                     and self.max_kv_bytes >= 1, "max_kv_bytes",
+                     f"must be a positive number of bytes, got {self.max_kv_bytes!r}")
+
+    def bytes_for(self, full_bytes: int, floor_bytes: int) -> int:
+        """The target in bytes, given the full cache's bytes at this length and the cache's floor.
+
+        Raises:
+            ConfigError: ``max_kv_bytes`` is below the floor (named, with the smallest cap that fits).
+        """
+        if self.memory is not None:
+            return max(int(self.memory * full_bytes), floor_bytes)
+        check_cap(self.max_kv_bytes, floor_bytes)  # type: ignore[arg-type]
+        return self.max_kv_bytes  # type: ignore[return-value]
+
+
+def check_cap(max_kv_bytes: int, floor_bytes: int) -> None:
+    """Raise :class:`~confkv.errors.ConfigError` when a cap cannot hold the smallest hot set."""
+    _require(max_kv_bytes >= floor_bytes, "max_kv_bytes",
+             f"{max_kv_bytes} bytes cannot hold the smallest hot set of this cache ({floor_bytes} bytes: the sinks "
+             f"and protected recent tokens of every layer in full precision, plus sliding-window layers); "
+             f"give max_kv_bytes >= {floor_bytes}, or lower the policy's protect / sinks")

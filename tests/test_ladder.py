@@ -1,0 +1,107 @@
+"""The cold tier's bit ladder (confkv/tiers/ladder.py) on hand-built pages: which pages step down, when a page
+is dropped, and that the bytes it reports are the bytes it holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv import lowbit
+from confkv.tiers.ladder import LadderTier
+from confkv.tiers.storage import Storage
+
+B, H, D, P = 2, 2, 16, 8
+
+
+def _ladder(ladder=(8, 4, 2), pages=6, signal="heat", seed=0) -> LadderTier:
+    tier = LadderTier(Storage(ladder=ladder, page_size=P, group_size=P, step_down_by=signal))
+    gen = torch.Generator().manual_seed(seed)
+    tokens = pages * P
+    keys = torch.randn(B, H, tokens, D, generator=gen)
+    values = torch.randn(B, H, tokens, D, generator=gen)
+    positions = torch.arange(tokens).expand(B, H, tokens).clone()
+    tier.demote(keys, values, positions, torch.ones(B, tokens, dtype=torch.bool))
+    return tier
+
+
+def _page_bytes(bits: int) -> int:
+    return B * lowbit.page_bytes(H, D, P, bits, P, 4, digest=False)
+
+
+def _set_heat(rung, heat_per_page: list[float]) -> None:
+    """Give page j of every head ``heat_per_page[j]`` per read (one read since sealing)."""
+    rung.reads = 1
+    rung.pages["sealed_at"][:, :, :rung.num_pages] = 0
+    rung.pages["heat"][:, :, :rung.num_pages] = torch.tensor(heat_per_page)
+
+
+def _first_positions(rung) -> list[int]:
+    """Each page's first position in sequence 0, head 0, in storage order."""
+    return rung.pages["positions"][0, 0, :rung.num_pages, 0].tolist()
+
+
+def test_bytes_are_the_bytes_held_on_every_rung():
+    tier = _ladder()
+    assert tier.kv_bytes() == 6 * _page_bytes(8)
+    tier.fit(6 * _page_bytes(8) - 1, torch.float32)
+    held = sum(t[:, :, :r.num_pages].nbytes for r in tier.rungs if r.open is not None
+               for n, t in r.pages.items() if n not in ("positions", "valid", "heat", "sealed_at", "confidence"))
+    held += sum(r.open["keys"].nbytes + r.open["values"].nbytes for r in tier.rungs if r.open is not None)
+    assert tier.kv_bytes() == held == 5 * _page_bytes(8) + _page_bytes(4)
+
+
+def test_the_coldest_pages_step_down_first_and_one_rung_at_a_time():
+    tier = _ladder()
+    _set_heat(tier.rungs[0], [5.0, 0.1, 3.0, 0.2, 4.0, 1.0])  # pages at positions 0, 8, 16, ...
+    saving = _page_bytes(8) - _page_bytes(4)
+    tier.fit(tier.kv_bytes() - 2 * saving, torch.float32)  # two pages must step down
+    assert tier.rungs[0].num_pages == 4 and tier.rungs[1].num_pages == 2 and tier.rungs[2].num_pages == 0
+    assert sorted(_first_positions(tier.rungs[1])) == [8, 24]  # heats 0.1 and 0.2
+    assert sorted(_first_positions(tier.rungs[0])) == [0, 16, 32, 40]
+
+
+def test_nothing_is_dropped_while_a_page_can_still_step_down():
+    tier = _ladder(pages=4)
+    budget = 4 * _page_bytes(2) + 1  # everything fits at the bottom rung
+    tier.fit(budget, torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [0, 0, 4]
+    assert int(tier.token_count().sum()) == B * 4 * P  # every token kept
+
+
+def test_at_the_bottom_the_coldest_pages_are_dropped_then_the_open_page():
+    tier = _ladder(pages=4)
+    tier.fit(4 * _page_bytes(2), torch.float32)
+    _set_heat(tier.rungs[2], [0.0] * 4)
+    bottom = tier.rungs[2]
+    bottom.pages["heat"][:, :, :4] = torch.tensor([2.0, 0.5, 3.0, 1.0])
+    tier.fit(2 * _page_bytes(2), torch.float32)
+    assert sorted(_first_positions(bottom)) == [0, 16]  # the two hottest stay
+    extra = torch.randn(B, H, 3, D)
+    tier.demote(extra, extra, torch.full((B, H, 3), 99), torch.ones(B, 3, dtype=torch.bool))
+    assert tier.top.open_length == 3
+    tier.fit(0, torch.float32)
+    assert tier.kv_bytes() == 0 and tier.top.open_length == 0 and bottom.num_pages == 0
+
+
+@pytest.mark.parametrize("signal, expected", [("age", [0, 8]), ("confidence", [16, 24])])
+def test_other_signals_order_the_steps(signal, expected):
+    tier = _ladder(pages=4, signal=signal)
+    tier.rungs[0].pages["confidence"][:, :, :4] = torch.tensor([0.1, 0.2, 0.9, 0.8])  # 1 - c: uncertain kept
+    saving = _page_bytes(8) - _page_bytes(4)
+    tier.fit(tier.kv_bytes() - 2 * saving, torch.float32)
+    assert sorted(_first_positions(tier.rungs[1])) == expected
+
+
+def test_a_page_keeps_its_tokens_and_positions_when_it_steps_down():
+    tier = _ladder(ladder=(16, 8), pages=2)
+    before = tier.rungs[0].pages["positions"][:, :, :2].clone()
+    keys16 = tier.rungs[0].pages["keys"][:, :, :2].clone()
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    lower = tier.rungs[1]
+    assert lower.num_pages == 1
+    moved = lower.pages["positions"][:, :, 0]
+    assert any(torch.equal(moved, before[:, :, j]) for j in range(2))
+    j = 0 if torch.equal(moved, before[:, :, 0]) else 1
+    keys, _ = lower._dequantized({n: t.narrow(2, 0, 1) for n, t in lower.pages.items()}, torch.zeros(B, H, 1, dtype=torch.long))
+    scale = (keys16[:, :, j].amax(-2) - keys16[:, :, j].amin(-2)) / 255  # 8-bit per-channel step over the page
+    assert (keys[:, :, 0] - keys16[:, :, j]).abs().le(scale[:, :, None, :] / 2 + 1e-3).all()

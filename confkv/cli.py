@@ -26,7 +26,11 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
     """Policy parameters given as ``--param key=value`` (values parsed as JSON when possible)."""
     from confkv.commands_eval import parse_params
 
-    return parse_params(args.param)
+    params = parse_params(args.param)
+    for name in ("memory", "max_kv_bytes"):
+        if getattr(args, name, None) is not None:
+            params[name] = getattr(args, name)
+    return params
 
 
 def _store_config(args: argparse.Namespace):
@@ -40,7 +44,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     from confkv.commands_eval import MODEL_HELP
 
     parser.add_argument("--model", default="smollm2", help=MODEL_HELP)
-    parser.add_argument("--policy", default="confkv", help="policy name (see `confkv policies`)")
+    parser.add_argument("--policy", default=None,
+                        help="policy or preset name (see `confkv policies`); default: the preset 'tiered' at --memory "
+                             "0.25 (the paper's CONF-KV: --policy confkv)")
+    parser.add_argument("--memory", type=float, default=None,
+                        help="memory target: this fraction (0, 1] of the full cache's bytes, held at every step")
+    parser.add_argument("--max-kv-bytes", type=int, default=None, help="memory target: an absolute cap in bytes")
     parser.add_argument("--param", action="append", metavar="KEY=VALUE",
                         help="policy parameter, repeatable (e.g. --param n_high=128 --param tau=0.6)")
     parser.add_argument("--int8", action="store_true", help="store tokens older than the FP window in INT8")
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ppl.add_argument("--corpus", default="pydoc-topics", help="built-in corpus name, a text file, or hf:<dataset>")
     ppl.add_argument("--tokens", type=int, default=2048)
     ppl.add_argument("--offset", type=int, default=0)
+    ppl.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype")
     ppl.add_argument("--out", type=Path, default=None, help="write the summary and trace as JSON here")
     ppl.add_argument("--plot", type=Path, default=None, help="write the kept-tokens / KV-bytes / confidence plot here")
     ppl.add_argument("--no-progress", action="store_true",

@@ -97,6 +97,10 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     sweep.add_argument("--reference-windows", type=_ints, default=[512],
                        help="memory references: full-precision sliding windows of these many tokens")
     sweep.add_argument("--match", choices=("peak", "mean"), default="peak", help="which KV bytes to match")
+    sweep.add_argument("--memory", type=_floats, default=[],
+                       help="memory targets, e.g. 0.25,0.125: every policy (or preset: tiered, kivi-4, kivi-2) runs "
+                            "with the cache holding this fraction of the full cache's bytes at every step; no "
+                            "offline matching (--reference-windows and --match are then unused)")
     sweep.add_argument("--int8", choices=("off", "on", "both"), default="off")
     sweep.add_argument("--corpus", default="pydoc-topics")
     sweep.add_argument("--tokens", type=int, default=2048)
@@ -279,7 +283,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
     config = SweepConfig(policies=tuple(args.policies), reference_windows=tuple(args.reference_windows),
                          match=args.match, int8=int8, corpus=args.corpus, tokens=args.tokens, offset=args.offset,
                          model=args.model, store=StoreConfig(fp_window=args.fp_window), ratio=args.ratio,
-                         policy_params=per_policy, confidence_trace=args.confidence_trace, dtype=args.dtype)
+                         policy_params=per_policy, confidence_trace=args.confidence_trace, dtype=args.dtype,
+                         memory=tuple(getattr(args, "memory", None) or ()))
     if args.dry_run:
         from confkv.models import load_model
 

@@ -24,17 +24,20 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
         check_writable(args.out, what="--out")
     if args.plot:
         check_writable(args.plot, what="--plot")
-    check_store_fits(make_policy(args.policy, **params), store)
+    from confkv.presets import resolve
+
+    spec = resolve(args.policy, **params)
+    check_store_fits(spec.policy, store)
     ray = ray_options(args)
     unit = PplUnit(corpus=args.corpus, tokens=args.tokens, offset=args.offset, policy=args.policy, params=params,
                    store=store, progress=not args.no_progress and ray is None)
     if ray is not None:  # the run on one Ray worker (a cluster's node); this process loads no model
         results: list[Any] = []
-        run_units([WorkUnit(unit.key, unit)], run_ppl_unit, ModelSpec(args.model), ray,
+        run_units([WorkUnit(unit.key, unit)], run_ppl_unit, ModelSpec(args.model, args.dtype), ray,
                   lambda _, rows: results.extend(rows), progress=not args.no_progress, desc="ppl")
         result = results[0]
     else:
-        model, tokenizer = ModelSpec(args.model)()
+        model, tokenizer = ModelSpec(args.model, args.dtype)()
         try:
             result = run_ppl_unit(model, tokenizer, unit)[0]
         except RunInterrupted as interrupt:
@@ -46,12 +49,13 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
             if not result.tokens:
                 return 130
     summary = result.summary()
-    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8})
+    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8, "dtype": args.dtype})
     trace = result.trace
     kept = trace.kept_tokens(0)
     conf = trace.confidences(0)
     budgets = [float(s.budget[0]) for s in trace.steps]
-    print(f"policy {args.policy} {params}  int8={store.kv_int8}")
+    target = f"  memory target {spec.target}" if spec.target is not None else ""
+    print(f"policy {args.policy or 'tiered (default preset)'} {params}  int8={store.kv_int8}{target}")
     print(f"tokens {summary['tokens']}  ppl {summary['ppl']:.3f}  peak KV {summary['peak_kv_bytes'] / 1e6:.2f} MB  "
           f"mean KV {summary['mean_kv_bytes'] / 1e6:.2f} MB  {summary['tokens_per_second']:.1f} tok/s")
     print(f"confidence  {sparkline(conf, low=0.0, high=1.0)}")
@@ -69,6 +73,6 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     if args.plot:
         from confkv.eval.plots import plot_trace
 
-        plot_trace(trace, args.plot, title=f"{args.policy} on {args.corpus}")
+        plot_trace(trace, args.plot, title=f"{args.policy or 'tiered'} on {args.corpus}")
         print(f"wrote {args.plot}")
     return 130 if result.interrupted else 0

@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from confkv.tiers.storage import Storage
+from confkv.errors import ConfigError
+from confkv.tiers.storage import MemoryTarget, Storage
 
 DEFAULT_MEMORY = 0.25
 
@@ -48,3 +49,56 @@ def split_storage_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     """``params`` -> (policy parameters, :class:`Storage` fields)."""
     storage = {k: v for k, v in params.items() if k in STORAGE_FIELDS}
     return {k: v for k, v in params.items() if k not in STORAGE_FIELDS}, storage
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a cache is made of (ARCHITECTURE.md): the ranking policy, the storage and the memory target."""
+
+    policy: Any  # confkv.policies.Policy
+    storage: Storage | None
+    target: MemoryTarget | None
+
+
+def resolve(policy: Any = None, *, memory: float | None = None, max_kv_bytes: int | None = None,
+            storage: Storage | None = None, **params: Any) -> CacheSpec:
+    """The policy, storage and target that ``ConfKVCache.for_model(model, policy, memory=..., ...)`` builds.
+
+    - no policy: :data:`DEFAULT_PRESET`; a preset with no target: :data:`DEFAULT_MEMORY`;
+    - a preset name: its ranking policy and storage; :class:`Storage` field names among ``params``
+      override the preset's storage, the rest are the policy's parameters;
+    - a registry name or a Policy object: that policy; with a target it only ranks, and ``storage``
+      (default: none, evicted tokens are dropped) holds the tokens; without a target its own budgets run.
+
+    Raises:
+        ConfigError: a bad value, named by its field (the memory, the storage, the policy's parameters).
+    """
+    from confkv.policies import make_policy  # noqa: PLC0415
+
+    if policy is None:
+        policy = DEFAULT_PRESET
+    if isinstance(policy, str) and policy in PRESETS:
+        preset = PRESETS[policy]
+        params, storage_params = split_storage_params(params)
+        if storage is not None and storage_params:
+            raise ConfigError(f"{next(iter(storage_params))}: give storage fields either in storage= or as "
+                              "parameters of the preset, not both")
+        storage = storage or dataclasses.replace(preset.storage, **storage_params)
+        policy, params = preset.policy, {**preset.params, **params}
+        if memory is None and max_kv_bytes is None:
+            memory = DEFAULT_MEMORY
+    target = None if memory is None and max_kv_bytes is None else MemoryTarget(memory, max_kv_bytes)
+    built = make_policy(policy, **params)
+    if storage is not None and target is None:
+        raise ConfigError("storage: a storage holds a memory target; give memory= (a fraction of the full "
+                          "cache's bytes) or max_kv_bytes= with it")
+    if target is not None and storage is None:
+        storage = Storage(ladder=())
+    if target is not None:
+        from confkv.policies.tiered import TieredPolicy  # noqa: PLC0415
+
+        if isinstance(built, TieredPolicy):
+            raise ConfigError(f"storage: policy {built.name!r} brings its own cold tier (policy.cold); under a "
+                              "memory target give a ranking policy (e.g. 'tova', 'h2o', 'confkv-fixed'), or a preset "
+                              f"({', '.join(PRESETS)})")
+    return CacheSpec(built, storage, target)

@@ -66,7 +66,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 @torch.no_grad()
-def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str | Policy = "full", *,
+def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str | Policy | None = "full", *,
                   store: StoreConfig | None = None, progress: bool = True, **policy_params: Any) -> PplResult:
     """Streaming perplexity of ``input_ids`` [1, N] under ``policy``.
 
@@ -85,7 +85,7 @@ def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str |
     input_ids = input_ids.to(device)
     steps = input_ids.shape[1] - 1
     nll = torch.empty(steps, dtype=torch.float64)
-    name = policy if isinstance(policy, str) else policy.name
+    name = policy if isinstance(policy, str) else (policy.name if policy is not None else "tiered")
     start = time.perf_counter()
     done = 0
     try:

@@ -107,6 +107,9 @@ class SweepConfig:
     confidence_trace: Path | None = None
     task: str = "ppl"
     dtype: str = "float32"  # the model's dtype ("bfloat16": what users run; rows say which)
+    #: memory targets (fractions of the full cache's bytes, held by the cache at every step): when given,
+    #: every policy runs under each target and nothing is matched offline (``reference_windows`` unused)
+    memory: tuple[float, ...] = ()
 
 
 @dataclass
@@ -138,8 +141,24 @@ def _confidences_from_json(path: Path) -> list[float]:
     raise ValueError(f"{path}: no confidence trace (expected a ppl JSON with 'trace')")
 
 
+def plan_memory_runs(config: SweepConfig) -> list[PlannedRun]:
+    """The runs of a sweep under memory targets: every policy (or preset) at every ``config.memory``
+    fraction, the cache holding the target itself (``memory=`` of :meth:`ConfKVCache.for_model`); ``full``
+    once, without a target."""
+    runs = []
+    for kv_int8 in config.int8:
+        for name in config.policies:
+            extra = {**config.policy_params.get("*", {}), **config.policy_params.get(name, {})}
+            for fraction in ((None,) if name == "full" else config.memory):
+                params = extra if fraction is None else {**extra, "memory": fraction}
+                runs.append(PlannedRun(name, params, kv_int8, 0, float("nan"), float("nan"), config))
+    return runs
+
+
 def plan_sweep(model: Any, config: SweepConfig, confidences: Sequence[float] | None = None) -> list[PlannedRun]:
     """The runs of a sweep with their memory-matched parameters (no model forward)."""
+    if config.memory:
+        return plan_memory_runs(config)
     bytes_model = BytesModel.for_model(model)
     steps = config.tokens - 1
     if confidences is None and config.confidence_trace is not None:
@@ -206,6 +225,9 @@ def run_sweep_unit(model: Any, tokenizer: Any, unit: SweepUnit) -> list[dict[str
            "match_error": (measured / run.target - 1) if run.target == run.target and run.target else None,
            "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))),
            "mean_cold_bytes_read": float(np.mean([step.cold_bytes_read for step in trace.steps])),
+           "max_target_share": max((float(step.kv_bytes.sum()) / step.target_bytes for step in trace.steps
+                                    if step.target_bytes), default=None),
+           "final_rung_tokens": list(trace.steps[-1].rung_tokens) if trace.steps else [],
            "seconds": result.seconds,
            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started + result.seconds))}
     if run.policy == "full":

@@ -185,23 +185,11 @@ class ConfKVCache(Cache):
           (``ladder``, ``hot_share``, ...) override the preset's storage.
         """
         from confkv.hf.enable import enable  # noqa: PLC0415
-        from confkv.presets import DEFAULT_MEMORY, DEFAULT_PRESET, PRESETS, split_storage_params  # noqa: PLC0415
+        from confkv.presets import resolve  # noqa: PLC0415
 
         layout = layer_layout(model.config)
-        if policy is None:
-            policy = DEFAULT_PRESET
-        if isinstance(policy, str) and policy in PRESETS:
-            preset = PRESETS[policy]
-            params, storage_params = split_storage_params(policy_params)
-            if storage is not None and storage_params:
-                raise ConfigError(f"{next(iter(storage_params))}: give storage fields either in storage= or as "
-                                  "parameters of the preset, not both")
-            storage = storage or dataclasses.replace(preset.storage, **storage_params)
-            policy, policy_params = preset.policy, {**preset.params, **params}
-            if memory is None and max_kv_bytes is None:
-                memory = DEFAULT_MEMORY
-        target = None if memory is None and max_kv_bytes is None else MemoryTarget(memory, max_kv_bytes)
-        built = make_policy(policy, **policy_params)
+        spec = resolve(policy, memory=memory, max_kv_bytes=max_kv_bytes, storage=storage, **policy_params)
+        built, target, storage = spec.policy, spec.target, spec.storage
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if max_kv_bytes is not None:
             check_cap(max_kv_bytes, floor_bytes_of(model, layout, built))

@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--batch-steps", type=int, default=3, help="timed steps per configuration per batch size")
     bench.add_argument("--breakdown-steps", type=int, default=8)
     bench.add_argument("--configs", nargs="*", default=None, help="subset of configuration names")
+    bench.add_argument("--memory", type=float, nargs="+", default=[0.25],
+                       help="memory targets of the preset rows tiered@<percent> (fractions of the full cache's bytes)")
     bench.add_argument("--out", type=Path, default=Path("results/bench"))
     bench.add_argument("--threads", type=int, default=2,
                        help="torch CPU threads, and llama.cpp's n_threads for its row (default 2)")
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps, repeats=args.repeats, warmup=args.warmup, chunk=args.chunk,
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
                 configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
-                llamacpp=not args.no_llamacpp, log=log)
+                llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory))
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

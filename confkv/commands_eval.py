@@ -71,6 +71,10 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--budget-tokens", type=int, default=None,
                       help="budget = fraction of this many tokens' KV bytes (overrides --budget-of; lets "
                            "several processes run parts of one grid into the same --out-dir)")
+    niah.add_argument("--memory", type=float, default=None,
+                      help="memory target: each cache holds this fraction of the full cache's bytes at every step (so "
+                           "of each length's own bytes); replaces --budget-fraction's offline matching; policies may "
+                           "be presets (tiered, kivi-4, kivi-2); streaming protocol only")
     niah.add_argument("--max-new-tokens", type=int, default=10)
     niah.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     niah.add_argument("--batch", type=int, default=0, help="sequences per batch (0: all of one length)")
@@ -236,7 +240,7 @@ def run_niah(args: argparse.Namespace) -> int:
                         budget_fraction=args.budget_fraction, budget_of=args.budget_of,
                         max_new_tokens=args.max_new_tokens, chunk=args.chunk, batch=args.batch,
                         kv_int8=args.int8, extra_params=parse_params(args.param), dtype=args.dtype,
-                        budget_tokens=args.budget_tokens)
+                        budget_tokens=args.budget_tokens, memory=getattr(args, "memory", None))
     resume = args.out_dir / "niah.jsonl"
     if args.fresh and resume.exists():
         resume.replace(resume.with_suffix(".jsonl.old"))

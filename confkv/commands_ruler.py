@@ -24,6 +24,10 @@ def add_ruler_subcommand(sub: Any) -> None:
                    help="comma-separated policy names; add +int8 for an INT8 store (e.g. confkv+int8)")
     p.add_argument("--kv-fractions", type=_csv(float), default=[0.25, 0.5],
                    help="KV budgets as fractions of the full KV bytes of each length")
+    p.add_argument("--memory", type=_csv(float), default=None,
+                   help="memory targets, e.g. 0.25,0.125: each cache holds this fraction of the full cache's bytes at "
+                        "every step (replaces --kv-fractions' offline matching); policies may be presets (tiered, "
+                        "kivi-4, kivi-2)")
     p.add_argument("--samples", type=int, default=3, help="samples per task and length")
     p.add_argument("--first-sample", type=int, default=0, help="sample indices FIRST..FIRST+SAMPLES-1")
     p.add_argument("--seed", type=int, default=0)
@@ -58,7 +62,8 @@ def run_ruler(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     config = RulerConfig(tasks=tuple(args.tasks), lengths=tuple(args.lengths), policies=tuple(args.policies),
-                         kv_fractions=tuple(args.kv_fractions), samples=args.samples, first_sample=args.first_sample,
+                         kv_fractions=tuple(args.memory or args.kv_fractions), memory_target=bool(args.memory),
+                         samples=args.samples, first_sample=args.first_sample,
                          seed=args.seed, protocol=args.protocol, chunk=args.chunk, query_window=args.query_window,
                          batch=args.batch, fp_window=args.fp_window, ratio=args.ratio,
                          extra_params=parse_params(args.param), dtype=args.dtype)

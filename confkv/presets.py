@@ -47,7 +47,8 @@ STORAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Storage))
 
 def split_storage_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``params`` -> (policy parameters, :class:`Storage` fields)."""
-    storage = {k: v for k, v in params.items() if k in STORAGE_FIELDS}
+    storage = {k: tuple(v) if k == "ladder" and isinstance(v, list) else v  # a ladder from JSON is a list
+               for k, v in params.items() if k in STORAGE_FIELDS}
     return {k: v for k, v in params.items() if k not in STORAGE_FIELDS}, storage
 
 

@@ -51,6 +51,9 @@ class AgentConfig:
     ratio: float = 0.5  # n_high / n_low of the gated policies
     extra_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the model's dtype (recorded in the run key; the caller loads the model)
+    #: True: each compression ``c`` is a memory target ``memory = 1 / c`` the cache holds at every step
+    #: (policies may be presets: tiered, kivi-4, kivi-2), not budgets matched offline
+    memory_target: bool = False
 
     def __post_init__(self) -> None:
         from confkv.eval.niah.config import parse_spec
@@ -89,6 +92,8 @@ def run_key(config: AgentConfig, model_name: str) -> str:
     parts = {"model": model_name, "seed": config.seed, "chunk": config.chunk, "max_new_tokens": config.max_new_tokens,
              "max_steps": config.max_steps, "extra_steps": config.extra_steps, "fp_window": config.fp_window,
              "ratio": config.ratio, "extra": config.extra_params, "dtype": config.dtype}
+    if config.memory_target:  # absent otherwise: the keys of earlier grids stay as they were
+        parts["memory_target"] = True
     return json.dumps(parts, sort_keys=True)
 
 
@@ -207,6 +212,11 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
         reference = full_kv_bytes(model, tokens)
         name, _ = parse_spec(spec)
         store = _store(spec, config)
+        if (spec, compression, tokens) not in budgets and config.memory_target:  # the cache holds the target
+            from confkv.eval.niah.budgets import _policy_extra
+
+            budgets[(spec, compression, tokens)] = {} if spec == "full" else {
+                **_policy_extra(name, config.extra_params), "memory": 1.0 / compression}
         if (spec, compression, tokens) not in budgets:
             budgets[(spec, compression, tokens)] = {} if spec == "full" else budgets_for_bytes(
                 model, [name], reference / compression, tokens, store=store, ratio=config.ratio,

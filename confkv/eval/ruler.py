@@ -54,6 +54,9 @@ class RulerConfig:
     ratio: float = 0.5
     extra_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the model's dtype (recorded in the run key; the caller loads the model)
+    #: True: each kv fraction is a memory target the cache holds at every step (``memory=``), not a budget
+    #: matched offline; policies may be presets (tiered, kivi-4, kivi-2)
+    memory_target: bool = False
 
     def __post_init__(self) -> None:
         from confkv.hf.protocols import PROTOCOLS
@@ -105,6 +108,8 @@ def run_key(config: RulerConfig, model_name: str) -> str:
              "query_window": config.query_window if config.protocol == "query-aware" else None,
              "fp_window": config.fp_window, "ratio": config.ratio, "extra": config.extra_params,
              "dtype": config.dtype, "version": RULER_VERSION}
+    if config.memory_target:  # absent otherwise: the keys of earlier grids stay as they were
+        parts["memory_target"] = True
     return json.dumps(parts, sort_keys=True)
 
 
@@ -195,6 +200,12 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
         if (spec, fraction, length) not in budgets:
             name, int8 = parse_policy_spec(spec)
             store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
+            if config.memory_target:  # the cache holds the target itself: nothing to match
+                from confkv.eval.niah.budgets import _policy_extra
+
+                budgets[(spec, fraction, length)] = {} if name == "full" else {
+                    **_policy_extra(name, config.extra_params), "memory": fraction}
+                return budgets[(spec, fraction, length)]
             budgets[(spec, fraction, length)] = {} if name == "full" else budgets_for_bytes(
                 model, [name], fraction * full_kv_bytes(model, length), length, store=store, ratio=config.ratio,
                 extra=config.extra_params)[name]

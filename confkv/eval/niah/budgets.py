@@ -50,10 +50,14 @@ def _policy_extra(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
     same unscoped key.
     """
     from confkv.policies.registry import accepted_parameters
+    from confkv.presets import PRESETS, STORAGE_FIELDS
 
     if not extra:
         return {}
-    fields = accepted_parameters(name)
+    if name in PRESETS:
+        fields = accepted_parameters(PRESETS[name].policy) | set(STORAGE_FIELDS)
+    else:
+        fields = accepted_parameters(name)
     plain = {k: v for k, v in extra.items() if ":" not in k and k in fields}
     scoped = {}
     for key, value in extra.items():

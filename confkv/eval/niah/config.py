@@ -43,6 +43,9 @@ class NiahConfig:
     full_once: bool = True  # full KV: one computation reported under both protocols
     dtype: str = "float32"  # the model's dtype (recorded; the caller loads the model)
     budget_tokens: int | None = None  # budget = fraction of this many tokens' KV (overrides budget_of)
+    #: a memory target (fraction of the full cache's bytes at the current length, held by the cache at
+    #: every step: so of each length's own bytes); replaces the offline budget matching (streaming protocol)
+    memory: float | None = None
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.protocols if p not in PROTOCOLS]
@@ -56,6 +59,12 @@ class NiahConfig:
             raise ValueError(f"first_trial must be a non-negative integer, got {self.first_trial!r}")
         if not 0 < self.budget_fraction <= 1:
             raise ValueError("budget_fraction must be in (0, 1]")
+        if self.memory is not None:
+            from confkv.tiers.storage import MemoryTarget
+
+            MemoryTarget(memory=self.memory)  # ConfigError naming memory when outside (0, 1]
+            if "query-aware" in self.protocols:
+                raise ValueError("memory: a memory target runs the streaming protocol only; give --protocols streaming")
         from confkv.eval.niah.budgets import check_scoped_params
 
         check_scoped_params(self.extra_params, self.policies)
@@ -64,12 +73,14 @@ class NiahConfig:
 def parse_spec(spec: str) -> tuple[str, bool]:
     """A grid entry -> (policy name, INT8 store): ``"confkv+int8"`` -> ``("confkv", True)``."""
     from confkv.policies import POLICIES
+    from confkv.presets import PRESETS
 
     name, plus, suffix = spec.partition("+")
     if plus and suffix != "int8":
         raise ValueError(f"NIAH policy {spec!r}: the only suffix is '+int8' (INT8 store), e.g. 'confkv+int8'")
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r} in NIAH policy {spec!r}; known: {', '.join(sorted(POLICIES))}")
+    if name not in POLICIES and name not in PRESETS:
+        raise ConfigError(f"unknown policy {name!r} in NIAH policy {spec!r}; known: "
+                          f"{', '.join(sorted(POLICIES))}; presets (with --memory): {', '.join(PRESETS)}")
     return name, bool(plus)
 
 

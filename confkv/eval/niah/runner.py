@@ -52,6 +52,8 @@ def run_key(config: NiahConfig, model_name: str) -> str:
              "max_new_tokens": config.max_new_tokens, "chunk": config.chunk, "fp_window": config.fp_window,
              "int8_all": config.kv_int8, "ratio": config.ratio, "seed": config.seed,
              "extra": config.extra_params, "dtype": config.dtype}
+    if config.memory is not None:  # absent otherwise: the keys of earlier grids stay as they were
+        parts["memory"] = config.memory
     return json.dumps(parts, sort_keys=True)
 
 
@@ -123,6 +125,12 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         budget_bytes[length] = config.budget_fraction * full_kv_bytes(model, reference)
         for spec in specs:
             name, _ = parse_spec(spec)
+            if config.memory is not None:  # the cache holds the target itself: nothing to match
+                from confkv.eval.niah.budgets import _policy_extra
+
+                budgets[f"{spec}@{length}"] = {} if name == "full" else {
+                    **_policy_extra(name, config.extra_params), "memory": config.memory}
+                continue
             params = budgets_for_bytes(model, [name], budget_bytes[length], reference, store=_store_for(spec, config),
                                        ratio=config.ratio, extra=config.extra_params)[name]
             budgets[f"{spec}@{length}"] = params

@@ -22,8 +22,8 @@ class StepRecord:
         cold_bytes_read: cold-tier bytes the step's attention reads took (tiered policies).
         offloaded_bytes: of ``kv_bytes``, the bytes kept in the page file rather than RAM.
         target_bytes: the memory target of the step (all layers), or None without one.
-        rung_tokens: tokens (summed over sequences) on each rung of the cold ladders, top rung
-            first, all layers; empty without a ladder.
+        rung_tokens: token slots (summed over sequences) on each rung of the cold ladders, top rung
+            first (its open page included), all layers; empty without a ladder.
     """
 
     confidence: torch.Tensor

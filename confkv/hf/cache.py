@@ -318,7 +318,7 @@ class ConfKVCache(Cache):
 
     def _record(self, conf: torch.Tensor, budgets: torch.Tensor, stores: list[LayerStore]) -> None:
         ladders = [s.cold for s in stores if isinstance(s.cold, LadderTier)]
-        rungs = tuple(map(sum, zip(*(ladder.rung_token_counts() for ladder in ladders)))) if ladders else ()
+        rungs = tuple(map(sum, zip(*(ladder.rung_slot_counts() for ladder in ladders)))) if ladders else ()
         self.trace.record(StepRecord(
             target_bytes=self.last_plan.target_bytes if self.last_plan is not None else None, rung_tokens=rungs,
             confidence=conf.cpu(), budget=budgets.float().mean(-1).round().long().cpu(),

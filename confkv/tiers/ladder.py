@@ -60,12 +60,19 @@ class LadderTier:
         counts = [rung.token_count() for rung in self.rungs if rung.open is not None]
         return None if not counts else torch.stack(counts).sum(0)
 
-    def rung_token_counts(self) -> list[int]:
-        """Valid tokens (all sequences and heads / heads) on each rung, the open page on the top one."""
+    def rung_slot_counts(self) -> list[int]:
+        """Token slots held on each rung, summed over the batch (the open page counted on the top rung).
+
+        Counted from page counts, without reading a tensor (it runs every step for the trace): a slot of a
+        left-padded sequence's page that holds no token is counted too (:meth:`token_count` counts tokens).
+        """
         out = []
         for rung in self.rungs:
-            held = rung.token_count()
-            out.append(0 if held is None else int(held.sum()))
+            if rung.open is None:
+                out.append(0)
+                continue
+            batch = rung.open["keys"].shape[0]
+            out.append(batch * (rung.num_pages * rung.config.page_size + rung.open_length))
         return out
 
     def kv_bytes(self) -> int:

@@ -105,3 +105,20 @@ def test_a_page_keeps_its_tokens_and_positions_when_it_steps_down():
     keys, _ = lower._dequantized({n: t.narrow(2, 0, 1) for n, t in lower.pages.items()}, torch.zeros(B, H, 1, dtype=torch.long))
     scale = (keys16[:, :, j].amax(-2) - keys16[:, :, j].amin(-2)) / 255  # 8-bit per-channel step over the page
     assert (keys[:, :, 0] - keys16[:, :, j]).abs().le(scale[:, :, None, :] / 2 + 1e-3).all()
+
+
+@pytest.mark.parametrize("order, stepped_rung", [("error", 0), ("coldest", 1)])
+def test_the_step_order_picks_the_rung(order, stepped_rung):
+    """A warm 8-bit page and a colder 4-bit page: stepping 8 -> 4 adds far less error per byte than
+    4 -> 2 (so "error" steps the warm page), while "coldest" steps the colder page."""
+    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order=order))
+    keys = torch.randn(B, H, 2 * P, D)
+    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
+    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
+    _set_heat(tier.rungs[0], [1.0])
+    _set_heat(tier.rungs[1], [0.5])
+    before = [r.num_pages for r in tier.rungs]
+    assert before == [1, 1, 0]
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    after = [r.num_pages for r in tier.rungs]
+    assert after[stepped_rung] == 0 and after[stepped_rung + 1] == before[stepped_rung + 1] + 1

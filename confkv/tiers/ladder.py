@@ -9,9 +9,12 @@ Layout (one layer): one :class:`~confkv.cold.ColdTier` per rung, top rung first:
 
 Tokens the hot tier lets go enter rung 0 (its open page, sealed at rung 0's bits when full).
 :meth:`LadderTier.fit` brings the tier under a byte budget: while over, the least valuable page
-of each KV head among the rungs above the bottom is re-quantized one rung down (MiKV, Yang et al.
-2024, "No Token Left Behind"); only when every page is at the bottom are the least valuable bottom
-pages dropped, and only when no page is left is the open page dropped. Every page of every rung is
+of each KV head on one of the rungs above the bottom is re-quantized one rung down (MiKV, Yang et
+al. 2024, "No Token Left Behind"); which rung gives it is ``Storage.step_order``: by default the
+one where that page's value times the growth of the quantization error per byte freed is least,
+so that a cheap step (8 -> 4 bits) is taken on a warm page before a costly one (3 -> 2) on a cold
+page. Only when every page is at the bottom are the least valuable bottom pages dropped, and only
+when no page is left is the open page dropped. Every page of every rung is
 read at every step (reading all pages beat every top-k at equal bytes; results/tiered).
 Each head keeps the same number of pages on each rung, so a rung stays one dense tensor.
 """
@@ -122,7 +125,7 @@ class LadderTier:
             while (excess := self.kv_bytes() - budget) > 0:
                 movable = [i for i, rung in enumerate(self.rungs[:-1]) if rung.num_pages]
                 if movable:
-                    source = min(movable, key=lambda i: _coldest_mean(self.rungs[i], signal))
+                    source = min(movable, key=lambda i: self._step_cost(i, signal))
                     self._step_down(source, excess, signal, dtype)
                 elif self.rungs[-1].num_pages:
                     bottom = self.rungs[-1]
@@ -132,6 +135,21 @@ class LadderTier:
                     self.top.drop_open()
                 else:
                     return
+
+    def _step_cost(self, rung: int, signal: str) -> float:
+        """The price of stepping rung ``rung``'s least valuable page one rung down (the lowest goes first).
+
+        ``step_order="coldest"``: that page's value. ``"error"``: its value times the growth of a uniform
+        quantizer's mean squared error (``4**-bits``, 0 at 16 bits: the model's dtype is exact here) per
+        byte the step frees.
+        """
+        value = _coldest_mean(self.rungs[rung], signal)
+        if self.storage.step_order == "coldest":
+            return value
+        upper, lower = self.storage.ladder[rung], self.storage.ladder[rung + 1]
+        growth = 4.0 ** -lower - (0.0 if upper == 16 else 4.0 ** -upper)
+        saving = self._batch_page_bytes(rung) - self._batch_page_bytes(rung + 1)
+        return value * growth / max(saving, 1)
 
     def _step_down(self, source: int, excess: int, signal: str, dtype: torch.dtype) -> None:
         upper, lower = self.rungs[source], self.rungs[source + 1]
@@ -168,6 +186,9 @@ def _coldest(rung: ColdTier, signal: str, count: int) -> Tensor:
 
 
 def _coldest_mean(rung: ColdTier, signal: str) -> float:
-    """The mean over sequences and heads of each head's least page value (+inf counted as a large value)."""
+    """The mean over sequences and heads of each head's least page value (+inf counted as a large value;
+    values are made positive, so that a price proportional to them orders as they do)."""
     value = rung.page_value(signal).amin(-1)
-    return float(torch.nan_to_num(value, posinf=1e30).mean())
+    if signal == "age":  # positions: the oldest page is the least valuable; + 1 keeps position 0 above zero
+        value = value + 1.0
+    return float(torch.nan_to_num(value, posinf=1e30).mean()) + 1e-12

@@ -20,6 +20,8 @@ from confkv.config import _require
 RUNG_BITS = (16, 8, 4, 3, 2)
 #: what ranks cold pages for stepping down (see :meth:`confkv.cold.ColdTier.page_value`)
 STEP_DOWN_SIGNALS = ("heat", "confidence", "age")
+#: which rung steps down next (see :mod:`confkv.tiers.ladder`)
+STEP_ORDERS = ("error", "coldest")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,11 @@ class Storage:
         step_down_by: the page value that orders stepping down and dropping: ``"heat"``
             (attention received per read), ``"confidence"`` (``1 -`` the model's confidence at
             the step the page was demoted) or ``"age"`` (oldest first).
+        step_order: which rung gives the next page: ``"error"`` (default) the rung whose least
+            valuable page adds the least quantization error per byte saved (the page's value times the
+            growth of a uniform quantizer's squared step, ``4**-bits``, over the bytes freed), so that
+            pages spread over the upper rungs before any reaches the bottom; ``"coldest"`` the rung
+            holding the least valuable page (cold pages sink to the bottom first).
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -49,6 +56,7 @@ class Storage:
     page_size: int = 64
     group_size: int = 64
     step_down_by: str = "heat"
+    step_order: str = "error"
     offload: bool = False
     offload_dir: str | None = None
 
@@ -74,6 +82,8 @@ class Storage:
                  f"must divide page_size={self.page_size}, got {self.group_size}")
         _require(self.step_down_by in STEP_DOWN_SIGNALS, "step_down_by",
                  f"must be one of {', '.join(STEP_DOWN_SIGNALS)}, got {self.step_down_by!r}")
+        _require(self.step_order in STEP_ORDERS, "step_order",
+                 f"must be one of {', '.join(STEP_ORDERS)}, got {self.step_order!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:

@@ -1,0 +1,81 @@
+"""Perplexity at 1K / 2K / 4K / 8K tokens from `confkv ppl --out` JSON files, as a Markdown table (no model run).
+
+A streaming run under a memory target is the same run, step for step, as a shorter one over its
+first tokens (the target depends only on the current length), so one run of N tokens gives the
+perplexity of every prefix: the table shows each prefix length the run covers. Rows: one per
+file (policy, target); the full-KV file of the same corpus and dtype is the reference. Usage::
+
+    .venv/bin/python benchmarks/memory_ppl_table.py results/memory/ppl/*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+PREFIXES = (1024, 2048, 4096, 8192)
+
+
+def _target(summary: dict) -> str:
+    params = summary.get("params") or {}
+    if "memory" in params:
+        return f"memory={params['memory']:g}"
+    if "max_kv_bytes" in params:
+        return f"max_kv_bytes={params['max_kv_bytes']:,}"
+    return "none"
+
+
+def load(paths: list[Path]) -> list[dict]:
+    runs = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        summary = data["summary"]
+        kv = [sum(step) for step in data["trace"]["kv_bytes"]]
+        runs.append({"path": path.name, "policy": summary["policy"] or "tiered", "corpus": summary["corpus"],
+                     "dtype": summary.get("dtype", "float32"), "target": _target(summary),
+                     "params": {k: v for k, v in (summary.get("params") or {}).items()
+                                if k not in ("memory", "max_kv_bytes")},
+                     "nll": data["nll"], "kv": kv})
+    return runs
+
+
+def _ppl(nll: list[float], n: int) -> float:
+    return math.exp(sum(nll[:n - 1]) / (n - 1))
+
+
+def tables(runs: list[dict]) -> str:
+    out = []
+    for corpus, dtype in sorted({(r["corpus"], r["dtype"]) for r in runs}):
+        group = [r for r in runs if (r["corpus"], r["dtype"]) == (corpus, dtype)]
+        full = next((r for r in group if r["policy"] == "full"), None)
+        prefixes = [p for p in PREFIXES if full is None or len(full["nll"]) >= p - 1]
+        out += [f"**{corpus}, {dtype}**", "",
+                "| policy | target | " + " | ".join(f"PPL @ {p // 1024}K" for p in prefixes) + " | peak KV / full's peak |",
+                "|---|---|" + "---|" * len(prefixes) + "---|"]
+        for r in sorted(group, key=lambda r: (r["policy"] != "full", r["target"], r["policy"])):
+            cells = []
+            for p in prefixes:
+                if len(r["nll"]) < p - 1:
+                    cells.append("")
+                    continue
+                value = _ppl(r["nll"], p)
+                delta = "" if full is None or r is full else f" ({(value / _ppl(full['nll'], p) - 1) * 100:+.1f}%)"
+                cells.append(f"{value:.3f}{delta}")
+            share = "" if full is None else f"{max(r['kv']) / max(full['kv'][:len(r['kv'])]):.1%}"
+            name = r["policy"] + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(r["params"].items())) + ")"
+                                  if r["params"] else "")
+            out.append(f"| {name} | {r['target']} | " + " | ".join(cells) + f" | {share} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", type=Path, nargs="+")
+    print(tables(load(parser.parse_args().files)))
+
+
+if __name__ == "__main__":
+    main()

@@ -64,7 +64,7 @@ def lost_values(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _label(policy: str, compression: float) -> str:
-    return "full" if policy == "full" else f"{policy} x{compression:g}"
+    return "full" if policy == "full" else f"{policy} x{compression:.3g}"
 
 
 def teacher_forced_views(records: list[dict[str, Any]]) -> dict[str, Any]:

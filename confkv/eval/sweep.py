@@ -21,16 +21,13 @@ kill in the middle of a write) is cut off on load, so it is neither kept nor dup
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
 
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
@@ -246,10 +243,10 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
     if traces_dir is not None:
         check_writable(traces_dir, folder=True, what="traces folder")
     plan = plan_sweep(config)  # a policy that cannot run under a target fails here, before any model loads
-    if model is None:
-        from confkv.models import load_model
+    if model is None:  # a name for load_model, or tiny-<arch> (a tiny random test model)
+        from confkv.eval.ray_grid import ModelSpec
 
-        model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
+        model, tokenizer = ModelSpec(config.model, config.dtype)()
     ids = corpus_tokens(tokenizer, config.corpus, config.tokens, offset=config.offset)
     done = {row_key(r): r for r in load_rows(out)}
     # the full-KV run goes first (the reference of every other row)

@@ -35,7 +35,6 @@ class NiahConfig:
     batch: int = 0
     kv_int8: bool = False
     fp_window: int = 128
-    ratio: float = 0.5
     seed: int = 0
     extra_params: dict[str, Any] = field(default_factory=dict)
     share_prefill: bool = True  # query-aware: one prefill per store setting, forked per policy

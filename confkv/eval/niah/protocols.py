@@ -7,9 +7,9 @@ Protocols (always reported separately):
   the policy still observes attention and the store still ages, nothing is dropped);
   then the cache is brought to its memory target once (``cache.end_step(last_logits)``
   with eviction back on: the same end-of-step every forward pass runs, one extra trace
-  record; the target at that step is ``memory`` x the prompt's full bytes, what kvpress
-  calls the compression ratio); then greedy generation, every step under the target. The last attention every policy observes is the
-  question's alone (SnapKV's observation window; TOVA's "current query"), so the ranking
+  record; the target at that step is ``memory`` x the prompt's full bytes, kvpress's
+  ``compression_ratio = 1 - memory``); then greedy generation, every step under the target.
+  The last attention every policy observes is the question's alone (SnapKV's observation window; TOVA's "current query"), so the ranking
   has seen the question; peak memory during prefill is the full prompt. (Protocol
   version 2; version 1 chunked the whole prompt, so the question shared its last chunk
   with up to ``chunk`` haystack tokens. Records keep their ``protocol_version``; a grid

@@ -48,7 +48,7 @@ def run_key(config: NiahConfig, model_name: str) -> str:
     parts = {"model": model_name, "haystack": config.haystack, "needle": config.needle_template,
              "question": config.question_template, "answer": config.answer,
              "memory": config.memory, "max_new_tokens": config.max_new_tokens, "chunk": config.chunk, "fp_window": config.fp_window,
-             "int8_all": config.kv_int8, "ratio": config.ratio, "seed": config.seed,
+             "int8_all": config.kv_int8, "seed": config.seed,
              "extra": config.extra_params, "dtype": config.dtype}
     return json.dumps(parts, sort_keys=True)
 

@@ -133,7 +133,7 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--out-dir", type=Path, default=Path("results/niah"))
     add_ray_arguments(niah)
 
-    sweep = sub.add_parser("sweep", help="policies x memory budgets (x INT8) on streaming perplexity, resumable")
+    sweep = sub.add_parser("sweep", help="policies x memory targets (x INT8) on streaming perplexity, resumable")
     model_args(sweep)
     sweep.add_argument("--policies", type=_strs,
                        default=["full", "window", "streaming", "confkv", "confkv-fixed", "h2o", "tova",

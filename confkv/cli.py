@@ -6,10 +6,10 @@ Subcommands:
     niah   needle-in-a-haystack grid, query-aware and streaming protocols.
     agent  agent tasks on a deterministic text web, teacher-forced and closed loop (resumable JSONL).
     probe  confidence vs the KL shift caused by evicting the most recent tokens.
-    sweep  policies x memory-matched budgets (x INT8) on streaming perplexity (resumable JSONL).
+    sweep  policies x memory targets (x INT8) on streaming perplexity (resumable JSONL).
     report one Markdown/HTML page from a results folder.
     bench  per-step decode latency vs context, batched throughput, step breakdown, bandwidth floor.
-    ruler  RULER's synthetic tasks (generated offline) x policies x KV fractions: table + plot.
+    ruler  RULER's synthetic tasks (generated offline) x policies x memory targets: table + plot.
 """
 
 from __future__ import annotations

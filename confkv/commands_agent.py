@@ -9,18 +9,20 @@ from typing import Any
 
 
 def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> None:
+    from confkv.commands_eval import MEMORY_HELP, memory_fractions, removed_flags
+
     agent = sub.add_parser("agent", help="agent tasks on a text web, teacher-forced and closed loop (resumable)")
     model_args(agent)
     agent.add_argument("--policies", type=strs, default=None,
                        help="comma-separated policy names, '+int8' for an INT8 store (default: full,window,"
                             "streaming,h2o,tova,confkv,confkv+int8)")
     agent.add_argument("--protocols", type=strs, default=["teacher-forced", "closed-loop"])
-    agent.add_argument("--compressions", type=floats, default=[2.8, 4.0],
-                       help="full KV peak bytes / policy peak bytes, e.g. 2.8,4")
-    agent.add_argument("--memory", type=floats, default=None,
-                       help="memory targets, e.g. 0.36,0.25: each cache holds this fraction of the full cache's bytes "
-                            "at every step (compression 1/F; replaces --compressions' offline matching); policies "
-                            "may be presets (tiered, kivi-4, kivi-2)")
+    agent.add_argument("--memory", type=memory_fractions, default=[0.36, 0.25],
+                       help="memory targets, e.g. 0.36,0.25 (the default): " + MEMORY_HELP + "; records keep "
+                            "compression = 1 / memory")
+    removed_flags(agent, ("--compressions",), "give --memory 1/C for a compression C: each cache holds that fraction "
+                                              "of the full cache's bytes at every step (--compressions 2.8,4 is "
+                                              "--memory 0.36,0.25)")
     agent.add_argument("--tasks", type=strs, default=[], help="task ids or template names (default: all 56)")
     agent.add_argument("--limit", type=int, default=None, help="only the first N selected tasks")
     agent.add_argument("--seed", type=int, default=0, help="world seed")
@@ -49,9 +51,7 @@ def run_agent(args: argparse.Namespace) -> int:
     check_writable(args.out_dir, folder=True, what="--out-dir")
     _setup(args)
     config = AgentConfig(policies=tuple(args.policies or DEFAULT_POLICIES), protocols=tuple(args.protocols),
-                         compressions=tuple(1.0 / f for f in args.memory) if getattr(args, "memory", None)
-                         else tuple(args.compressions), memory_target=bool(getattr(args, "memory", None)),
-                         tasks=tuple(args.tasks), limit=args.limit,
+                         memory=tuple(args.memory), tasks=tuple(args.tasks), limit=args.limit,
                          seed=args.seed, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
                          max_steps=args.max_steps, extra_params=parse_params(args.param), dtype=args.dtype)
     path = args.out_dir / "agent.jsonl"

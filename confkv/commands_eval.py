@@ -23,6 +23,51 @@ def _strs(text: str) -> list[str]:
     return [x for x in str(text).replace(" ", "").split(",") if x]
 
 
+class _Removed(argparse.Action):
+    """A flag that was removed: using it stops the parser with what to give instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, instead: str = "", **kwargs: Any) -> None:
+        kwargs.setdefault("nargs", "?")
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was removed with the offline budget matching; {self.instead}")
+
+
+def removed_flags(parser: argparse.ArgumentParser, flags: tuple[str, ...], instead: str) -> None:
+    """Register ``flags`` as removed: each one is an error that says ``instead``."""
+    for flag in flags:
+        parser.add_argument(flag, action=_Removed, instead=instead, dest=f"removed_{flag.strip('-')}")
+
+
+def memory_fraction(text: str) -> float:
+    """A ``--memory`` value: a fraction in (0, 1] of the full cache's bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction of the full cache's bytes "
+                                         "in (0, 1], e.g. 0.25") from None
+    if not 0.0 < value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]; give a fraction of the full cache's bytes, "
+                                         "e.g. 0.25")
+    return value
+
+
+def memory_fractions(text: str) -> list[float]:
+    """Comma-separated ``--memory`` values, e.g. ``0.25,0.125``."""
+    values = [memory_fraction(x) for x in str(text).replace(" ", "").split(",") if x]
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one fraction, e.g. 0.25,0.125")
+    return values
+
+
+MEMORY_HELP = ("each cache holds this fraction of the full cache's bytes at the end of every step (the full "
+               "cache: transformers' DynamicCache at the same length); policies may be presets (tiered, kivi-4, "
+               "kivi-2)")
+
+
 def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
     from confkv.eval.ray_grid import add_ray_arguments
@@ -64,17 +109,12 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--needle", default=None, help="needle template with {answer}")
     niah.add_argument("--question", default=None, help="question template")
     niah.add_argument("--answer", default=None, help="fixed answer (default: a passkey per trial)")
-    niah.add_argument("--budget-fraction", type=float, default=0.25,
-                      help="KV memory budget as a fraction of the full KV bytes of the longest context")
-    niah.add_argument("--budget-of", choices=("longest", "each"), default="longest",
-                      help="fraction of the longest context (one budget) or of each context length")
-    niah.add_argument("--budget-tokens", type=int, default=None,
-                      help="budget = fraction of this many tokens' KV bytes (overrides --budget-of; lets "
-                           "several processes run parts of one grid into the same --out-dir)")
-    niah.add_argument("--memory", type=float, default=None,
-                      help="memory target: each cache holds this fraction of the full cache's bytes at every step (so "
-                           "of each length's own bytes); replaces --budget-fraction's offline matching; policies may "
-                           "be presets (tiered, kivi-4, kivi-2); streaming protocol only")
+    niah.add_argument("--memory", type=memory_fraction, default=0.25,
+                      help="memory target (default 0.25): " + MEMORY_HELP + "; so of each length's own bytes. "
+                           "Query-aware: the prompt is prefilled without eviction, then brought to this fraction "
+                           "of its bytes in one step")
+    removed_flags(niah, ("--budget-fraction", "--budget-of", "--budget-tokens"),
+                  "give --memory F: each cache holds F of the full cache's bytes at every step (e.g. --memory 0.25)")
     niah.add_argument("--max-new-tokens", type=int, default=10)
     niah.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     niah.add_argument("--batch", type=int, default=0, help="sequences per batch (0: all of one length)")
@@ -93,18 +133,16 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah.add_argument("--out-dir", type=Path, default=Path("results/niah"))
     add_ray_arguments(niah)
 
-    sweep = sub.add_parser("sweep", help="policies x memory budgets (x INT8) on streaming perplexity, resumable")
+    sweep = sub.add_parser("sweep", help="policies x memory targets (x INT8) on streaming perplexity, resumable")
     model_args(sweep)
     sweep.add_argument("--policies", type=_strs,
                        default=["full", "window", "streaming", "confkv", "confkv-fixed", "h2o", "tova",
                                 "scissorhands", "random", "confkv-l"])
-    sweep.add_argument("--reference-windows", type=_ints, default=[512],
-                       help="memory references: full-precision sliding windows of these many tokens")
-    sweep.add_argument("--match", choices=("peak", "mean"), default="peak", help="which KV bytes to match")
-    sweep.add_argument("--memory", type=_floats, default=[],
-                       help="memory targets, e.g. 0.25,0.125: every policy (or preset: tiered, kivi-4, kivi-2) runs "
-                            "with the cache holding this fraction of the full cache's bytes at every step; no "
-                            "offline matching (--reference-windows and --match are then unused)")
+    sweep.add_argument("--memory", type=memory_fractions, default=[0.25, 0.125],
+                       help="memory targets, e.g. 0.25,0.125 (the default): " + MEMORY_HELP + "; full runs once")
+    removed_flags(sweep, ("--reference-windows", "--match", "--confidence-trace", "--ratio"),
+                  "give --memory F1,F2: every policy runs with the cache holding each fraction of the full cache's "
+                  "bytes at every step (e.g. --memory 0.25,0.125)")
     sweep.add_argument("--int8", choices=("off", "on", "both"), default="off")
     sweep.add_argument("--corpus", default="pydoc-topics")
     sweep.add_argument("--tokens", type=int, default=2048)
@@ -112,14 +150,12 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     sweep.add_argument("--fp-window", type=int, default=128)
     sweep.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                        help="model dtype (rows record it when it is not float32)")
-    sweep.add_argument("--ratio", type=float, default=0.5, help="n_high / n_low for the gated policies")
-    sweep.add_argument("--confidence-trace", type=Path, default=None,
-                       help="a ppl/probe JSON with a confidence trace (for mean matching of gated policies)")
     sweep.add_argument("--param", action="append", metavar="POLICY:KEY=VALUE",
-                       help="extra parameter for one policy (or '*'), e.g. confkv:tau=0.6")
+                       help="extra parameter for one policy or preset (or '*'), e.g. confkv:tau=0.6, "
+                            "tiered:ladder=[8,4] (a storage field of a preset)")
     sweep.add_argument("--out", type=Path, default=Path("results/sweep/ppl.jsonl"))
     sweep.add_argument("--traces-dir", type=Path, default=None, help="also save each run's trace JSON here")
-    sweep.add_argument("--dry-run", action="store_true", help="print the planned runs and budgets only")
+    sweep.add_argument("--dry-run", action="store_true", help="print the planned runs only (no model is loaded)")
     add_ray_arguments(sweep)
 
     from confkv.commands_agent import add_agent_subcommand
@@ -237,10 +273,9 @@ def run_niah(args: argparse.Namespace) -> int:
                         first_trial=args.first_trial,
                         policies=tuple(args.policies), protocols=tuple(args.protocols), haystack=args.haystack,
                         needle_template=args.needle, question_template=args.question, answer=args.answer,
-                        budget_fraction=args.budget_fraction, budget_of=args.budget_of,
                         max_new_tokens=args.max_new_tokens, chunk=args.chunk, batch=args.batch,
                         kv_int8=args.int8, extra_params=parse_params(args.param), dtype=args.dtype,
-                        budget_tokens=args.budget_tokens, memory=getattr(args, "memory", None))
+                        memory=args.memory)
     resume = args.out_dir / "niah.jsonl"
     if args.fresh and resume.exists():
         resume.replace(resume.with_suffix(".jsonl.old"))
@@ -284,17 +319,12 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
             raise SystemExit(f"--param expects POLICY:KEY=VALUE, got {item!r}")
         per_policy.setdefault(who, {}).update(parse_params([kv]))
     int8 = {"off": (False,), "on": (True,), "both": (False, True)}[args.int8]
-    config = SweepConfig(policies=tuple(args.policies), reference_windows=tuple(args.reference_windows),
-                         match=args.match, int8=int8, corpus=args.corpus, tokens=args.tokens, offset=args.offset,
-                         model=args.model, store=StoreConfig(fp_window=args.fp_window), ratio=args.ratio,
-                         policy_params=per_policy, confidence_trace=args.confidence_trace, dtype=args.dtype,
-                         memory=tuple(getattr(args, "memory", None) or ()))
+    config = SweepConfig(policies=tuple(args.policies), memory=tuple(args.memory), int8=int8, corpus=args.corpus,
+                         tokens=args.tokens, offset=args.offset, model=args.model,
+                         store=StoreConfig(fp_window=args.fp_window), policy_params=per_policy, dtype=args.dtype)
     if args.dry_run:
-        from confkv.models import load_model
-
-        model, _ = load_model(args.model, dtype=getattr(__import__("torch"), args.dtype))
-        for run in plan_sweep(model, config):
-            print(json.dumps(run.key_dict()), f"predicted {run.predicted:.0f} B")
+        for run in plan_sweep(config):
+            print(json.dumps(run.key_dict()), "full: no target" if run.memory is None else f"memory {run.memory:g}")
         return 0
     try:
         rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir,
@@ -307,7 +337,8 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         return 130
     print(f"{len(rows)} rows in {args.out}")
     for row in rows:
-        print(f"{row['policy']:14s} int8={row['kv_int8']!s:5s} ref={row['reference_window']:5d}  "
+        memory = "full" if row.get("memory") is None else f"{row['memory']:g}"
+        print(f"{row['policy']:14s} int8={row['kv_int8']!s:5s} memory={memory:6s}  "
               f"params={json.dumps(row['params'])}  ppl {row['ppl']:.3f}  peak {row['peak_kv_bytes'] / 1e6:.2f} MB  "
               f"mean {row['mean_kv_bytes'] / 1e6:.2f} MB")
     return 0

@@ -1,4 +1,4 @@
-"""``confkv ruler``: thin CLI over :mod:`confkv.eval.ruler` (offline RULER tasks x policies x KV fractions)."""
+"""``confkv ruler``: thin CLI over :mod:`confkv.eval.ruler` (offline RULER tasks x policies x memory targets)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,20 @@ def _csv(kind: type) -> Any:
 
 
 def add_ruler_subcommand(sub: Any) -> None:
-    from confkv.commands_eval import MODEL_HELP
+    from confkv.commands_eval import MEMORY_HELP, MODEL_HELP, memory_fractions, removed_flags
     from confkv.eval.ruler_tasks import DEFAULT_TASKS, TASKS
 
-    p = sub.add_parser("ruler", help="offline RULER tasks x policies x KV fractions (resumable; table + plot)")
+    p = sub.add_parser("ruler", help="offline RULER tasks x policies x memory targets (resumable; table + plot)")
     p.add_argument("--model", default="smollm2", help=MODEL_HELP + "; 'tiny-<arch>': a tiny random test model")
     p.add_argument("--tasks", type=_csv(str), default=list(DEFAULT_TASKS), help=f"comma-separated, from: {', '.join(TASKS)}")
     p.add_argument("--lengths", type=_csv(int), default=[4096], help="context lengths (prompt + answer tokens)")
     p.add_argument("--policies", type=_csv(str), default=["full", "streaming", "tova", "confkv"],
                    help="comma-separated policy names; add +int8 for an INT8 store (e.g. confkv+int8)")
-    p.add_argument("--kv-fractions", type=_csv(float), default=[0.25, 0.5],
-                   help="KV budgets as fractions of the full KV bytes of each length")
-    p.add_argument("--memory", type=_csv(float), default=None,
-                   help="memory targets, e.g. 0.25,0.125: each cache holds this fraction of the full cache's bytes at "
-                        "every step (replaces --kv-fractions' offline matching); policies may be presets (tiered, "
-                        "kivi-4, kivi-2)")
+    p.add_argument("--memory", "--kv-fractions", dest="memory", type=memory_fractions, default=[0.25, 0.5],
+                   help="memory targets, e.g. 0.25,0.125 (default 0.25,0.5): " + MEMORY_HELP + ". Query-aware: the "
+                        "prompt is prefilled without eviction, then brought to the fraction of its bytes in one "
+                        "step. --kv-fractions is an alias of --memory (the same targets; it no longer matches "
+                        "budgets offline)")
     p.add_argument("--samples", type=int, default=3, help="samples per task and length")
     p.add_argument("--first-sample", type=int, default=0, help="sample indices FIRST..FIRST+SAMPLES-1")
     p.add_argument("--seed", type=int, default=0)
@@ -36,7 +35,8 @@ def add_ruler_subcommand(sub: Any) -> None:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     p.add_argument("--batch", type=int, default=1, help="samples per batch (left-padded)")
     p.add_argument("--fp-window", type=int, default=128)
-    p.add_argument("--ratio", type=float, default=0.5, help="n_high / n_low for the gated policies")
+    removed_flags(p, ("--ratio",), "under a memory target the hot budget comes from the target; give a gated "
+                                   "policy's n_high / n_low with --param if you want them")
     p.add_argument("--param", action="append", metavar="[POLICY:]KEY=VALUE",
                        help="extra policy parameter, repeatable; POLICY: gives it to that policy only "
                             "(e.g. confkv-r:budget=256)")
@@ -62,10 +62,10 @@ def run_ruler(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     config = RulerConfig(tasks=tuple(args.tasks), lengths=tuple(args.lengths), policies=tuple(args.policies),
-                         kv_fractions=tuple(args.memory or args.kv_fractions), memory_target=bool(args.memory),
+                         memory=tuple(args.memory),
                          samples=args.samples, first_sample=args.first_sample,
                          seed=args.seed, protocol=args.protocol, chunk=args.chunk, query_window=args.query_window,
-                         batch=args.batch, fp_window=args.fp_window, ratio=args.ratio,
+                         batch=args.batch, fp_window=args.fp_window,
                          extra_params=parse_params(args.param), dtype=args.dtype)
     jsonl = args.out_dir / "ruler.jsonl"
     if args.fresh and jsonl.exists():
@@ -78,7 +78,7 @@ def run_ruler(args: argparse.Namespace) -> int:
             from confkv.errors import ConfKVError
 
             raise ConfKVError(f"--collect-only: {jsonl} has no records of this run (model {args.model}, --dtype "
-                              f"{args.dtype}, --param, --protocol, --chunk, --seed, --fp-window and --ratio must be "
+                              f"{args.dtype}, --param, --protocol, --chunk, --seed and --fp-window must be "
                               f"those of the run that wrote them)")
     else:
         from confkv.eval.ray_grid import ModelSpec, ray_options

@@ -39,9 +39,9 @@ dequantize exactly to 0); all-zero channels or heads get a floored channel
 scale; nothing ever divides by zero, so no NaN/inf appears for zeros,
 constants, huge outliers or empty (L = 0) inputs.
 
-Byte accounting (per sequence): see :func:`int8_key_bytes_per_token`,
+Byte accounting (per sequence): :func:`int8_key_bytes_per_token`,
 :func:`int8_value_bytes_per_token`, :func:`int8_bytes_per_token` and
-:func:`channel_scale_bytes`.
+:func:`channel_scale_bytes`, all from the one byte model (:mod:`confkv.tiers.byte_model`).
 """
 
 from __future__ import annotations
@@ -49,12 +49,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from confkv.tiers import byte_model
+from confkv.tiers.byte_model import SCALE_BYTES
+
 INT8_MAX = 127
 # A channel's scale is at least this fraction of the largest channel scale
 # of its head: it bounds how much a channel that was quiet during calibration
 # can be amplified (and so how much it can dominate a later token's scale).
 CHANNEL_SCALE_FLOOR_RATIO = 1e-2
-SCALE_BYTES = 4  # float32 scales
 
 
 def key_channel_scale(keys: Tensor) -> Tensor:
@@ -148,28 +150,26 @@ def dequantize_values(q: Tensor, token_scale: Tensor, dtype: torch.dtype = torch
 
 
 def int8_key_bytes_per_token(num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one token's INT8 keys occupy in one layer of one sequence:
-    int8 data (Hkv * D) + one float32 token scale per head."""
-    return num_kv_heads * head_dim + num_kv_heads * SCALE_BYTES
+    """Bytes one token's INT8 keys occupy in one layer of one sequence (:mod:`confkv.tiers.byte_model`)."""
+    return byte_model.int8_half_token_bytes(num_kv_heads, head_dim)
 
 
 def int8_value_bytes_per_token(num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one token's INT8 values occupy in one layer of one sequence
-    (same layout as keys: int8 data + float32 token scale per head)."""
-    return num_kv_heads * head_dim + num_kv_heads * SCALE_BYTES
+    """Bytes one token's INT8 values occupy in one layer of one sequence (same layout as keys)."""
+    return byte_model.int8_half_token_bytes(num_kv_heads, head_dim)
 
 
 def int8_bytes_per_token(num_kv_heads: int, head_dim: int) -> int:
     """Keys + values bytes of one INT8 token in one layer of one sequence.
     Excludes the per-layer channel scales (:func:`channel_scale_bytes`)."""
-    return int8_key_bytes_per_token(num_kv_heads, head_dim) + int8_value_bytes_per_token(num_kv_heads, head_dim)
+    return byte_model.int8_token_bytes(num_kv_heads, head_dim)
 
 
 def fp_bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """Keys + values bytes of one full-precision token in one layer of one sequence."""
-    return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return byte_model.fp_token_bytes(num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
 
 
 def channel_scale_bytes(num_kv_heads: int, head_dim: int) -> int:
     """Bytes of one layer's frozen key channel scale, per sequence ([Hkv, D] float32)."""
-    return num_kv_heads * head_dim * SCALE_BYTES
+    return byte_model.channel_scale_bytes(num_kv_heads, head_dim)

@@ -428,7 +428,7 @@ def test_ppl_cli_ctrl_c_writes_valid_partial_json(model_dir, tmp_path, capsys):
 def _sweep_config(**overrides):
     from confkv.eval.sweep import SweepConfig
 
-    base = dict(policies=("full", "window", "streaming", "confkv"), reference_windows=(20,), tokens=30,
+    base = dict(policies=("full", "window", "streaming", "confkv"), memory=(0.5,), tokens=30,
                 model="tiny", policy_params={"*": {"protect": 2}, "full": {}})
     return SweepConfig(**(base | overrides))
 
@@ -485,7 +485,7 @@ def test_sweep_cli_ctrl_c_then_resume(model_dir, tmp_path, capsys):
         return model, tokenizer
 
     out = tmp_path / "rows.jsonl"
-    argv = ["sweep", "--model", str(model_dir), "--policies", "full,window,streaming", "--reference-windows", "12",
+    argv = ["sweep", "--model", str(model_dir), "--policies", "full,window,streaming", "--memory", "0.5",
             "--tokens", "30", "--param", "*:protect=2", "--param", "full:protect=2", "--out", str(out), "--no-progress"]
     with mock.patch("confkv.models.load_model", load):
         assert main(argv) == 130

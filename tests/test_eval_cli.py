@@ -59,7 +59,7 @@ def test_niah_cli(model_dir, tmp_path):
 
 def test_sweep_and_report_cli(model_dir, tmp_path):
     out = tmp_path / "sweep" / "rows.jsonl"
-    args = ["sweep", "--model", model_dir, "--policies", "full,window,confkv", "--reference-windows", "16",
+    args = ["sweep", "--model", model_dir, "--policies", "full,window,confkv", "--memory", "0.5",
             "--tokens", "30", "--param", "confkv:protect=2", "--out", str(out), "--traces-dir",
             str(tmp_path / "sweep" / "traces"), "--no-progress"]
     assert main(args) == 0

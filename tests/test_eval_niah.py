@@ -5,8 +5,8 @@ import torch
 
 from confkv.data import make_niah_sample
 from confkv.errors import ConfigError, PromptTooLongError
-from confkv.eval.niah import (PROTOCOL_VERSIONS, PROTOCOLS, NiahConfig, budgets_for_bytes, check_niah_positions,
-                              full_kv_bytes, load_records, parse_spec,
+from confkv.eval.niah import (PROTOCOL_VERSIONS, PROTOCOLS, NiahConfig, check_niah_positions,
+                              full_kv_bytes, load_records, memory_params, parse_spec,
                               plot_niah, record_key, run_key, run_niah_batch, run_niah_grid,
                               run_query_aware_shared, write_niah)
 from confkv.config import StoreConfig
@@ -22,16 +22,15 @@ def test_grid_both_protocols_scores_and_heatmap(tmp_path):
     assert {r.protocol for r in result.records} == {"query-aware", "streaming"}
     for r in result.records:  # 3 byte tokens cannot hold the answer (>= 4 digits): never correct
         assert len(r.answer) > 3 and r.correct is False
-    # budget: 25% of the longest context's full KV bytes, converted per policy
-    assert result.budget_bytes[120] == 0.25 * full_kv_bytes(model, 160)
-    assert result.budgets["streaming@120"]["budget"] == 40
-    assert result.budgets["confkv@160"]["n_low"] == 40 and result.budgets["confkv@160"]["n_high"] == 20
-    # evicting policies hold about the budget when answering; full holds everything
+    # memory: each cache holds 25% of the full cache's bytes at its own length (the default target)
+    assert result.budget_bytes == {120: 0.25 * full_kv_bytes(model, 120), 160: 0.25 * full_kv_bytes(model, 160)}
+    assert result.budgets["streaming@120"] == result.budgets["confkv@160"] == {"protect": 4, "memory": 0.25}
+    # evicting policies hold a quarter of the tokens when answering; full holds everything
     for r in result.records:
         if r.policy == "full":
             assert r.kept_at_answer == r.length
         else:
-            assert r.kept_at_answer <= 40 + 1
+            assert r.kept_at_answer <= 0.25 * (r.length + 1)
     grid = result.grid("full", "streaming")
     assert len(grid) == 2 and len(grid[0]) == 2
     paths = write_niah(result, tmp_path)
@@ -81,13 +80,15 @@ def test_full_cache_both_protocols_equal_plain_generate():
         assert [o[0] for o in outs] == expected
 
 
-def test_budgets_for_bytes_int8_grows_budget():
-    model = tiny_model("llama")
-    target = full_kv_bytes(model, 400) * 0.25
-    fp = budgets_for_bytes(model, ["window", "full"], target, 400)
-    q = budgets_for_bytes(model, ["window"], target, 400, store=StoreConfig(kv_int8=True, fp_window=16))
-    assert fp["window"]["budget"] == 100 and fp["full"] == {}
-    assert q["window"]["budget"] > 100
+def test_memory_params_are_the_policys_params_and_the_target():
+    extra = {"protect": 4, "bits": 4, "tiered:ladder": [8, 4]}
+    assert memory_params("full", 0.25, extra) == {}
+    assert memory_params("window", 0.25, extra) == {"protect": 4, "memory": 0.25}  # no bits: window lacks it
+    assert memory_params("tiered", 0.5, extra) == {"protect": 4, "ladder": [8, 4], "memory": 0.5}
+    with pytest.raises(ConfigError, match="confkv-r at memory 0.25: storage: policy 'confkv-r' brings its own"):
+        memory_params("confkv-r", 0.25, {})
+    with pytest.raises(ConfigError, match="memory"):
+        NiahConfig(memory=0.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -104,9 +105,12 @@ def test_full_kv_bytes_is_what_the_full_cache_holds(arch):
     assert cache.kv_bytes() == full_kv_bytes(model, 60)
     if arch == "gemma3":  # windowed layers: far less than 60 tokens x every layer
         assert full_kv_bytes(model, 60) < 0.5 * 60 * full_kv_bytes(model, 1)
-    # so a 25% budget really evicts: the window policy at that budget keeps fewer tokens than the prompt
-    budget = budgets_for_bytes(model, ["window"], 0.25 * full_kv_bytes(model, 60), 60)["window"]["budget"]
-    assert budget < 60
+    # so a 25% target really evicts: the window policy under it keeps fewer tokens than the prompt
+    held = ConfKVCache.for_model(model, "window", memory=0.25)
+    with torch.no_grad():
+        logits = prefill(model, held, ids, chunk=16)
+    step = held.trace.steps[-1]
+    assert held.kept_counts().max() < 60 and held.kv_bytes() <= step.target_bytes < full_kv_bytes(model, 60)
 
 
 def _small_config(**overrides):
@@ -129,8 +133,8 @@ def test_shared_prefill_and_full_once_match_separate_runs():
     assert _answers(shared) == _answers(separate)
     full = [r for r in shared.records if r.policy == "full"]
     assert {r.computed_in for r in full} == {"query-aware"} and {r.protocol for r in full} == set(PROTOCOLS)
-    # the INT8 entry gets a larger token budget for the same bytes
-    assert shared.budgets["confkv+int8@160"]["n_low"] > shared.budgets["confkv@160"]["n_low"]
+    # the INT8 entry runs under the same target (its INT8 tokens are smaller: it holds more of them)
+    assert shared.budgets["confkv+int8@160"] == shared.budgets["confkv@160"] == {"protect": 4, "memory": 0.25}
 
 
 def test_relative_to_full_uses_the_same_samples():
@@ -171,8 +175,8 @@ def test_resume_skips_done_records_and_never_duplicates(tmp_path):
     again = run_niah_grid(model, tok, bigger, progress=False, resume_path=path)  # nothing left to do
     assert _answers(again) == _answers(second) and len(load_records(path)) == len(keys)
     # another run's settings never resume into this one
-    other = run_niah_grid(model, tok, _small_config(lengths=(120,), policies=("window",)), progress=False,
-                          resume_path=path)  # longest context 120, not 160: other budgets
+    other = run_niah_grid(model, tok, _small_config(lengths=(120,), policies=("window",), memory=0.5),
+                          progress=False, resume_path=path)  # another memory target
     assert all(r.run == run_key(other.config, "") != run_key(bigger, "") for r in other.records)
     assert len(other.records) == 1 * 2 * 2 * 1 * 2
 

@@ -107,9 +107,10 @@ def test_query_aware_protocol_runs_and_differs_from_nothing_when_budget_is_loose
     ("model=tiny-llama,policy=tovaa", "tovaa"),
     ("model=tiny-llama,policy=tova,budgt=64", "budgt"),
     ("model=tiny-llama,policy=confkv,n_hihg=64", "n_hihg"),
-    ("model=tiny-llama,policy=tova,kv_fraction=1.5", "kv_fraction"),
+    ("model=tiny-llama,policy=tova,kv_fraction=0.25", "kv_fraction=0.25: removed .* give memory=F"),
+    ("model=tiny-llama,policy=tova,memory=1.5", "memory=1.5"),
     ("model=tiny-llama,policy=tova,protocol=sideways", "protocol"),
-    ("model=tiny-llama,policy=full,budget=64", "policy=full"),
+    ("model=tiny-llama,policy=full,memory=0.5", "policy=full"),
 ])
 def test_bad_model_args_get_an_error_naming_them(args, named):
     with pytest.raises(ConfigError, match=named):

@@ -116,12 +116,13 @@ def test_a_killed_worker_loses_nothing_and_duplicates_nothing(tmp_path, local_ra
 def test_resuming_through_ray_runs_only_the_missing_units(tmp_path, local_ray, tiny, monkeypatch):
     model, tok = tiny
     path = tmp_path / "niah.jsonl"
-    # one budget for both grids (--budget-tokens): the same run, so the first one's records resume
-    run_niah_grid(model, tok, _config(lengths=(120,), budget_tokens=160), progress=False, resume_path=path)
+    # one memory target for both grids (a fraction of each length's own bytes): the same run, so the
+    # first one's records resume
+    run_niah_grid(model, tok, _config(lengths=(120,)), progress=False, resume_path=path)
     before = path.read_text()
     log = tmp_path / "units.log"
     monkeypatch.setattr(niah_runner, "run_niah_unit", _Logged(log))
-    result = run_niah_grid(model, tok, _config(budget_tokens=160), progress=False, resume_path=path, ray=RAY2,
+    result = run_niah_grid(model, tok, _config(), progress=False, resume_path=path, ray=RAY2,
                            loader=TINY)
     assert path.read_text().startswith(before)  # the records on disk are kept as they were
     ran = [json.loads(line) for line in log.read_text().splitlines()]
@@ -176,9 +177,9 @@ def test_sweep_on_ray_gives_the_in_process_rows(tmp_path, local_ray, tiny):
     from confkv.eval.sweep import SweepConfig, row_key, run_sweep
 
     model, tok = tiny
-    # mean matching: the gated policy's budget needs the full run's confidences (a second batch on the pool)
-    config = SweepConfig(policies=("full", "window", "confkv"), reference_windows=(24,), tokens=50,
-                         model="tiny-llama", match="mean", policy_params={"confkv": {"protect": 4}})
+    # full first, then the others (a second batch on the pool)
+    config = SweepConfig(policies=("full", "window", "confkv"), memory=(0.5,), tokens=50,
+                         model="tiny-llama", policy_params={"confkv": {"protect": 4}})
     run_sweep(config, tmp_path / "local.jsonl", model=model, tokenizer=tok, progress=False)
     remote = run_sweep(config, tmp_path / "ray.jsonl", model=model, tokenizer=tok, progress=False, ray=RAY2,
                        traces_dir=tmp_path / "traces")
@@ -193,7 +194,7 @@ def test_ruler_cli_on_ray_gives_the_in_process_records(tmp_path, local_ray):
     from confkv.cli import main
 
     args = ["ruler", "--model", "tiny-llama", "--lengths", "1024", "--tasks", "fwe", "--policies", "full,tova",
-            "--kv-fractions", "0.25", "--samples", "2", "--chunk", "128", "--no-progress"]
+            "--memory", "0.25", "--samples", "2", "--chunk", "128", "--no-progress"]
     assert main(args + ["--out-dir", str(tmp_path / "local")]) == 0
     assert main(args + ["--out-dir", str(tmp_path / "ray"), "--ray", "--ray-workers", "2"]) == 0
 
@@ -227,7 +228,7 @@ def test_agent_on_ray_gives_the_in_process_records(tmp_path, local_ray, monkeypa
     from confkv.agent.grid import AgentConfig, run_agent_grid
 
     model, tok = _LongTiny()()
-    config = AgentConfig(policies=("full", "window"), tasks=("cart_total-0",), compressions=(3.0,), max_steps=2,
+    config = AgentConfig(policies=("full", "window"), tasks=("cart_total-0",), memory=(1 / 3,), max_steps=2,
                          max_new_tokens=4)
     run_agent_grid(model, tok, config, tmp_path / "local.jsonl", progress=False)
     # agree_full needs full's record: full runs first even when it is the slowest

@@ -11,7 +11,7 @@ from confkv.eval.ruler import RulerConfig, ruler_table, run_ruler_grid, summariz
 from confkv.errors import ConfigError
 
 ARGS = ["ruler", "--model", "tiny-llama", "--lengths", "1024", "--tasks", "fwe", "--policies",
-        "full,tova,streaming+int8", "--kv-fractions", "0.25,0.5", "--samples", "2", "--batch", "2", "--chunk", "128",
+        "full,tova,streaming+int8", "--memory", "0.25,0.5", "--samples", "2", "--batch", "2", "--chunk", "128",
         "--no-progress"]
 
 
@@ -24,17 +24,17 @@ def test_grid_writes_records_table_and_plot_and_resumes(tmp_path, capsys):
     assert {(r["policy"], r["kv_fraction"]) for r in rows} == {
         ("full", 1.0), ("tova", 0.25), ("tova", 0.5), ("streaming+int8", 0.25), ("streaming+int8", 0.5)}
     tova = [r for r in rows if r["policy"] == "tova"]
-    assert all(r["params"]["budget"] < 1024 for r in tova)
-    assert min(r["params"]["budget"] for r in tova if r["kv_fraction"] == 0.25) < \
-        min(r["params"]["budget"] for r in tova if r["kv_fraction"] == 0.5)
+    assert all(r["params"] == {"memory": r["kv_fraction"]} for r in tova)  # the cache holds the target
+    assert max(r["peak_kv_bytes_per_seq"] for r in tova if r["kv_fraction"] == 0.25) < \
+        min(r["peak_kv_bytes_per_seq"] for r in tova if r["kv_fraction"] == 0.5)
     table = (out / "ruler.md").read_text()
-    assert "| policy | KV | fwe | avg | n |" in table
-    assert "| tova | 25% |" in table and (out / "ruler.png").stat().st_size > 0
+    assert "| policy | memory | fwe | avg | n |" in table
+    assert "| tova | 0.25 |" in table and (out / "ruler.png").stat().st_size > 0
     # a second run computes nothing new
     assert main(ARGS + ["--out-dir", str(out)]) == 0
     assert len((out / "ruler.jsonl").read_text().splitlines()) == len(rows)
     assert main(ARGS + ["--out-dir", str(out), "--collect-only"]) == 0
-    assert "| full | 100% |" in capsys.readouterr().out
+    assert "| full | 1 |" in capsys.readouterr().out
     # collecting with another run's settings finds nothing: a clear error, not an empty plot
     assert main(ARGS + ["--out-dir", str(out), "--collect-only", "--dtype", "bfloat16"]) != 0
     assert "has no records of this run (model tiny-llama, --dtype bfloat16" in capsys.readouterr().err
@@ -54,7 +54,9 @@ def test_table_averages_tasks():
 
 @pytest.mark.parametrize("kwargs, named", [({"tasks": ("qa_hotpot",)}, "qa_hotpot"),
                                            ({"policies": ("tovaa",)}, "tovaa"),
-                                           ({"kv_fractions": (0.0,)}, "kv-fractions"),
+                                           ({"memory": (0.0,)}, "--memory"),
+                                           ({"memory": ()}, "--memory"),
+                                           ({"policies": ("confkv-r",)}, "confkv-r at memory 0.25"),
                                            ({"protocol": "sideways"}, "protocol")])
 def test_bad_grid_is_refused_naming_the_field(kwargs, named):
     with pytest.raises((ConfigError, ValueError), match=named):

@@ -3,7 +3,7 @@
 import pytest
 
 from confkv.errors import ConfigError
-from confkv.eval.niah.budgets import _policy_extra, budgets_for_bytes, check_scoped_params, full_kv_bytes
+from confkv.eval.niah.budgets import _policy_extra, check_scoped_params, memory_params
 from confkv.eval.ruler import RulerConfig
 from confkv.models import tiny_model
 
@@ -25,15 +25,24 @@ def test_a_scoped_key_of_a_policy_not_run_or_a_parameter_it_lacks_is_a_clear_err
         RulerConfig(policies=("full", "tova"), extra_params={"confkv-r:budget": 256})
 
 
-def test_a_grid_matches_each_policy_with_its_own_parameters():
+def test_a_grid_gives_each_policy_its_own_parameters_under_the_target():
+    """Scoped keys reach their policy, storage fields their preset, and the cache built from them holds them."""
+    from confkv.hf import ConfKVCache
+
     model = tiny_model("llama")
-    extra = {"confkv-r:budget": 24, "confkv-r:bits": 4, "confkv-r:page_size": 8, "confkv-r:group_size": 8,
-             "confkv-r:protect": 4, "confkv-r:k": 2}
-    target = 0.25 * full_kv_bytes(model, 400)
-    out = budgets_for_bytes(model, ["tova", "confkv-r"], target, 400, extra=extra)
-    assert out["tova"] == {"budget": 100}  # a quarter of 400 tokens at full precision
-    assert out["confkv-r"]["budget"] == 24 and out["confkv-r"]["bits"] == 4
-    assert 100 - 24 < out["confkv-r"]["cold_budget"] < 400  # 4-bit pages: more tokens than the FP bytes buy
+    extra = {"protect": 4, "tova:protect": 6, "tiered:ladder": [8, 4], "tiered:page_size": 8,
+             "tiered:group_size": 8, "kivi_2:hot_tokens": 8}
+    assert memory_params("tova", 0.25, extra) == {"protect": 6, "memory": 0.25}
+    tiered = memory_params("tiered", 0.25, extra)
+    assert tiered == {"protect": 4, "ladder": [8, 4], "page_size": 8, "group_size": 8, "memory": 0.25}
+    cache = ConfKVCache.for_model(model, "tiered", **tiered)
+    assert cache.storage.ladder == (8, 4) and cache.storage.page_size == 8 and cache.policy.protect == 4
+    assert cache.target.memory == 0.25
+    assert ConfKVCache.for_model(model, "kivi-2", **memory_params("kivi-2", 0.25, extra)).storage.hot_tokens == 8
+    with pytest.raises(ConfigError, match="ladder"):
+        memory_params("tiered", 0.25, {"tiered:ladder": [8, 5]})
+    with pytest.raises(ConfigError, match=r"--param tova:ladder: tova has no parameter 'ladder'"):
+        check_scoped_params({"tova:ladder": [8]}, ["tova", "tiered"])
 
 
 def test_the_model_dtype_is_part_of_a_grids_run_key():

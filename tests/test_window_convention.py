@@ -13,11 +13,9 @@ import math
 import pytest
 import torch
 
-from confkv.config import StoreConfig
 from confkv.eval.ppl import streaming_ppl
-from confkv.eval.sweep import BytesModel, reference_bytes, simulate_kv_bytes
+from confkv.tiers.byte_model import KVShape, full_cache_bytes
 from confkv.models import tiny_model
-from confkv.policies import make_policy
 
 TOKENS = 48
 
@@ -61,17 +59,17 @@ def test_benchmark_band_is_the_stated_one():
                            _mask_from_statement(20, budget, sinks))
 
 
-def test_memory_matching_counts_the_budget_at_the_end_of_each_step():
-    """A window of W is W full-precision tokens per layer once the text is longer than W."""
+def test_a_budget_is_counted_at_the_end_of_each_step():
+    """A window of W holds W full-precision tokens per layer once the text is longer than W: at the end
+    of each step exactly the full cache's bytes at min(t + 1, W) tokens (the one byte model)."""
     model = tiny_model("llama")
-    bytes_model = BytesModel.for_model(model)
+    shape = KVShape.of(model)
     per_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads of dim 16, fp32
     layers, window, steps = 2, 10, 30
-    trace = simulate_kv_bytes(make_policy("window", budget=window), bytes_model, steps, StoreConfig())
-    assert trace.tolist() == [layers * per_token * min(t + 1, window) for t in range(steps)]
-    assert reference_bytes(bytes_model, window, steps, "peak") == layers * per_token * window
-    # and the cache measures the same bytes
+    assert shape.token_bytes == per_token and len(shape.sliding_windows) == layers
+    expected = [layers * per_token * min(t + 1, window) for t in range(steps)]
+    assert [full_cache_bytes(shape, min(t + 1, window)) for t in range(steps)] == expected
     ids = torch.randint(0, 250, (1, steps + 1), generator=torch.Generator().manual_seed(2))
     measured = streaming_ppl(model, ids, "window", progress=False, budget=window).trace
-    assert [step.kv_bytes.sum().item() for step in measured.steps] == trace.tolist()
+    assert [step.kv_bytes.sum().item() for step in measured.steps] == expected
     assert math.isclose(measured.peak_kv_bytes(), layers * per_token * window)

@@ -1,11 +1,10 @@
-"""The agent grid: tasks x protocols x policies x memory ratios, resumable, with a progress bar.
+"""The agent grid: tasks x protocols x policies x memory targets, resumable, with a progress bar.
 
-Memory matching (as ``confkv niah`` does it, reusing its helpers): for each task the
-reference is full KV's peak, ``full_kv_bytes(model, T)`` with ``T`` the tokens of the
-expert's whole history (rounded up to 256 tokens); each policy at compression ``c`` gets the budget parameters whose
-predicted peak KV bytes are the largest <= reference / c
-(:func:`confkv.eval.niah.budgets.budgets_for_bytes`). Peak bytes are the trace's (after each
-forward pass's eviction); during a prefill chunk every policy holds up to ``chunk`` more.
+Memory (as every grid sets it): each policy (or preset: ``tiered``, ``kivi-4``, ``kivi-2``) runs
+at each ``memory`` fraction, the cache holding that fraction of the full cache's bytes at the
+end of every forward pass (during a prefill chunk it holds up to ``chunk`` more). Records keep
+``memory`` and ``compression = 1 / memory``, and ``full_peak_reference``: the full cache's
+bytes for the expert's whole history (``full_kv_bytes(model, T)``).
 
 Resuming: each finished episode appends one record to ``<out-dir>/agent.jsonl``
 (:mod:`confkv.eval.jsonl`); records of the same run already there are skipped. ``full``
@@ -31,7 +30,6 @@ from confkv.progress import progress as show_progress
 if TYPE_CHECKING:
     from confkv.eval.ray_grid import RayOptions
 
-_ROUND = 256
 DEFAULT_POLICIES = ("full", "window", "streaming", "h2o", "tova", "confkv", "confkv+int8")
 
 
@@ -39,7 +37,9 @@ DEFAULT_POLICIES = ("full", "window", "streaming", "h2o", "tova", "confkv", "con
 class AgentConfig:
     policies: tuple[str, ...] = DEFAULT_POLICIES
     protocols: tuple[str, ...] = PROTOCOLS
-    compressions: tuple[float, ...] = (2.8, 4.0)  # full peak KV bytes / policy peak KV bytes
+    #: memory targets: fractions in (0, 1] of the full cache's bytes, held by the cache at every step
+    #: (compression ``1 / memory``; 0.36 and 0.25 are the earlier grids' compressions 2.8 and 4)
+    memory: tuple[float, ...] = (0.36, 0.25)
     tasks: tuple[str, ...] = ()  # task ids or template names (empty: all)
     limit: int | None = None  # the first N selected tasks
     seed: int = 0
@@ -48,12 +48,8 @@ class AgentConfig:
     max_steps: int | None = None  # cap on steps per episode (None: the whole trajectory)
     extra_steps: int = 5  # closed loop: expert length + this many steps
     fp_window: int = 128
-    ratio: float = 0.5  # n_high / n_low of the gated policies
     extra_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the model's dtype (recorded in the run key; the caller loads the model)
-    #: True: each compression ``c`` is a memory target ``memory = 1 / c`` the cache holds at every step
-    #: (policies may be presets: tiered, kivi-4, kivi-2), not budgets matched offline
-    memory_target: bool = False
 
     def __post_init__(self) -> None:
         from confkv.eval.niah.config import parse_spec
@@ -63,11 +59,16 @@ class AgentConfig:
             raise ValueError(f"protocols: unknown {bad[0]!r}; choose from {PROTOCOLS}")
         for spec in self.policies:
             parse_spec(spec)
-        from confkv.eval.niah.budgets import check_scoped_params
+        from confkv.eval.niah.budgets import check_scoped_params, memory_params
 
         check_scoped_params(self.extra_params, self.policies)
-        if any(c < 1 for c in self.compressions):
-            raise ValueError(f"compressions must be >= 1 (full bytes / policy bytes), got {self.compressions}")
+        if not self.memory or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
+                                  for f in self.memory):
+            raise ValueError(f"memory must be fractions of the full cache's bytes in (0, 1], e.g. 0.36,0.25; "
+                             f"got {self.memory}")
+        for spec in self.policies:  # a policy that cannot run under a target fails here, before any model
+            for fraction in self.memory:
+                memory_params(parse_spec(spec)[0], fraction, self.extra_params)
         for name in ("chunk", "max_new_tokens", "max_steps", "limit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -91,9 +92,7 @@ def run_key(config: AgentConfig, model_name: str) -> str:
     """Settings shared by every record of one grid (another run never resumes into it)."""
     parts = {"model": model_name, "seed": config.seed, "chunk": config.chunk, "max_new_tokens": config.max_new_tokens,
              "max_steps": config.max_steps, "extra_steps": config.extra_steps, "fp_window": config.fp_window,
-             "ratio": config.ratio, "extra": config.extra_params, "dtype": config.dtype}
-    if config.memory_target:  # absent otherwise: the keys of earlier grids stay as they were
-        parts["memory_target"] = True
+             "extra": config.extra_params, "dtype": config.dtype, "memory_target": True}
     return json.dumps(parts, sort_keys=True)
 
 
@@ -104,13 +103,13 @@ def _store(spec: str, config: AgentConfig) -> StoreConfig:
 
 
 def _units(config: AgentConfig, tasks: list[Task]) -> list[tuple[Task, str, str, float]]:
-    """(task, protocol, policy, compression): full first (compression 1), task-major."""
+    """(task, protocol, policy, memory): full first (memory 1), task-major."""
     units = []
     for task in tasks:
         for protocol in config.protocols:
             if "full" in config.policies:
                 units.append((task, protocol, "full", 1.0))
-            units += [(task, protocol, spec, c) for c in config.compressions for spec in config.policies
+            units += [(task, protocol, spec, float(f)) for f in config.memory for spec in config.policies
                       if spec != "full"]
     return units
 
@@ -122,15 +121,16 @@ def _agreement(a: list[str], b: list[str]) -> float | None:
 
 @dataclass(frozen=True)
 class AgentUnit:
-    """One episode of the grid: task ``tid`` of world ``seed`` x protocol x policy spec x compression.
+    """One episode of the grid: task ``tid`` of world ``seed`` x protocol x policy spec x memory target.
 
-    ``params`` are the policy's matched budgets; ``reference`` full KV's peak bytes for the task.
+    ``params`` are the cache's parameters (``memory`` among them); ``reference`` the full cache's
+    bytes for the expert's whole history.
     """
 
     tid: str
     protocol: str
     spec: str
-    compression: float
+    memory: float
     params: dict[str, Any]
     reference: float
     expert_tokens: int
@@ -144,7 +144,7 @@ class AgentUnit:
 
     @property
     def key(self) -> tuple:
-        return (self.tid, self.protocol, self.spec, float(self.compression))
+        return (self.tid, self.protocol, self.spec, float(self.memory))
 
 
 _WORLDS: dict[int, tuple[Any, dict[str, Task]]] = {}
@@ -172,7 +172,8 @@ def run_agent_unit(model: Any, tokenizer: Any, unit: AgentUnit) -> list[dict[str
                           max_steps=unit.max_steps, extra_steps=unit.extra_steps,
                           fmt=ChatFormat.for_tokenizer(tokenizer))
     row = {"run": unit.run, "task": task.tid, "template": task.template, "info_early": task.info_early,
-           "protocol": unit.protocol, "policy": unit.spec, "compression": float(unit.compression),
+           "protocol": unit.protocol, "policy": unit.spec, "memory": float(unit.memory),
+           "compression": 1.0 / float(unit.memory),
            "params": unit.params, "full_peak_reference": unit.reference, "expert_tokens": unit.expert_tokens,
            **episode.to_dict()}
     if unit.protocol == "teacher-forced":
@@ -189,7 +190,7 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
     :class:`~confkv.eval.ray_grid.ModelSpec`): the ``full`` episodes first, then the others
     (their ``agree_full`` needs full's record); only this process writes ``out_path``.
     """
-    from confkv.eval.niah.budgets import budgets_for_bytes, full_kv_bytes
+    from confkv.eval.niah.budgets import full_kv_bytes, memory_params
     from confkv.eval.niah.config import parse_spec
 
     if ray is not None and loader is None:
@@ -200,30 +201,17 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
     records: dict[tuple, dict[str, Any]] = {}
     for row in load_rows(out_path):
         if row.get("run") == run:
-            records.setdefault((row["task"], row["protocol"], row["policy"], float(row["compression"])), row)
+            records.setdefault((row["task"], row["protocol"], row["policy"], float(row["memory"])), row)
     fmt = ChatFormat.for_tokenizer(tokenizer)
     history: dict[str, int] = {}
-    budgets: dict[tuple, dict[str, Any]] = {}
 
-    def unit_for(task: Task, protocol: str, spec: str, compression: float) -> AgentUnit:
+    def unit_for(task: Task, protocol: str, spec: str, memory: float) -> AgentUnit:
         if task.tid not in history:
             history[task.tid] = expert_history_tokens(tokenizer, world, task, fmt, config.max_steps)
-        tokens = -(-history[task.tid] // _ROUND) * _ROUND  # budgets per 256-token bucket (matching is slow)
-        reference = full_kv_bytes(model, tokens)
-        name, _ = parse_spec(spec)
-        store = _store(spec, config)
-        if (spec, compression, tokens) not in budgets and config.memory_target:  # the cache holds the target
-            from confkv.eval.niah.budgets import _policy_extra
-
-            budgets[(spec, compression, tokens)] = {} if spec == "full" else {
-                **_policy_extra(name, config.extra_params), "memory": 1.0 / compression}
-        if (spec, compression, tokens) not in budgets:
-            budgets[(spec, compression, tokens)] = {} if spec == "full" else budgets_for_bytes(
-                model, [name], reference / compression, tokens, store=store, ratio=config.ratio,
-                extra=config.extra_params)[name]
-        return AgentUnit(tid=task.tid, protocol=protocol, spec=spec, compression=float(compression),
-                         params=budgets[(spec, compression, tokens)], reference=reference,
-                         expert_tokens=history[task.tid], seed=config.seed, store=store, chunk=config.chunk,
+        return AgentUnit(tid=task.tid, protocol=protocol, spec=spec, memory=float(memory),
+                         params=memory_params(parse_spec(spec)[0], memory, config.extra_params),
+                         reference=full_kv_bytes(model, history[task.tid]), expert_tokens=history[task.tid],
+                         seed=config.seed, store=_store(spec, config), chunk=config.chunk,
                          max_new_tokens=config.max_new_tokens, max_steps=config.max_steps,
                          extra_steps=config.extra_steps, run=run)
 
@@ -235,12 +223,12 @@ def run_agent_grid(model: Any, tokenizer: Any, config: AgentConfig, out_path: st
             row["agree_full"] = _agreement([s["predicted"] for s in row["steps"]],
                                            [s["predicted"] for s in full["steps"]]) if full else None
         append_row(out_path, row)
-        records[(row["task"], row["protocol"], row["policy"], float(row["compression"]))] = row
+        records[(row["task"], row["protocol"], row["policy"], float(row["memory"]))] = row
 
     todo = [u for u in (_units(config, tasks) if compute else []) if (u[0].tid, u[1], u[2], float(u[3])) not in records]
     if ray is None:
-        for task, protocol, spec, compression in show_progress(todo, desc="agent", enabled=progress, leave=True):
-            land(run_agent_unit(model, tokenizer, unit_for(task, protocol, spec, compression)))
+        for task, protocol, spec, memory in show_progress(todo, desc="agent", enabled=progress, leave=True):
+            land(run_agent_unit(model, tokenizer, unit_for(task, protocol, spec, memory)))
     elif todo:
         from confkv.eval.ray_grid import RayGrid, WorkUnit
 
@@ -263,7 +251,8 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for (protocol, policy, compression), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         pairs = [(r, full.get((r["task"], protocol))) for r in rs]
-        row: dict[str, Any] = {"protocol": protocol, "policy": policy, "compression": compression, "tasks": len(rs),
+        row: dict[str, Any] = {"protocol": protocol, "policy": policy, "compression": compression,
+                               "memory": 1.0 / compression, "tasks": len(rs),
                                "peak_kv_bytes": sum(r["peak_kv_bytes"] for r in rs) / len(rs),
                                "mean_kv_bytes": sum(r["mean_kv_bytes"] for r in rs) / len(rs),
                                "peak_vs_full": _mean([f["peak_kv_bytes"] / r["peak_kv_bytes"] for r, f in pairs if f]),
@@ -298,7 +287,7 @@ def summary_lines(rows: list[dict[str, Any]]) -> list[str]:
         score = (f"agree(expert) {f(r['agree_expert'])}  vs full {f(r['agree_expert_vs_full'])}  "
                  f"agree(full) {f(r['agree_full'])}") if r["protocol"] == "teacher-forced" else \
             f"success {f(r['success'])}  vs full {f(r['success_vs_full'])}"
-        lines.append(f"{r['protocol']:14s} {r['policy']:12s} x{r['compression']:<4g} n={r['tasks']:3d}  {score}  "
+        lines.append(f"{r['protocol']:14s} {r['policy']:12s} memory {r['memory']:<6.3g} n={r['tasks']:3d}  {score}  "
                      f"peak {r['peak_kv_bytes'] / 1e6:.2f} MB (full/peak {f(r['peak_vs_full'])})  "
                      f"mean {r['mean_kv_bytes'] / 1e6:.2f} MB  {r['seconds']:.0f}s/task")
     return lines

@@ -64,7 +64,7 @@ def lost_values(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _label(policy: str, compression: float) -> str:
-    return "full" if policy == "full" else f"{policy} x{compression:g}"
+    return "full" if policy == "full" else f"{policy} x{compression:.3g}"
 
 
 def teacher_forced_views(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def agent_markdown(summary: list[dict[str, Any]], records: list[dict[str, Any]],
               "success vs full | peak KV MB | full / peak | mean KV MB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
-        lines.append(f"| {r['protocol']} | {r['policy']} | {r['compression']:g} | {r['tasks']} | "
+        lines.append(f"| {r['protocol']} | {r['policy']} | {r['compression']:.3g} | {r['tasks']} | "
                      f"{_f(r.get('agree_expert'), 3)} | {_f(r.get('agree_expert_vs_full'))} | "
                      f"{_f(r.get('agree_full'), 3)} | {_f(r.get('success'), 3)} | {_f(r.get('success_vs_full'))} | "
                      f"{r['peak_kv_bytes'] / 1e6:.1f} | {_f(r.get('peak_vs_full'))} | {r['mean_kv_bytes'] / 1e6:.1f} |")

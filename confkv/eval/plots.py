@@ -48,12 +48,13 @@ def trace_from_dict(data: dict) -> MemoryTrace:
     from confkv.trace import StepRecord
 
     trace = MemoryTrace()
-    for seen, conf, budget, kept, kv in zip(data["seen"], data["confidence"], data["budget"], data["kept"],
-                                            data["kv_bytes"]):
+    targets = data.get("target_bytes") or [None] * len(data["seen"])  # traces made before memory targets: none
+    for seen, conf, budget, kept, kv, target in zip(data["seen"], data["confidence"], data["budget"], data["kept"],
+                                                    data["kv_bytes"], targets):
         trace.record(StepRecord(confidence=torch.tensor(conf, dtype=torch.float32),
                                 budget=torch.tensor(budget_from_json(budget), dtype=torch.int64),
                                 kept=torch.tensor(kept, dtype=torch.int64),
-                                kv_bytes=torch.tensor(kv, dtype=torch.int64), seen=int(seen)))
+                                kv_bytes=torch.tensor(kv, dtype=torch.int64), seen=int(seen), target_bytes=target))
     return trace
 
 
@@ -62,15 +63,16 @@ def plot_ppl_at_memory(rows: list[dict], path: str | Path, title: str = "", memo
 
     Memory-matched runs all sit at (almost) the same memory, and full KV needs several times
     more, so a perplexity-vs-memory scatter puts every policy on one vertical line. Here each
-    panel is one memory size (``reference_window`` and ``match`` of the sweep rows): one row
+    panel is one memory size (``memory`` of the sweep rows; ``reference_window`` and ``match`` of
+    rows made before memory targets): one row
     per run, sorted by perplexity (best on top), labelled with its PPL and its ``memory``
     (MB, all layers); full KV is the dashed line, with its own memory. Panels are stacked. The perplexity axis is
     linear and starts at full KV; a run whose excess over full KV is more than 3x the panel's
     median excess (the plain sliding window, typically) is drawn at the right edge with its value,
     so it cannot squeeze the differences the tables discuss into a few pixels.
 
-    ``rows`` are sweep rows (``policy``, ``kv_int8``, ``ppl``, ``memory``, ``reference_window``,
-    ``match`` keys).
+    ``rows`` are sweep rows (``policy``, ``kv_int8``, ``ppl``, the ``memory`` argument's key, and
+    ``memory`` or ``reference_window`` and ``match``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +80,9 @@ def plot_ppl_at_memory(rows: list[dict], path: str | Path, title: str = "", memo
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r not in full:
-            groups.setdefault((r.get("reference_window") or 0, r.get("match") or ""), []).append(r)
-    keys = sorted(groups, key=lambda k: (-k[0], k[1]))
+            groups.setdefault((r.get("reference_window") or 0, r.get("match") or "", r.get("memory") or 0.0),
+                              []).append(r)
+    keys = sorted(groups, key=lambda k: (-k[0], k[1], -k[2]))
     names = sorted({r["policy"] for r in rows})
     cmap = plt.get_cmap("tab10")
     sizes = [max(2, len(groups[k])) for k in keys] or [2]
@@ -87,8 +90,9 @@ def plot_ppl_at_memory(rows: list[dict], path: str | Path, title: str = "", memo
                              gridspec_kw={"height_ratios": sizes})
     for ax, key in zip(axes[:, 0], keys):
         _ppl_panel(ax, sorted(groups[key], key=lambda r: -r["ppl"]), full[0] if full else None, memory, names, cmap)
-        window, match = key
-        ax.set_title(f"memory of a {window}-token FP window ({match}-matched)" if window else "runs", fontsize=9)
+        window, match, fraction = key
+        ax.set_title(f"memory of a {window}-token FP window ({match}-matched)" if window else
+                     f"memory target {fraction:.1%} of the full cache's bytes" if fraction else "runs", fontsize=9)
     if not keys:
         axes[0][0].set_axis_off()
     if title:

@@ -45,37 +45,50 @@ def _load_json(path: Path) -> Any:
 
 def _sweep_section(path: Path, base: Path, assets: Path) -> list[str]:
     from confkv.eval.plots import plot_ppl_at_memory, plot_trace, trace_from_dict
-    from confkv.eval.sweep import gap_table, load_rows
+    from confkv.eval.sweep import gap_table, load_rows, memory_size
 
     rows = [r for r in load_rows(path) if "ppl" in r and "policy" in r]
     if not rows:
         return []
     slug = _rel(path, base).replace("/", "_").removesuffix(".jsonl")
     first = rows[0]
+
+    def size_text(size: tuple[str, float] | None) -> str:
+        if size is None:
+            return "-"
+        return f"{size[1]:.1%}" if size[0] == "memory" else f"{size[1]:g}-token window"
+
+    def size_order(r: dict) -> tuple:
+        size = memory_size(r)
+        return (size is not None, size[0] if size else "", -(size[1] if size else 0))
+
+    how = ("each cache held the row's `memory` (a fraction of the full cache's bytes) at the end of every step; "
+           "`max share` = the largest bytes / target over the steps" if any(r.get("memory") for r in rows) else
+           f"memory matched offline on **{first.get('match')}** KV bytes against full-precision sliding windows "
+           "(before memory targets); `match error` = measured / target - 1")
     lines = [f"### Sweep `{_rel(path, base)}`", "",
-             f"Model `{first.get('model')}`, corpus `{first.get('corpus')}`, {first.get('tokens')} tokens, "
-             f"memory matched on **{first.get('match')}** KV bytes against full-precision sliding windows. "
-             f"`match error` = measured / target - 1.", ""]
+             f"Model `{first.get('model')}`, corpus `{first.get('corpus')}`, {first.get('tokens')} tokens; {how}.", ""]
     full = {bool(r.get("kv_int8")): r["ppl"] for r in rows if r["policy"] == "full"}
     table = []
-    for r in sorted(rows, key=lambda r: (-(r.get("reference_window") or 10**9), bool(r.get("kv_int8")), r["ppl"])):
-        table.append([r["policy"], "INT8" if r.get("kv_int8") else "FP", r.get("reference_window") or "-",
+    for r in sorted(rows, key=lambda r: (size_order(r), bool(r.get("kv_int8")), r["ppl"])):
+        share = r.get("max_target_share") if r.get("memory") else r.get("match_error")
+        table.append([r["policy"], "INT8" if r.get("kv_int8") else "FP", size_text(memory_size(r)),
                       json.dumps(r.get("params", {}), sort_keys=True), r["ppl"],
                       r["peak_kv_bytes"] / 1e6, r["mean_kv_bytes"] / 1e6,
-                      r["match_error"] if r.get("match_error") is not None else float("nan"),
+                      share if share is not None else float("nan"),
                       r["ppl"] - full.get(False, float("nan"))])
-    lines += _table(["policy", "KV", "ref window", "params", "PPL", "peak MB", "mean MB", "match error",
-                     "PPL - full"], table)
+    lines += _table(["policy", "KV", "memory", "params", "PPL", "peak MB", "mean MB",
+                     "max share" if any(r.get("memory") for r in rows) else "match error", "PPL - full"], table)
     gaps = gap_table(rows)
     if gaps:
         lines += ["Gap closure at the same memory: `drop vs window` = PPL(window) - PPL; the share of the "
                   "window-to-full and StreamingLLM-to-full perplexity gaps closed (100% = full KV, 0% = no better "
                   "than the baseline, negative = worse).", ""]
-        gaps.sort(key=lambda g: (-g["reference_window"], -g["streaming_gap_closed"]))
-        lines += _table(["ref window", "policy", "KV", "PPL", "drop vs window", "window-to-full gap closed",
+        gaps.sort(key=lambda g: (g["memory_kind"], -g["memory"], -g["streaming_gap_closed"]))
+        lines += _table(["memory", "policy", "KV", "PPL", "drop vs window", "window-to-full gap closed",
                          "streaming-to-full gap closed"],
-                        [[g["reference_window"], g["policy"], "INT8" if g["kv_int8"] else "FP", g["ppl"],
-                          g["drop_vs_window"], f"{100 * g['window_gap_closed']:.1f}%",
+                        [[size_text((g["memory_kind"], g["memory"])), g["policy"], "INT8" if g["kv_int8"] else "FP",
+                          g["ppl"], g["drop_vs_window"], f"{100 * g['window_gap_closed']:.1f}%",
                           f"{100 * g['streaming_gap_closed']:.1f}%"] for g in gaps])
     for memory in ("mean_kv_bytes", "peak_kv_bytes"):
         png = plot_ppl_at_memory(rows, assets / f"{slug}_ppl_at_{memory.split('_')[0]}_memory.png",
@@ -90,7 +103,8 @@ def _sweep_section(path: Path, base: Path, assets: Path) -> list[str]:
             data = _load_json(trace_path) if trace_path.exists() else None
             if data and "trace" in data:
                 png = plot_trace(trace_from_dict(data["trace"]),
-                                 assets / f"{slug}_trace_{r['policy']}_{r.get('reference_window')}_{int(bool(r.get('kv_int8')))}.png",
+                                 assets / f"{slug}_trace_{r['policy']}_{'_'.join(map(str, memory_size(r) or ('full',)))}_"
+                                          f"{int(bool(r.get('kv_int8')))}.png",
                                  title=f"{r['policy']} {json.dumps(r.get('params'))} int8={r.get('kv_int8')}: "
                                        f"PPL {r['ppl']:.2f}")
                 lines += [f"Sawtooth trace, {r['policy']} {json.dumps(r.get('params'))}"
@@ -119,15 +133,23 @@ def _ppl_section(files: list[tuple[Path, dict]], base: Path, assets: Path) -> li
     return lines
 
 
+def _niah_memory(config: dict) -> str:
+    """How a NIAH grid set memory: a target the cache held, or (grids made before it) a matched budget."""
+    if "budget_fraction" not in config:
+        return (f"each cache held {config['memory']:.1%} of the full cache's bytes at the end of every step "
+                "(a memory target)")
+    return (f"budget {config['budget_fraction']:.0%} of the full KV bytes of "
+            + (f"{config['budget_tokens']} tokens" if config.get("budget_tokens") else f"the {config['budget_of']} context")
+            + " (matched offline, before the memory target)")
+
+
 def _niah_section(path: Path, data: dict, base: Path, assets: Path) -> list[str]:
     from confkv.eval.niah import plot_niah
 
     config = data["config"]
     lines = [f"### NIAH `{_rel(path, base)}`", "",
              f"Model `{data.get('model')}`, haystack `{config['haystack']}`, lengths {config['lengths']}, "
-             f"depths {config['depths']}, {config['trials']} trial(s); budget {config['budget_fraction']:.0%} of the "
-             f"full KV bytes of "
-             + (f"{config['budget_tokens']} tokens" if config.get("budget_tokens") else f"the {config['budget_of']} context")
+             f"depths {config['depths']}, {config['trials']} trial(s); " + _niah_memory(config)
              + ". Exact match of the first number generated; `vs full` = accuracy / full-KV accuracy on the same "
              "samples; `n` = generations scored.", ""]
     table = []

@@ -1,15 +1,15 @@
-"""``confkv ruler``: RULER tasks x lengths x policies x KV fractions, resumable, with a table and a plot.
+"""``confkv ruler``: RULER tasks x lengths x policies x memory targets, resumable, with a table and a plot.
 
 Samples come from :mod:`confkv.eval.ruler_tasks` (offline, deterministic); each is answered
 by :func:`confkv.hf.protocols.generate_compressed` (the streaming protocol by default: the
 prompt is prefilled in chunks evicted as they arrive, then greedy decoding with RULER's
 ``tokens_to_generate``) and scored by RULER's metric (:mod:`confkv.eval.ruler_score`).
 
-Budget: ``kv_fraction`` x the full-precision KV bytes of the task length (prompt +
-generation, RULER's ``max_seq_length``), matched per policy by
-:func:`confkv.eval.niah.budgets_for_bytes` (peak bytes; an INT8 store keeps more tokens;
-gated policies get ``n_low`` at the budget and ``n_high = ratio * n_low``). ``full`` runs
-once per sample, at fraction 1.
+Memory: each policy (or preset: ``tiered``, ``kivi-4``, ``kivi-2``) runs at each ``memory``
+fraction, the cache holding that fraction of the full cache's bytes at the end of every step
+(of the length fed so far: under the query-aware protocol the prompt is prefilled without
+eviction, then brought to the fraction of its bytes in one step). Records keep the fraction in
+``kv_fraction``. ``full`` runs once per sample, at fraction 1.
 
 Resuming: every finished batch appends its records to ``<out-dir>/ruler.jsonl``; records of
 the same run already there are skipped.
@@ -42,7 +42,8 @@ class RulerConfig:
     tasks: tuple[str, ...] = DEFAULT_TASKS
     lengths: tuple[int, ...] = (4096,)
     policies: tuple[str, ...] = ("full", "streaming", "tova", "confkv")
-    kv_fractions: tuple[float, ...] = (0.25, 0.5)
+    #: memory targets: fractions in (0, 1] of the full cache's bytes, held by the cache at every step
+    memory: tuple[float, ...] = (0.25, 0.5)
     samples: int = 3
     first_sample: int = 0
     seed: int = 0
@@ -51,12 +52,8 @@ class RulerConfig:
     query_window: int = 64
     batch: int = 1
     fp_window: int = 128
-    ratio: float = 0.5
     extra_params: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"  # the model's dtype (recorded in the run key; the caller loads the model)
-    #: True: each kv fraction is a memory target the cache holds at every step (``memory=``), not a budget
-    #: matched offline; policies may be presets (tiered, kivi-4, kivi-2)
-    memory_target: bool = False
 
     def __post_init__(self) -> None:
         from confkv.hf.protocols import PROTOCOLS
@@ -67,15 +64,20 @@ class RulerConfig:
                               f"(QA is not available offline: no local QA source)")
         if self.protocol not in PROTOCOLS:
             raise ConfigError(f"--protocol {self.protocol!r}: choose one of {', '.join(PROTOCOLS)}")
-        if any(not 0 < f <= 1 for f in self.kv_fractions):
-            raise ConfigError(f"--kv-fractions {list(self.kv_fractions)}: each must be in (0, 1]")
+        if not self.memory or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1
+                                  for f in self.memory):
+            raise ConfigError(f"--memory {list(self.memory)}: give fractions of the full cache's bytes, each in "
+                              "(0, 1], e.g. 0.25,0.125")
         if self.samples < 1 or self.batch < 1 or self.first_sample < 0:
             raise ConfigError("--samples and --batch must be >= 1, --first-sample >= 0")
         for spec in self.policies:
             parse_policy_spec(spec)
-        from confkv.eval.niah.budgets import check_scoped_params
+        from confkv.eval.niah.budgets import check_scoped_params, memory_params
 
         check_scoped_params(self.extra_params, self.policies)
+        for spec in self.policies:  # a policy that cannot run under a target fails here, before any model
+            for fraction in self.memory:
+                memory_params(parse_policy_spec(spec)[0], fraction, self.extra_params)
 
 
 @dataclass
@@ -84,7 +86,7 @@ class RulerRecord:
     length: int
     index: int
     policy: str  # spec, e.g. "confkv+int8"
-    kv_fraction: float  # 1.0 for full
+    kv_fraction: float  # the memory target (a fraction of the full cache's bytes); 1.0 for full
     score: float  # RULER metric in [0, 1]
     generated: str
     outputs: list[str]
@@ -106,10 +108,8 @@ def parse_policy_spec(spec: str) -> tuple[str, bool]:
 def run_key(config: RulerConfig, model_name: str) -> str:
     parts = {"model": model_name, "seed": config.seed, "protocol": config.protocol, "chunk": config.chunk,
              "query_window": config.query_window if config.protocol == "query-aware" else None,
-             "fp_window": config.fp_window, "ratio": config.ratio, "extra": config.extra_params,
-             "dtype": config.dtype, "version": RULER_VERSION}
-    if config.memory_target:  # absent otherwise: the keys of earlier grids stay as they were
-        parts["memory_target"] = True
+             "fp_window": config.fp_window, "extra": config.extra_params,
+             "dtype": config.dtype, "version": RULER_VERSION, "memory_target": True}
     return json.dumps(parts, sort_keys=True)
 
 
@@ -118,19 +118,19 @@ def record_key(r: dict[str, Any]) -> tuple:
 
 
 def _cells(config: RulerConfig) -> list[tuple[str, float]]:
-    """(policy spec, kv fraction) pairs: ``full`` once at 1.0, the others at each fraction."""
+    """(policy spec, memory) pairs: ``full`` once at 1.0, the others at each memory target."""
     cells = []
     for spec in config.policies:
         if parse_policy_spec(spec)[0] == "full":
             cells.append((spec, 1.0))
         else:
-            cells.extend((spec, float(f)) for f in config.kv_fractions)
+            cells.extend((spec, float(f)) for f in config.memory)
     return cells
 
 
 @dataclass(frozen=True)
 class RulerUnit:
-    """One unit of the grid: a batch of samples of one task and length x one policy at one KV fraction."""
+    """One unit of the grid: a batch of samples of one task and length x one policy at one memory target."""
 
     task: str
     length: int
@@ -181,7 +181,8 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
     ``ray``: run the units on Ray actors that each load the model with ``loader`` (a
     :class:`~confkv.eval.ray_grid.ModelSpec`); only this process writes ``resume_path``.
     """
-    from confkv.eval.niah import budgets_for_bytes, check_niah_positions, full_kv_bytes
+    from confkv.eval.niah import check_niah_positions
+    from confkv.eval.niah.budgets import memory_params
 
     if ray is not None and loader is None:
         raise ValueError("run_ruler_grid: ray needs loader (a ModelSpec naming the same model)")
@@ -193,23 +194,10 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
             if row.get("run") == run:
                 done.setdefault(record_key(row), RulerRecord(**row))
     cells = _cells(config)
-    budgets: dict[tuple[str, float, int], dict[str, Any]] = {}
 
-    def budget(spec: str, fraction: float, length: int) -> dict[str, Any]:
-        """The policy's parameters at ``fraction`` of the full KV bytes of ``length`` tokens (memoized)."""
-        if (spec, fraction, length) not in budgets:
-            name, int8 = parse_policy_spec(spec)
-            store = StoreConfig(kv_int8=int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
-            if config.memory_target:  # the cache holds the target itself: nothing to match
-                from confkv.eval.niah.budgets import _policy_extra
-
-                budgets[(spec, fraction, length)] = {} if name == "full" else {
-                    **_policy_extra(name, config.extra_params), "memory": fraction}
-                return budgets[(spec, fraction, length)]
-            budgets[(spec, fraction, length)] = {} if name == "full" else budgets_for_bytes(
-                model, [name], fraction * full_kv_bytes(model, length), length, store=store, ratio=config.ratio,
-                extra=config.extra_params)[name]
-        return budgets[(spec, fraction, length)]
+    def budget(spec: str, fraction: float) -> dict[str, Any]:
+        """The cache parameters of ``spec`` under the memory target ``fraction`` (none for ``full``)."""
+        return memory_params(parse_policy_spec(spec)[0], fraction, config.extra_params)
     indices = list(range(config.first_sample, config.first_sample + config.samples))
     units = [(begin, length, task, spec, fraction)
              for begin in range(0, len(indices), config.batch)
@@ -229,7 +217,7 @@ def run_ruler_grid(model: Any, tokenizer: Any, config: RulerConfig, *, model_nam
                 samples[(task, length, i)] = make_ruler_sample(task, tokenizer, length, i, seed=config.seed)
             batch.append(samples[(task, length, i)])
         work.append(RulerUnit(task=task, length=length, spec=spec, fraction=fraction, samples=tuple(batch),
-                              params=budget(spec, fraction, length), fp_window=config.fp_window,
+                              params=budget(spec, fraction), fp_window=config.fp_window,
                               protocol=config.protocol, chunk=config.chunk, query_window=config.query_window,
                               run=run))
 
@@ -286,12 +274,12 @@ def ruler_table(records: Sequence[RulerRecord | dict[str, Any]], tasks: Sequence
         full = [k for k in keys if parse_policy_spec(k[1])[0] == "full"]
         keys = full + sorted((k for k in keys if k not in full), key=lambda k: (k[2], k[1]))
         lines += [f"**{length} tokens** (RULER score 0-100, mean over samples; n = samples per task)", "",
-                  "| policy | KV | " + " | ".join(tasks) + " | avg | n |",
+                  "| policy | memory | " + " | ".join(tasks) + " | avg | n |",
                   "|---|---:|" + "---:|" * len(tasks) + "---:|---:|"]
         for key in keys:
             s = summary[key]
             cells = " | ".join("-" if t not in s else f"{s[t]:.1f}" for t in tasks)
-            lines.append(f"| {key[1]} | {key[2]:.0%} | {cells} | {s['avg']:.1f} | {s['n']} |")
+            lines.append(f"| {key[1]} | {key[2]:.3g} | {cells} | {s['avg']:.1f} | {s['n']} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -314,7 +302,7 @@ def plot_ruler(records: Sequence[RulerRecord | dict[str, Any]], path: str | Path
             else:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=spec)
         ax.set_title(f"RULER, {length} tokens")
-        ax.set_xlabel("KV fraction of full")
+        ax.set_xlabel("memory target (fraction of the full cache's bytes)")
         ax.set_ylabel("average score (0-100)")
         ax.set_ylim(-2, 102)
         ax.legend(fontsize=7)

@@ -2,8 +2,11 @@
 
 What it checks, through the whole run:
 
-- the KV bytes the cache holds (its exact accounting, ``cache.kv_bytes()``) never exceed an
-  analytic upper bound of the configuration (``kv_bound_bytes`` below);
+- the KV bytes the cache holds (its exact accounting, the trace's ``kv_bytes``) never exceed the
+  memory target it runs under (``--max-kv-bytes N``, a cap: what a stream that never ends wants;
+  or ``--memory F``, a fraction of the full cache's bytes at the current length) at the end of
+  any step: the target itself is the bound, each step's from the cache's own plan
+  (``StepRecord.target_bytes``), nothing is predicted;
 - the process RSS (``/proc/self/statm``) stays flat after a warm-up;
 - the number of Python objects tracked by the garbage collector (``len(gc.get_objects())``
   after a ``gc.collect()``) does not grow after the warm-up.
@@ -30,8 +33,10 @@ this script copies each step's numbers into preallocated NumPy arrays and clears
 Usage (the recorded run, ``results/soak/``)::
 
     OMP_NUM_THREADS=1 .venv/bin/python -m confkv.eval.soak --tokens 20000 --threads 1 \\
-        --policy confkv --param n_high=256 --param n_low=512 --param tau=0.6 --param smoothing=0.95 \\
-        --int8 --fp-window 128 --out results/soak
+        --policy tiered --max-kv-bytes 24000000 --out results/soak
+
+(``results/soak/`` was recorded before memory targets, against an analytic bound of the
+policy's budgets; see its README.)
 
 Exit status 0 when all three checks pass, 1 otherwise.
 """
@@ -65,26 +70,15 @@ def object_count() -> int:
     return len(gc.get_objects())
 
 
-def kv_bound_bytes(policy, store, bytes_model) -> int:
-    """An upper bound on the KV bytes the cache may hold after any step.
+def within_target(kv: np.ndarray, target: np.ndarray) -> tuple[bool, int, float]:
+    """(every step with a target holds at most it, steps over it, the largest bytes / target).
 
-    Per managed layer a sequence keeps at most ``max_budget`` tokens (the policy's largest
-    budget). With INT8, at most ``recent_len + move_block - 1`` of them sit in the FP window
-    (the store ages them in ``move_block`` groups), the rest are INT8 with per-token scales,
-    plus one frozen channel scale. Sliding-window layers hold at most ``window - 1`` tokens.
+    ``target`` is 0 at a step without a plan (none: every step of a cache under a target has one).
     """
-    from confkv.store import LayerStore
-
-    cap = policy.max_budget()
-    fp, i8 = bytes_model.fp_bytes, bytes_model.int8_bytes
-    if store.kv_int8:
-        recent_len = LayerStore(policy, store).recent_len
-        fp_tokens = min(cap, recent_len + store.move_block - 1)
-        per_layer = fp_tokens * fp + cap * i8 + bytes_model.channel_scale_bytes
-    else:
-        per_layer = cap * fp
-    sliding = sum((w - 1) * fp for w in bytes_model.sliding_windows if w is not None)
-    return bytes_model.managed * per_layer + sliding
+    planned = target > 0
+    over = int((kv[planned] > target[planned]).sum())
+    share = float((kv[planned] / target[planned]).max()) if planned.any() else float("nan")
+    return bool(planned.all() and over == 0), over, share
 
 
 def main(argv=None) -> int:
@@ -93,8 +87,13 @@ def main(argv=None) -> int:
     parser.add_argument("--corpus", default="pydoc-topics")
     parser.add_argument("--tokens", type=int, default=20000)
     parser.add_argument("--offset", type=int, default=0)
-    parser.add_argument("--policy", default="confkv")
+    parser.add_argument("--policy", default="tiered", help="a policy or preset (default: the preset tiered)")
     parser.add_argument("--param", action="append", metavar="KEY=VALUE")
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--max-kv-bytes", type=int, default=None,
+                        help="the memory target: a cap in bytes, held at the end of every step (a flat stream)")
+    target.add_argument("--memory", type=float, default=None,
+                        help="the memory target: a fraction of the full cache's bytes at the current length")
     parser.add_argument("--int8", action="store_true")
     parser.add_argument("--fp-window", type=int, default=128)
     parser.add_argument("--move-block", type=int, default=32)
@@ -114,25 +113,25 @@ def main(argv=None) -> int:
     from confkv.config import StoreConfig
     from confkv.data import corpus_tokens
     from confkv.display import budget_text
-    from confkv.eval.memory_match import BytesModel
     from confkv.hf import ConfKVCache
-    from confkv.models import load_model, model_max_positions
+    from confkv.eval.ray_grid import ModelSpec
+    from confkv.models import model_max_positions
 
     args.out.mkdir(parents=True, exist_ok=True)
     command = "OMP_NUM_THREADS={} {} -m confkv.eval.soak {}".format(os.environ.get("OMP_NUM_THREADS", "?"),
                                                                   Path(sys.executable).name, " ".join(sys.argv[1:]))
     params = parse_params(args.param)
     store = StoreConfig(kv_int8=args.int8, fp_window=args.fp_window, move_block=args.move_block)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = ModelSpec(args.model)()  # a name for load_model, or tiny-<arch> (a test model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
-    cache = ConfKVCache.for_model(model, args.policy, store=store, **params)
-    bytes_model = BytesModel.for_model(model)
-    bound = kv_bound_bytes(cache.policy, store, bytes_model)
+    cache = ConfKVCache.for_model(model, args.policy, store=store, memory=args.memory,
+                                  max_kv_bytes=args.max_kv_bytes, **params)
     max_positions = model_max_positions(model)
 
     steps = args.tokens - 1
     nll = np.full(steps, np.nan)
     kv = np.zeros(steps, dtype=np.int64)
+    target = np.zeros(steps, dtype=np.int64)  # the step's target (StepRecord.target_bytes)
     kept = np.zeros(steps, dtype=np.float64)
     budget = np.zeros(steps, dtype=np.int64)
     conf = np.zeros(steps, dtype=np.float64)
@@ -170,8 +169,9 @@ def main(argv=None) -> int:
             chunk = nll[k0:min(k0 + 1000, done)]
             per_k.append({"from": k0, "to": k0 + len(chunk), "ppl": float(math.exp(chunk.mean()))})
         peak = int(kv[:done].max()) if done else 0
+        held, over, share = within_target(kv[:done], target[:done])
         checks = {
-            "kv_within_bound": bool(peak <= bound),
+            "kv_within_target": held,
             "rss_flat": bool(after.any() and rss_growth <= args.rss_tolerance_mb * 2**20),
             "objects_flat": bool(after.any() and obj_growth <= args.objects_tolerance),
         }
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
             "position_scheme": "true (uncapped) positions; RoPE offsets inside the kept window stay in distribution",
             "steps_done": done, "steps_planned": steps, "interrupted": interrupted,
             "seconds": round(walltime, 1), "ms_per_step": round(1000 * walltime / max(done, 1), 2),
-            "kv_bound_bytes": bound, "kv_peak_bytes": peak,
+            "memory": args.memory, "max_kv_bytes": args.max_kv_bytes, "kv_steps_over_target": over,
+            "kv_max_target_share": share, "kv_peak_bytes": peak,
             "kv_mean_bytes": float(kv[:done].mean()) if done else 0.0,
             "kv_peak_after_warmup": int(kv[args.warmup:done].max()) if done > args.warmup else None,
             "kept_tokens_max": float(kept[:done].max()) if done else 0.0,
@@ -206,8 +207,9 @@ def main(argv=None) -> int:
         written = done
         if not final:
             return 0
-        plot(args.out / "soak.png", samples, kv[:done], kept[:done], budget[:done], bound, args.warmup, summary)
-        print(json.dumps({k: summary[k] for k in ("steps_done", "seconds", "ms_per_step", "kv_bound_bytes", "kv_peak_bytes",
+        plot(args.out / "soak.png", samples, kv[:done], kept[:done], budget[:done], target[:done], args.warmup, summary)
+        print(json.dumps({k: summary[k] for k in ("steps_done", "seconds", "ms_per_step", "kv_max_target_share",
+                                                  "kv_peak_bytes",
                                                   "rss_growth_after_warmup_mb", "gc_objects_growth_after_warmup",
                                                   "ppl_total", "checks")}, indent=1))
         return 0 if summary["passed"] and not interrupted else 1
@@ -216,7 +218,7 @@ def main(argv=None) -> int:
     # objects and ~33 MB RSS, measured in the first run) are paid here, before the baseline.
     # Partial writes draw nothing and append only the new CSV rows (run 2 redrew the whole
     # figure and rewrote the whole CSV every 2,000 steps: RSS rose by a step after each write).
-    plot(io.BytesIO(), [{"step": 0, "rss_bytes": 0, "gc_objects": 0}], kv[:1], kept[:1], budget[:1], bound,
+    plot(io.BytesIO(), [{"step": 0, "rss_bytes": 0, "gc_objects": 0}], kv[:1], kept[:1], budget[:1], target[:1],
          args.warmup, {"policy": "", "params": {}, "store": store.__dict__, "steps_done": 0, "ppl_total": 0.0,
                        "model_max_positions": max_positions})
     sample(0)
@@ -227,6 +229,7 @@ def main(argv=None) -> int:
                 nll[t] = float(torch.logsumexp(logits, -1) - logits[ids[0, t + 1]])
                 record = cache.trace.steps[-1]
                 kv[t] = int(record.kv_bytes.sum())
+                target[t] = record.target_bytes or 0
                 kept[t] = float(record.kept[:, 0].float().mean())
                 budget[t] = int(record.budget[0])
                 conf[t] = float(record.confidence[0])
@@ -237,7 +240,8 @@ def main(argv=None) -> int:
                     sample(done)
                     if done % (args.sample_every * 8) == 0:
                         x = samples[-1]
-                        print(f"step {done}/{steps}  {x['seconds']:.0f}s  kv {kv[t] / 1e6:.2f} MB (bound {bound / 1e6:.2f})  "
+                        print(f"step {done}/{steps}  {x['seconds']:.0f}s  kv {kv[t] / 1e6:.2f} MB (target "
+                              f"{target[t] / 1e6:.2f})  "
                               f"rss {x['rss_bytes'] / 2**20:.1f} MiB  objects {x['gc_objects']}", flush=True)
                         finish(final=False)  # keep a valid partial result on disk (JSON + CSV; the plot at the end)
     except KeyboardInterrupt:
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
     return finish()
 
 
-def plot(path, samples, kv, kept, budget, bound, warmup, summary) -> None:
+def plot(path, samples, kv, kept, budget, target, warmup, summary) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,7 +267,7 @@ def plot(path, samples, kv, kept, budget, bound, warmup, summary) -> None:
     axes[0].legend(loc="upper right", fontsize=8)
     axes[0].set_ylabel("tokens")
     axes[1].plot(steps, kv / 1e6, lw=0.5, label="KV bytes held")
-    axes[1].axhline(bound / 1e6, color="r", ls="--", lw=1, label="bound")
+    axes[1].plot(steps, target / 1e6, color="r", ls="--", lw=1, label="target")
     axes[1].legend(loc="lower right", fontsize=8)
     axes[1].set_ylabel("KV MB")
     s = [x["step"] for x in samples]

@@ -1,24 +1,15 @@
-"""Policies x memory budgets (x INT8) on one task, at matched KV memory, resumable.
+"""Policies x memory targets (x INT8) on one task, resumable.
 
-Memory matching
----------------
-The reference is a full-precision sliding window of ``W`` tokens (the paper's "memory of a
-512-token window"): ``W`` tokens held per layer at the end of every step, as the README's
-"What a budget counts" states for every budget. For each policy we look for the budget whose
-KV bytes (``peak`` or ``mean`` over the run, all layers, as the cache's trace measures them)
-are the largest not exceeding the reference's.
-
-The bytes are predicted *analytically* by :func:`simulate_kv_bytes`, which replays the
-store's bookkeeping step by step (tokens appended, FP window ageing in ``move_block``
-groups, INT8 for older tokens with per-token scales and one frozen channel scale per
-layer, eviction to the policy's per-layer budgets) from bytes per token: no model
-forward. Policies with a constant budget need nothing else. The budget of a gated policy
-depends on the confidence at each step: ``peak`` matching sets ``n_low`` (its peak is the
-loose budget); ``mean`` matching replays the gate over a confidence trace (a previous run's,
-by default the sweep's own full-KV run, which is run first) and searches the scale of
-``(n_high, n_low) = (ratio * n, n)``. Every run's row records the predicted bytes next to
-the measured ones (``match_error``), so the analytic match is verified by the trace.
-The bytes model and the search live in :mod:`confkv.eval.memory_match`.
+Memory
+------
+Every policy (or preset: ``tiered``, ``kivi-4``, ``kivi-2``) runs at every ``memory`` fraction
+with the cache holding the target itself: at the end of every step it holds at most that
+fraction of the bytes the full cache (transformers' ``DynamicCache`` in the model's dtype)
+holds at the same length, every tier counted (:meth:`confkv.hf.ConfKVCache.for_model`,
+:mod:`confkv.tiers.planner`). Nothing is predicted or matched before a run. ``full`` runs once,
+without a target. Each row records its ``memory``, the trace's peak and mean bytes, and
+``max_target_share`` (the largest bytes / target over the steps: at most 1 once the prefix is
+past the cache's floor).
 
 Resumability
 ------------
@@ -30,21 +21,17 @@ kill in the middle of a write) is cut off on load, so it is neither kept nor dup
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-import torch
 
 from confkv.config import StoreConfig
-from confkv.errors import ConfKVError
+from confkv.errors import ConfigError
 from confkv.eval.jsonl import append_row, load_rows
-from confkv.eval.memory_match import GATED, BytesModel, match_budget, reference_bytes, simulate_kv_bytes
 
 if TYPE_CHECKING:
     from confkv.eval.ray_grid import RayOptions
@@ -65,25 +52,34 @@ def gap_closed(ppl: float, baseline: float, full: float) -> float:
     return (baseline - ppl) / gap if gap > 0 else float("nan")
 
 
+def memory_size(row: dict[str, Any]) -> tuple[str, float] | None:
+    """The memory a sweep row ran at: ``("memory", F)`` for a target, ``("window", W)`` for a row of a
+    sweep made before targets (matched to a ``W``-token window); None for ``full``."""
+    if row.get("memory") is not None:
+        return ("memory", float(row["memory"]))
+    if row.get("reference_window"):
+        return ("window", int(row["reference_window"]))
+    return None
+
+
 def gap_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per row with a reference window: PPL drop vs ``window`` at the same window, and the fraction
-    of the window-to-full and streaming-to-full gaps it closes (the full-precision ``full``,
+    """Per row with a memory (:func:`memory_size`): PPL drop vs ``window`` at the same memory, and the
+    fraction of the window-to-full and streaming-to-full gaps it closes (the full-precision ``full``,
     ``window`` and ``streaming`` rows of the same task are the references)."""
     def same_task(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        # fixed-budget references do not depend on how a row was matched (peak or mean)
         return all(a.get(k) == b.get(k) for k in ("model", "corpus", "tokens", "offset"))
 
     out = []
     for row in rows:
-        window = row.get("reference_window")
-        if not window or row.get("policy") == "full":
+        size = memory_size(row)
+        if size is None or row.get("policy") == "full":
             continue
         refs = {r["policy"]: r["ppl"] for r in rows if same_task(r, row) and not r.get("kv_int8")
-                and (r["policy"] == "full" or (r["policy"] in ("window", "streaming") and r.get("reference_window") == window))}
+                and (r["policy"] == "full" or (r["policy"] in ("window", "streaming") and memory_size(r) == size))}
         if not {"full", "window", "streaming"} <= refs.keys():
             continue
-        out.append({"policy": row["policy"], "kv_int8": bool(row.get("kv_int8")), "reference_window": window,
-                    "ppl": row["ppl"], "drop_vs_window": refs["window"] - row["ppl"],
+        out.append({"policy": row["policy"], "kv_int8": bool(row.get("kv_int8")), "memory_kind": size[0],
+                    "memory": size[1], "ppl": row["ppl"], "drop_vs_window": refs["window"] - row["ppl"],
                     "window_gap_closed": gap_closed(row["ppl"], refs["window"], refs["full"]),
                     "streaming_gap_closed": gap_closed(row["ppl"], refs["streaming"], refs["full"])})
     return out
@@ -94,22 +90,25 @@ def gap_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 @dataclass
 class SweepConfig:
     policies: tuple[str, ...] = ("full", "window", "streaming", "confkv")
-    reference_windows: tuple[int, ...] = (512,)
-    match: str = "peak"
+    #: memory targets: fractions in (0, 1] of the full cache's bytes, held by the cache at every step
+    memory: tuple[float, ...] = (0.25, 0.125)
     int8: tuple[bool, ...] = (False,)
     corpus: str = "pydoc-topics"
     tokens: int = 2048
     offset: int = 0
     model: str = "smollm2"
     store: StoreConfig = field(default_factory=StoreConfig)
-    ratio: float = 0.5
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
-    confidence_trace: Path | None = None
     task: str = "ppl"
     dtype: str = "float32"  # the model's dtype ("bfloat16": what users run; rows say which)
-    #: memory targets (fractions of the full cache's bytes, held by the cache at every step): when given,
-    #: every policy runs under each target and nothing is matched offline (``reference_windows`` unused)
-    memory: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        from confkv.tiers.storage import MemoryTarget
+
+        if not self.memory:
+            raise ConfigError("memory: give at least one memory target, e.g. --memory 0.25,0.125")
+        for fraction in self.memory:
+            MemoryTarget(memory=fraction)  # a ConfigError naming memory when outside (0, 1]
 
 
 @dataclass
@@ -117,9 +116,7 @@ class PlannedRun:
     policy: str
     params: dict[str, Any]
     kv_int8: bool
-    reference_window: int
-    target: float
-    predicted: float
+    memory: float | None  # None: full, no target
     config: SweepConfig
 
     def key_dict(self) -> dict[str, Any]:
@@ -132,59 +129,40 @@ class PlannedRun:
         return key
 
 
-def _confidences_from_json(path: Path) -> list[float]:
-    data = json.loads(Path(path).read_text())
-    if "trace" in data:
-        return [float(c[0]) for c in data["trace"]["confidence"]]
-    if "confidence" in data:
-        return [float(c[0]) if isinstance(c, list) else float(c) for c in data["confidence"]]
-    raise ValueError(f"{path}: no confidence trace (expected a ppl JSON with 'trace')")
+def _run_params(name: str, config: SweepConfig) -> dict[str, Any]:
+    """``name``'s ``--param`` values: its own (``name:key=value``, all of them) and those of ``*`` it takes."""
+    from confkv.policies.registry import accepted_parameters
+    from confkv.presets import PRESETS, STORAGE_FIELDS
+
+    fields = (accepted_parameters(PRESETS[name].policy) | set(STORAGE_FIELDS) if name in PRESETS
+              else accepted_parameters(name))
+    shared = {k: v for k, v in config.policy_params.get("*", {}).items() if k in fields}
+    return {**shared, **config.policy_params.get(name, {})}
 
 
-def plan_memory_runs(config: SweepConfig) -> list[PlannedRun]:
-    """The runs of a sweep under memory targets: every policy (or preset) at every ``config.memory``
-    fraction, the cache holding the target itself (``memory=`` of :meth:`ConfKVCache.for_model`); ``full``
-    once, without a target."""
+def plan_sweep(config: SweepConfig) -> list[PlannedRun]:
+    """The runs of a sweep: every policy (or preset) at every ``config.memory`` fraction, the cache
+    holding the target itself (``memory=`` of :meth:`ConfKVCache.for_model`); ``full`` once, without a
+    target. No model is needed: nothing is predicted.
+
+    Raises:
+        ConfigError: a policy that cannot run under a target or a bad ``--param``, named with its policy
+            (e.g. ``--param tiered:ladder=[8,5]``), before anything runs.
+    """
+    from confkv.presets import resolve
+
     runs = []
     for kv_int8 in config.int8:
         for name in config.policies:
-            extra = {**config.policy_params.get("*", {}), **config.policy_params.get(name, {})}
+            extra = _run_params(name, config)
             for fraction in ((None,) if name == "full" else config.memory):
                 params = extra if fraction is None else {**extra, "memory": fraction}
-                runs.append(PlannedRun(name, params, kv_int8, 0, float("nan"), float("nan"), config))
-    return runs
-
-
-def plan_sweep(model: Any, config: SweepConfig, confidences: Sequence[float] | None = None) -> list[PlannedRun]:
-    """The runs of a sweep with their memory-matched parameters (no model forward)."""
-    if config.memory:
-        return plan_memory_runs(config)
-    bytes_model = BytesModel.for_model(model)
-    steps = config.tokens - 1
-    if confidences is None and config.confidence_trace is not None:
-        confidences = _confidences_from_json(config.confidence_trace)
-    runs = []
-    for kv_int8 in config.int8:
-        store = replace(config.store, kv_int8=kv_int8)
-        for window in config.reference_windows:
-            target = reference_bytes(bytes_model, window, steps, config.match)
-            for name in config.policies:
-                extra = {**config.policy_params.get("*", {}), **config.policy_params.get(name, {})}
-                if name == "full":
-                    params, predicted = extra, float("nan")
-                    window_key = 0
-                else:
-                    conf = confidences if (config.match == "mean" and name in GATED) else None
-                    try:
-                        params, predicted = match_budget(name, target, bytes_model, steps, stat=config.match,
-                                                         store=store, ratio=config.ratio, confidences=conf, extra=extra)
-                    except ConfKVError as error:  # e.g. quest keeps everything in full precision
-                        print(f"confkv sweep: skipped {name} at the {window}-token window's {config.match} bytes: "
-                              f"{error}", file=sys.stderr)
-                        continue
-                    window_key = window
-                runs.append(PlannedRun(name, params, kv_int8, window_key, target if name != "full" else float("nan"),
-                                       predicted, config))
+                try:
+                    resolve(name, **params)
+                except ConfigError as error:
+                    raise ConfigError(f"--param {name}: {error}" if config.policy_params.get(name)
+                                      else f"{name} at memory {fraction}: {error}") from None
+                runs.append(PlannedRun(name, params, kv_int8, fraction, config))
     return runs
 
 
@@ -217,16 +195,14 @@ def run_sweep_unit(model: Any, tokenizer: Any, unit: SweepUnit) -> list[dict[str
     started = time.time()
     result = streaming_ppl(model, unit.ids, run.policy, store=store, progress=unit.progress, **run.params)
     trace = result.trace
-    peak, mean = trace.peak_kv_bytes(), trace.mean_kv_bytes()
-    measured = peak if run.config.match == "peak" else mean
-    row = {**run.key_dict(), "reference_window": run.reference_window, "match": run.config.match,
-           "target_bytes": run.target, "predicted_bytes": run.predicted, "ppl": result.ppl,
-           "peak_kv_bytes": peak, "mean_kv_bytes": mean,
-           "match_error": (measured / run.target - 1) if run.target == run.target and run.target else None,
-           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))),
-           "mean_cold_bytes_read": float(np.mean([step.cold_bytes_read for step in trace.steps])),
+    targets = [step.target_bytes for step in trace.steps]
+    row = {**run.key_dict(), "memory": run.memory, "ppl": result.ppl,
+           "peak_kv_bytes": trace.peak_kv_bytes(), "mean_kv_bytes": trace.mean_kv_bytes(),
+           "final_target_bytes": targets[-1] if targets else None,
            "max_target_share": max((float(step.kv_bytes.sum()) / step.target_bytes for step in trace.steps
                                     if step.target_bytes), default=None),
+           "mean_kept_tokens": float(np.mean(trace.kept_tokens(0))),
+           "mean_cold_bytes_read": float(np.mean([step.cold_bytes_read for step in trace.steps])),
            "final_rung_tokens": list(trace.steps[-1].rung_tokens) if trace.steps else [],
            "seconds": result.seconds,
            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started + result.seconds))}
@@ -238,13 +214,13 @@ def run_sweep_unit(model: Any, tokenizer: Any, unit: SweepUnit) -> list[dict[str
 
 
 def _trace_name(row: dict[str, Any], config: "SweepConfig") -> str:
-    """A run's trace file name: policy, INT8, reference window, parameters; prefixed by the corpus
+    """A run's trace file name: policy, INT8, memory, parameters; prefixed by the corpus
     and the dtype unless they are the defaults (pydoc-topics, float32: the names that predate
     them), so that sweeps of other texts or dtypes into one folder never overwrite each other's traces."""
     prefix = "".join(f"{part}_" for part, default in ((config.corpus, "pydoc-topics"), (config.dtype, "float32"))
                      if part != default)
-    return (f"{prefix}{row['policy']}_int8-{int(row['kv_int8'])}_ref-{row['reference_window']}_"
-            f"{_params_slug(row['params'])}.json")
+    memory = f"mem-{row['memory']:g}" if row.get("memory") is not None else "mem-full"
+    return f"{prefix}{row['policy']}_int8-{int(row['kv_int8'])}_{memory}_{_params_slug(row['params'])}.json"
 
 
 def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokenizer: Any = None,
@@ -266,16 +242,14 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
     check_writable(out, what="sweep output")  # fail before loading or running anything
     if traces_dir is not None:
         check_writable(traces_dir, folder=True, what="traces folder")
-    if model is None:
-        from confkv.models import load_model
+    plan = plan_sweep(config)  # a policy that cannot run under a target fails here, before any model loads
+    if model is None:  # a name for load_model, or tiny-<arch> (a tiny random test model)
+        from confkv.eval.ray_grid import ModelSpec
 
-        model, tokenizer = load_model(config.model, dtype=getattr(torch, config.dtype))
+        model, tokenizer = ModelSpec(config.model, config.dtype)()
     ids = corpus_tokens(tokenizer, config.corpus, config.tokens, offset=config.offset)
     done = {row_key(r): r for r in load_rows(out)}
-    confidences = None
-    if config.match == "mean" and config.confidence_trace is not None:
-        confidences = _confidences_from_json(config.confidence_trace)
-    # the full-KV run goes first: its confidence trace drives mean matching of gated policies
+    # the full-KV run goes first (the reference of every other row)
     planned: list[PlannedRun] = []
 
     def collected() -> list[dict[str, Any]]:
@@ -304,15 +278,8 @@ def run_sweep(config: SweepConfig, out: str | Path, *, model: Any = None, tokeni
             for group in groups:
                 if not group:
                     continue
-                if confidences is None and config.match == "mean":
-                    full_rows = [r for r in done.values() if r["policy"] == "full" and r.get("confidence")
-                                 and r["model"] == config.model and r["corpus"] == config.corpus
-                                 and r["tokens"] == config.tokens and r["offset"] == config.offset
-                                 and (r.get("dtype") or "float32") == config.dtype]
-                    if full_rows:
-                        confidences = full_rows[0]["confidence"]
                 todo = []
-                for run in plan_sweep(model, replace(sub, policies=group), confidences):
+                for run in (r for r in plan if r.kv_int8 == kv_int8 and r.policy in group):
                     planned.append(run)
                     if row_key(run.key_dict()) not in done:
                         todo.append(SweepUnit(run, ids, trace=traces_dir is not None, progress=progress and not ray))

@@ -7,7 +7,7 @@ once this package is imported:
 
 - Python: ``import confkv.lmeval`` then ``lm_eval.simple_evaluate(model="confkv", model_args=...)``;
 - command line: ``confkv-lm-eval`` (or ``python -m confkv.lmeval``) takes lm_eval's own arguments
-  (``--model confkv --model_args model=smollm2,policy=tova,budget=1024,int8=True --tasks ...``).
+  (``--model confkv --model_args model=smollm2,policy=tova,memory=0.25,int8=True --tasks ...``).
   The bare ``lm_eval`` command cannot see the name: 0.4.13 has no plugin discovery.
 
 confkv's offline RULER tasks for ``--include_path`` (any backend): :func:`task_dir`

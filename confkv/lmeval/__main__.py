@@ -2,7 +2,7 @@
 
 Example (SmolLM2, TOVA at 25% of the full KV bytes, INT8 store, a task folder of your own)::
 
-    confkv-lm-eval --model confkv --model_args model=smollm2,policy=tova,kv_fraction=0.25,int8=True \\
+    confkv-lm-eval --model confkv --model_args model=smollm2,policy=tova,memory=0.25,int8=True \\
         --include_path my_tasks/ --tasks my_task --batch_size 4
 """
 

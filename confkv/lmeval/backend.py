@@ -77,7 +77,6 @@ class ConfKVLM(TemplateLM):
         self.model.eval()
         self.store = StoreConfig(kv_int8=self.settings.int8, fp_window=self.settings.fp_window,
                                  prefill_chunk=self.settings.chunk)
-        self._budgets: dict[int, dict[str, Any]] = {}
         from confkv.models import model_max_positions
 
         self._max_length = self.settings.max_length or model_max_positions(self.model)
@@ -114,27 +113,15 @@ class ConfKVLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         s = self.settings
-        return {"confkv_policy": s.policy, "confkv_budget": s.budget, "confkv_kv_fraction": s.kv_fraction,
+        return {"confkv_policy": s.policy, "confkv_memory": s.memory, "confkv_max_kv_bytes": s.max_kv_bytes,
                 "confkv_int8": s.int8, "confkv_protocol": s.protocol, "confkv_policy_params": s.policy_params}
 
-    # -- budgets -------------------------------------------------------------------------------
+    # -- the cache's parameters ---------------------------------------------------------------
     def policy_params(self, total_tokens: int) -> dict[str, Any]:
-        """The policy's parameters for requests of ``total_tokens`` (prompt + new tokens)."""
-        s = self.settings
-        if not s.matched:
-            return dict(s.policy_params)
-        if total_tokens not in self._budgets:
-            from confkv.eval.niah import budgets_for_bytes, full_kv_bytes
-
-            targets = []
-            if s.budget is not None:
-                targets.append(full_kv_bytes(self.model, s.budget))
-            if s.kv_fraction is not None:
-                targets.append(s.kv_fraction * full_kv_bytes(self.model, total_tokens))
-            params = budgets_for_bytes(self.model, [s.policy], min(targets), total_tokens, store=self.store,
-                                       ratio=s.ratio, extra=s.policy_params)[s.policy]
-            self._budgets[total_tokens] = {**s.policy_params, **params}
-        return self._budgets[total_tokens]
+        """The cache's parameters for requests of ``total_tokens`` (prompt + new tokens): the policy's and
+        the memory target, the same for every length (the cache holds ``memory`` of the full cache's
+        bytes at whatever length it has reached)."""
+        return self.settings.cache_params()
 
     # -- requests ------------------------------------------------------------------------------
     def _batches(self, lengths: list[int]) -> list[list[int]]:

@@ -1,17 +1,21 @@
 """The ``--model_args`` of ``lm_eval --model confkv``, validated (no lm_eval, no transformers here).
 
-``model=smollm2,policy=tova,budget=1024,int8=True`` ->
+``model=smollm2,policy=tova,memory=0.25,int8=True`` ->
 :class:`BackendSettings`. Keys the backend does not know are passed to the policy;
-:func:`confkv.policies.make_policy` rejects those the policy does not know either, so a
+:func:`confkv.presets.resolve` rejects those the policy does not know either, so a
 typo gets an error naming it and listing what is accepted.
 
-Budget (KV memory, matched in bytes as ``confkv niah`` does, so an INT8 store keeps more tokens):
+Memory (as every confkv grid sets it: the cache holds the target itself, nothing is matched):
 
-- ``budget=N``: the full-precision KV bytes of ``N`` tokens;
-- ``kv_fraction=f``: ``f`` x the full KV bytes of the request (its prompt + ``max_gen_toks``;
-  in a batch, of its longest member);
-- both: the smaller; neither: the policy's own defaults (``confkv policies`` lists them), and
-  the policy's own budget fields other than ``budget`` (e.g. ``n_high``/``n_low``) are taken as given.
+- ``memory=f``: the cache holds ``f`` of the full cache's bytes at the end of every step (of
+  the length fed so far; ``protocol=query-aware``: the prompt is prefilled without eviction,
+  then brought to ``f`` of its bytes in one step, as kvpress's compression ratio ``1 - f``);
+- ``max_kv_bytes=N``: an absolute cap in bytes instead;
+- neither: the policy's own budgets (``budget=N`` for most policies, ``n_high``/``n_low`` for
+  the gated ones; ``confkv policies`` lists them), or a preset (``policy=tiered``) at 0.25.
+
+The policy may be a preset (``tiered``, ``kivi-4``, ``kivi-2``); its storage fields
+(``ladder``, ``hot_share``, ...) are accepted as parameters.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from confkv.errors import ConfigError
 PROTOCOLS = ("streaming", "query-aware")
 #: keys lm-eval itself passes to every backend; accepted and used where they make sense
 LM_EVAL_KEYS = ("batch_size", "max_batch_size", "device")
-BACKEND_KEYS = ("model", "policy", "budget", "kv_fraction", "int8", "fp_window", "chunk", "protocol",
-                "query_window", "max_length", "max_gen_toks", "dtype", "ratio", "tokenizer", "pretrained",
+BACKEND_KEYS = ("model", "policy", "memory", "max_kv_bytes", "int8", "fp_window", "chunk", "protocol",
+                "query_window", "max_length", "max_gen_toks", "dtype", "tokenizer", "pretrained",
                 "trust_remote_code") + LM_EVAL_KEYS
 
 
@@ -33,8 +37,8 @@ BACKEND_KEYS = ("model", "policy", "budget", "kv_fraction", "int8", "fp_window",
 class BackendSettings:
     model: str = "smollm2"
     policy: str = "confkv"
-    budget: int | None = None
-    kv_fraction: float | None = None
+    memory: float | None = None
+    max_kv_bytes: int | None = None
     int8: bool = False
     fp_window: int = 128
     chunk: int = 512
@@ -43,15 +47,28 @@ class BackendSettings:
     max_length: int | None = None
     max_gen_toks: int = 256
     dtype: str = "float32"
-    ratio: float = 0.5
     batch_size: int = 1
     device: str = "cpu"
     policy_params: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def matched(self) -> bool:
-        """Whether the policy's budget parameters are matched to a byte budget."""
-        return self.budget is not None or self.kv_fraction is not None
+    def targeted(self) -> bool:
+        """Whether the cache holds a memory target (``memory`` or ``max_kv_bytes``)."""
+        return self.memory is not None or self.max_kv_bytes is not None
+
+    def cache_params(self) -> dict[str, Any]:
+        """The parameters of ``ConfKVCache.for_model``: the policy's, and the memory target if any."""
+        target = {k: v for k, v in (("memory", self.memory), ("max_kv_bytes", self.max_kv_bytes)) if v is not None}
+        return {**self.policy_params, **target}
+
+
+#: model_args removed with the offline budget matching -> what to give instead
+REMOVED_KEYS = {
+    "kv_fraction": "give memory=F instead: the cache holds F of the full cache's bytes at every step "
+                   "(kv_fraction=0.25 is memory=0.25)",
+    "ratio": "under memory=F the hot budget comes from the target; give a gated policy's n_high / n_low if you "
+             "want them without a target",
+}
 
 
 def _positive_int(key: str, value: Any) -> int:
@@ -78,7 +95,7 @@ def parse_settings(**kwargs: Any) -> BackendSettings:
             or a value out of range; the message names it.
     """
     from confkv.policies import POLICIES
-    from confkv.policies.registry import make_policy
+    from confkv.presets import PRESETS, resolve
 
     args = dict(kwargs)
     settings = BackendSettings()
@@ -89,17 +106,24 @@ def parse_settings(**kwargs: Any) -> BackendSettings:
     args.pop("tokenizer", None)  # the model's own tokenizer is used
     args.pop("trust_remote_code", None)
     args.pop("max_batch_size", None)
+    for key, instead in REMOVED_KEYS.items():
+        if key in args:
+            raise ConfigError(f"model_args {key}={args[key]!r}: removed with the offline budget matching; {instead}")
     policy = str(args.pop("policy", "confkv"))
-    if policy not in POLICIES:
-        raise ConfigError(f"model_args policy={policy!r}: unknown policy; known policies: {', '.join(sorted(POLICIES))}")
+    if policy not in POLICIES and policy not in PRESETS:
+        raise ConfigError(f"model_args policy={policy!r}: unknown policy; known policies: {', '.join(sorted(POLICIES))}; "
+                          f"presets: {', '.join(PRESETS)}")
     settings.policy = policy
-    if "budget" in args:
-        settings.budget = _positive_int("budget", args.pop("budget"))
-    if "kv_fraction" in args:
-        value = args.pop("kv_fraction")
+    if "memory" in args:
+        value = args.pop("memory")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ConfigError(f"model_args kv_fraction={value!r}: must be a number in (0, 1] (a fraction of the full KV bytes)")
-        settings.kv_fraction = float(value)
+            raise ConfigError(f"model_args memory={value!r}: must be a number in (0, 1] (a fraction of the full "
+                              "cache's bytes, e.g. memory=0.25)")
+        settings.memory = float(value)
+    if "max_kv_bytes" in args:
+        settings.max_kv_bytes = _positive_int("max_kv_bytes", args.pop("max_kv_bytes"))
+    if settings.memory is not None and settings.max_kv_bytes is not None:
+        raise ConfigError("model_args memory= and max_kv_bytes=: give one of them (a fraction or a cap)")
     if "int8" in args:
         settings.int8 = _bool("int8", args.pop("int8"))
     for key in ("fp_window", "chunk", "query_window", "max_gen_toks"):
@@ -123,20 +147,15 @@ def parse_settings(**kwargs: Any) -> BackendSettings:
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"model_args dtype={dtype!r}: choose float32, bfloat16 or float16")
     settings.dtype = dtype
-    if "ratio" in args:
-        ratio = args.pop("ratio")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
-            raise ConfigError(f"model_args ratio={ratio!r}: must be in (0, 1] (n_high / n_low of gated policies)")
-        settings.ratio = float(ratio)
-    # the rest belongs to the policy: make_policy names any key it does not know
+    if policy == "full" and settings.targeted:
+        raise ConfigError("model_args: policy=full keeps every token; drop memory/max_kv_bytes or choose another policy")
+    # the rest belongs to the policy (or the preset's storage): resolve names any key it does not know
+    settings.policy_params = args
     try:
-        make_policy(policy, **dict(args))
+        resolve(policy, **settings.cache_params())
     except ConfigError as error:
         raise ConfigError(f"model_args: {error} (backend keys: {', '.join(BACKEND_KEYS)})") from None
-    settings.policy_params = args
-    if policy == "full" and settings.matched:
-        raise ConfigError("model_args: policy=full keeps every token; drop budget/kv_fraction or choose another policy")
     return settings
 
 
-__all__ = ["BACKEND_KEYS", "BackendSettings", "PROTOCOLS", "parse_settings"]
+__all__ = ["BACKEND_KEYS", "BackendSettings", "PROTOCOLS", "REMOVED_KEYS", "parse_settings"]

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from confkv.tiers.byte_model import fp_token_bytes
 from confkv.tiers.storage import MemoryTarget, Storage
 
-
-def fp_token_bytes(kv_heads: int, head_dim: int, element_size: int) -> int:
-    """Bytes of one token's keys and values in one layer, in the model's dtype."""
-    return 2 * kv_heads * head_dim * element_size
+__all__ = ["StepPlan", "fp_token_bytes", "plan_step"]  # fp_token_bytes: from the one byte model
 
 
 @dataclass(frozen=True)

@@ -1,45 +1,17 @@
-"""NIAH budgets: a fraction of full KV bytes, turned into each policy's budget parameters.
+"""The grids' cache parameters: ``--param`` values per policy, and the memory target.
 
-Budget: ``budget_fraction`` of the full-precision KV bytes of the longest context
-(``budget_of="longest"``, the paper's setup: one memory for the whole grid; or of
-``budget_tokens`` tokens, so that parts of one grid can run in several processes) or of each
-length (``"each"``), converted into each policy's budget parameters by
-:func:`budgets_for_bytes` (peak KV bytes; gated policies get ``n_low`` at the budget and
-``n_high = ratio * n_low``).
+Every grid (``confkv sweep``, ``niah``, ``ruler``, ``agent``, the lm-eval backend) sets memory the
+same way: ``memory=F``, the cache itself holding ``F`` of the full cache's bytes at the end of
+every step (:meth:`confkv.hf.ConfKVCache.for_model`, :mod:`confkv.tiers.planner`). Nothing is
+matched or predicted before a run; :func:`memory_params` only checks that a policy (or preset)
+can run under the target.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-from confkv.config import StoreConfig
 from confkv.errors import ConfigError
-from confkv.eval.niah.config import NiahConfig
-
-
-def budgets_for_bytes(model: Any, policies: Sequence[str], target_bytes: float, context_tokens: int, *,
-                      store: StoreConfig | None = None, ratio: float = 0.5,
-                      extra: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Each policy's budget parameters whose peak KV bytes (one sequence) are the largest <= ``target_bytes``.
-
-    ``full`` gets no budget. Uses the analytic bytes model of :mod:`confkv.eval.memory_match`.
-    A tiered policy with an offloaded cold tier (``offload=True``) is matched on its resident
-    bytes (hot tier + digests; the page file's codes and scales are not in RAM), so a grid
-    compares it with the others at equal RAM.
-    """
-    from confkv.eval.memory_match import BytesModel, match_budget
-
-    bytes_model = BytesModel.for_model(model)
-    out = {}
-    for name in policies:
-        if name == "full":
-            out[name] = {}
-            continue
-        policy_extra = _policy_extra(name, extra)
-        params, _ = match_budget(name, target_bytes, bytes_model, context_tokens, stat="peak", store=store,
-                                 ratio=ratio, extra=policy_extra, resident=bool(policy_extra.get("offload")))
-        out[name] = params
-    return out
 
 
 def _policy_extra(name: str, extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -90,23 +62,30 @@ def check_scoped_params(extra: dict[str, Any] | None, policies: Sequence[str]) -
             _policy_extra(next(n for n in names if _same_policy(owner, n)), {key: extra[key]})
 
 
-def full_kv_bytes(model: Any, tokens: int, store: StoreConfig | None = None) -> float:
-    """Full-precision KV bytes of one sequence of ``tokens`` tokens (all layers), as ``full`` holds them.
+def full_kv_bytes(model: Any, tokens: int) -> float:
+    """Bytes the full cache holds for one sequence of ``tokens`` tokens (all layers, the model's dtype):
+    the reference of a ``--memory`` fraction (:func:`confkv.tiers.byte_model.full_cache_bytes`; a
+    sliding-window layer holds at most ``window - 1`` past tokens)."""
+    from confkv.tiers.byte_model import KVShape, full_cache_bytes
 
-    A sliding-window layer (Gemma-3's local layers) holds at most ``window - 1`` past tokens
-    whatever the policy, as :func:`confkv.eval.memory_match.simulate_kv_bytes` counts it.
+    return float(full_cache_bytes(KVShape.of(model), tokens))
+
+
+def memory_params(name: str, memory: float, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A grid entry's cache parameters under a memory target: the ``--param`` values ``name`` takes
+    (:func:`_policy_extra`) and ``memory``; ``full`` gets none (it holds every token).
+
+    Raises:
+        ConfigError: the policy (or preset) cannot run under the target, named by the field at fault
+            (e.g. a policy with its own cold tier; a bad storage field such as ``tiered:ladder=[8,5]``).
     """
-    from confkv.eval.memory_match import BytesModel
+    if name == "full":
+        return {}
+    from confkv.presets import resolve
 
-    bm = BytesModel.for_model(model)
-    held = sum(tokens if w is None else min(tokens, w - 1) for w in bm.sliding_windows)
-    return float(held * bm.fp_bytes)
-
-def _reference_tokens(config: NiahConfig, length: int | None) -> int | None:
-    """The context whose full KV bytes the budget is a fraction of (None: each length's own)."""
-    if config.budget_tokens is not None:
-        return config.budget_tokens
-    if config.budget_of == "longest":
-        return max(config.lengths)
-    return length
-
+    params = {**_policy_extra(name, extra), "memory": memory}
+    try:
+        resolve(name, **params)
+    except ConfigError as error:
+        raise ConfigError(f"{name} at memory {memory:g}: {error}") from None
+    return params

@@ -1,7 +1,8 @@
 """The NIAH grid's settings: protocols, :class:`NiahConfig`, and grid entries (``"confkv+int8"``).
 
-Grid entries are policy names, optionally with ``+int8`` (INT8 store, e.g.
-``confkv+int8``), each matched to the same KV bytes (:mod:`confkv.eval.niah.budgets`).
+Grid entries are policy or preset names, optionally with ``+int8`` (INT8 store, e.g.
+``confkv+int8``), each run under the same memory target: the cache holds ``memory`` of the
+full cache's bytes at the end of every step (:mod:`confkv.eval.niah.budgets`).
 """
 
 from __future__ import annotations
@@ -29,45 +30,35 @@ class NiahConfig:
     needle_template: str | None = None
     question_template: str | None = None
     answer: str | None = None
-    budget_fraction: float = 0.25
-    budget_of: str = "longest"
     max_new_tokens: int = 10
     chunk: int = 512
     batch: int = 0
     kv_int8: bool = False
     fp_window: int = 128
-    ratio: float = 0.5
     seed: int = 0
     extra_params: dict[str, Any] = field(default_factory=dict)
     share_prefill: bool = True  # query-aware: one prefill per store setting, forked per policy
     full_once: bool = True  # full KV: one computation reported under both protocols
     dtype: str = "float32"  # the model's dtype (recorded; the caller loads the model)
-    budget_tokens: int | None = None  # budget = fraction of this many tokens' KV (overrides budget_of)
-    #: a memory target (fraction of the full cache's bytes at the current length, held by the cache at
-    #: every step: so of each length's own bytes); replaces the offline budget matching (streaming protocol)
-    memory: float | None = None
+    #: the memory target: each cache holds this fraction of the full cache's bytes at the current
+    #: length at the end of every step (so of each length's own bytes). Query-aware: the prompt is
+    #: prefilled without eviction, then brought to this fraction of the prompt's bytes in one step.
+    memory: float = 0.25
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.protocols if p not in PROTOCOLS]
         if unknown:
             raise ValueError(f"unknown NIAH protocol {unknown[0]!r}; choose from {PROTOCOLS}")
-        if self.budget_of not in ("longest", "each"):
-            raise ValueError("budget_of must be 'longest' or 'each'")
-        if self.budget_tokens is not None and (isinstance(self.budget_tokens, bool) or self.budget_tokens < 1):
-            raise ValueError(f"budget_tokens must be a positive number of tokens, got {self.budget_tokens!r}")
         if isinstance(self.first_trial, bool) or not isinstance(self.first_trial, int) or self.first_trial < 0:
             raise ValueError(f"first_trial must be a non-negative integer, got {self.first_trial!r}")
-        if not 0 < self.budget_fraction <= 1:
-            raise ValueError("budget_fraction must be in (0, 1]")
-        if self.memory is not None:
-            from confkv.tiers.storage import MemoryTarget
+        from confkv.tiers.storage import MemoryTarget
 
-            MemoryTarget(memory=self.memory)  # ConfigError naming memory when outside (0, 1]
-            if "query-aware" in self.protocols:
-                raise ValueError("memory: a memory target runs the streaming protocol only; give --protocols streaming")
-        from confkv.eval.niah.budgets import check_scoped_params
+        MemoryTarget(memory=self.memory)  # ConfigError naming memory when outside (0, 1]
+        from confkv.eval.niah.budgets import check_scoped_params, memory_params
 
         check_scoped_params(self.extra_params, self.policies)
+        for spec in self.policies:  # a policy that cannot run under the target fails here, before any model
+            memory_params(parse_spec(spec)[0], self.memory, self.extra_params)
 
 
 def parse_spec(spec: str) -> tuple[str, bool]:

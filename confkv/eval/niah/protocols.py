@@ -5,17 +5,17 @@ Protocols (always reported separately):
 - ``query-aware``: the haystack is prefilled in chunks, then the question (all but its
   last token) as its own last chunk, all with eviction *deferred* (``cache.evict = False``:
   the policy still observes attention and the store still ages, nothing is dropped);
-  then the cache is brought to budget once, with the budget the policy picks from the
-  confidence at the last prefilled position (``cache.end_step(last_logits)`` with
-  eviction back on: the same end-of-step every forward pass runs, one extra trace
-  record); then greedy generation. The last attention every policy observes is the
-  question's alone (SnapKV's observation window; TOVA's "current query"), so the ranking
+  then the cache is brought to its memory target once (``cache.end_step(last_logits)``
+  with eviction back on: the same end-of-step every forward pass runs, one extra trace
+  record; the target at that step is ``memory`` x the prompt's full bytes, kvpress's
+  ``compression_ratio = 1 - memory``); then greedy generation, every step under the target.
+  The last attention every policy observes is the question's alone (SnapKV's observation window; TOVA's "current query"), so the ranking
   has seen the question; peak memory during prefill is the full prompt. (Protocol
   version 2; version 1 chunked the whole prompt, so the question shared its last chunk
   with up to ``chunk`` haystack tokens. Records keep their ``protocol_version``; a grid
   never resumes from records of another version.)
 - ``streaming``: the haystack is prefilled in chunks with eviction after each chunk
-  (peak bounded by budget + chunk), then the question (all but its last token), then
+  (the target held at the end of every chunk; a chunk's forward pass holds up to ``chunk`` more), then the question (all but its last token), then
   greedy generation: the policy must decide what to keep before the question exists.
 
 All samples of one batch have the same number of tokens
@@ -73,7 +73,7 @@ def run_niah_batch(model: Any, tokenizer: Any, samples: list, policy: str, param
         cache.evict = False
         logits = _feed_prompt(model, cache, context, question, chunk)
         cache.evict = True
-        cache.end_step(logits)  # bring the cache to the budget picked at the last prompt position
+        cache.end_step(logits)  # bring the cache to its target at the prompt's length
     else:
         _feed_prompt(model, cache, context, question, chunk)
     return _generate(model, tokenizer, cache, ids, max_new_tokens)
@@ -99,16 +99,26 @@ def run_query_aware_shared(model: Any, tokenizer: Any, samples: list, members: l
     every policy; a :class:`~confkv.policies.tee.TeePolicy` feeds all their statistics,
     then each policy gets a fork of the cache, compresses it and answers. Equal to running
     :func:`run_niah_batch` per policy up to float summation order (tests/test_tee_fork.py).
+    ``members`` are (policy or preset, parameters) pairs that share one memory target and one
+    storage when they have one (``memory=`` among the parameters; a fork keeps the shared
+    cache's target and storage).
     Returns one list of (text, kept, peak bytes/seq, peak resident bytes/seq) per member.
     """
     from confkv.hf import ConfKVCache
-    from confkv.policies import make_policy
     from confkv.policies.tee import TeePolicy
+    from confkv.presets import resolve
 
     device = next(model.parameters()).device
     ids, context, question = (t.to(device) for t in _batch_ids(samples))
-    tee = TeePolicy.of([make_policy(name, **params) for name, params in members])
-    shared = ConfKVCache.for_model(model, tee, store=store)
+    specs = [resolve(name, **params) for name, params in members]
+    if len({(s.target, s.storage) for s in specs}) > 1:
+        raise ValueError("run_query_aware_shared: the members must share one memory target and storage; "
+                         f"got {sorted({(str(s.target), str(s.storage)) for s in specs})}")
+    tee = TeePolicy.of([s.policy for s in specs])
+    target = specs[0].target
+    shared = ConfKVCache.for_model(model, tee, store=store, storage=specs[0].storage,
+                                   memory=target.memory if target else None,
+                                   max_kv_bytes=target.max_kv_bytes if target else None)
     shared.evict = False
     logits = _feed_prompt(model, shared, context, question, chunk)
     outputs = []

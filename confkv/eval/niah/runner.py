@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from confkv.errors import PromptTooLongError
 from confkv.eval.jsonl import append_rows
 from confkv.data import make_niah_sample, score_niah
-from confkv.eval.niah.budgets import _reference_tokens, budgets_for_bytes, full_kv_bytes
+from confkv.eval.niah.budgets import full_kv_bytes, memory_params
 from confkv.eval.niah.config import PROTOCOL_VERSIONS, NiahConfig, _store_for, parse_spec
 from confkv.eval.niah.protocols import run_niah_batch, run_query_aware_shared
 from confkv.eval.niah.records import NiahRecord, NiahResult, load_records, record_key
@@ -47,13 +47,9 @@ def run_key(config: NiahConfig, model_name: str) -> str:
     """The settings every record of one grid shares (a different run never resumes into it)."""
     parts = {"model": model_name, "haystack": config.haystack, "needle": config.needle_template,
              "question": config.question_template, "answer": config.answer,
-             "budget_fraction": config.budget_fraction, "budget_of": config.budget_of,
-             "budget_tokens": _reference_tokens(config, None),
-             "max_new_tokens": config.max_new_tokens, "chunk": config.chunk, "fp_window": config.fp_window,
-             "int8_all": config.kv_int8, "ratio": config.ratio, "seed": config.seed,
+             "memory": config.memory, "max_new_tokens": config.max_new_tokens, "chunk": config.chunk, "fp_window": config.fp_window,
+             "int8_all": config.kv_int8, "seed": config.seed,
              "extra": config.extra_params, "dtype": config.dtype}
-    if config.memory is not None:  # absent otherwise: the keys of earlier grids stay as they were
-        parts["memory"] = config.memory
     return json.dumps(parts, sort_keys=True)
 
 
@@ -93,7 +89,9 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
                   model_name: str = "", resume_path: str | Path | None = None, compute: bool = True,
                   ray: "RayOptions | None" = None, loader: Callable[[], tuple[Any, Any]] | None = None
                   ) -> NiahResult:
-    """Run the whole grid; see the module docstring for the protocols and budgets.
+    """Run the whole grid; see the module docstring for the protocols. Every cache but ``full`` holds
+    ``config.memory`` of the full cache's bytes at the end of every step (``budget_bytes``: that target
+    at each length, one sequence).
 
     Args:
         resume_path: a ``niah.jsonl``: each finished batch's records are appended to it
@@ -118,22 +116,10 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         sample_kwargs["question_template"] = config.question_template
     if config.answer:
         sample_kwargs["answer"] = config.answer
-    budget_bytes: dict[int, float] = {}
-    budgets: dict[str, dict[str, Any]] = {}
-    for length in config.lengths:
-        reference = _reference_tokens(config, length)
-        budget_bytes[length] = config.budget_fraction * full_kv_bytes(model, reference)
-        for spec in specs:
-            name, _ = parse_spec(spec)
-            if config.memory is not None:  # the cache holds the target itself: nothing to match
-                from confkv.eval.niah.budgets import _policy_extra
-
-                budgets[f"{spec}@{length}"] = {} if name == "full" else {
-                    **_policy_extra(name, config.extra_params), "memory": config.memory}
-                continue
-            params = budgets_for_bytes(model, [name], budget_bytes[length], reference, store=_store_for(spec, config),
-                                       ratio=config.ratio, extra=config.extra_params)[name]
-            budgets[f"{spec}@{length}"] = params
+    # the target each cache holds at the end of every step: memory x the full cache's bytes at this length
+    budget_bytes = {length: config.memory * full_kv_bytes(model, length) for length in config.lengths}
+    budgets = {f"{spec}@{length}": memory_params(parse_spec(spec)[0], config.memory, config.extra_params)
+               for length in config.lengths for spec in specs}
     run = run_key(config, model_name)
     resume_path = Path(resume_path) if resume_path is not None else None
     records: list[NiahRecord] = []
@@ -259,9 +245,19 @@ def _groups(specs: list[str], protocol: str, config: NiahConfig) -> list[list[st
         specs = [s for s in specs if s != "full"]  # computed with the first protocol
     if protocol != "query-aware" or not config.share_prefill:
         return [[s] for s in specs]
-    by_store: dict[bool, list[str]] = {}
-    for spec in specs:
-        by_store.setdefault(_store_for(spec, config).kv_int8, []).append(spec)
+    by_store: dict[tuple, list[str]] = {}
+    for spec in specs:  # one prefill per store setting and storage (a fork keeps the shared cache's storage)
+        by_store.setdefault((_store_for(spec, config).kv_int8, _storage_of(spec, config)), []).append(spec)
     return list(by_store.values())
+
+
+def _storage_of(spec: str, config: NiahConfig) -> Any:
+    """How ``spec`` holds its tokens under the grid's target (None for ``full``)."""
+    name, _ = parse_spec(spec)
+    if name == "full":
+        return None
+    from confkv.presets import resolve
+
+    return resolve(name, **memory_params(name, config.memory, config.extra_params)).storage
 
 

@@ -125,6 +125,15 @@ class GateConfig:
                  f"the tight (confident) budget n_high={self.n_high} must be <= the loose budget n_low={self.n_low}")
 
 
+def check_pages(page_size: int, group_size: int) -> None:
+    """Raise :class:`ConfigError` unless ``page_size`` and ``group_size`` are positive integers and the group
+    divides the page (cold pages: :class:`ColdConfig`, :class:`confkv.tiers.storage.Storage`)."""
+    for name, value in (("page_size", page_size), ("group_size", group_size)):
+        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                 f"must be a positive integer, got {value!r}")
+    _require(page_size % group_size == 0, "group_size", f"must divide page_size={page_size}, got {group_size}")
+
+
 #: page counts meaning "read every cold page" (the KIVI anchor)
 ALL_PAGES = 2**31
 
@@ -168,12 +177,7 @@ class ColdConfig:
     def __post_init__(self) -> None:
         _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
                  f"must be one of 2, 3, 4, 8 (KIVI-style) or 16 (unquantized), got {self.bits!r}")
-        for name in ("page_size", "group_size"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                     f"must be a positive integer, got {value!r}")
-        _require(self.page_size % self.group_size == 0, "group_size",
-                 f"must divide page_size={self.page_size}, got {self.group_size}")
+        check_pages(self.page_size, self.group_size)
         for name in ("k_high", "k_low"):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= ALL_PAGES, name,

@@ -41,7 +41,8 @@ from confkv.policies.tiered import TieredPolicy
 from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
 from confkv.tiers.ladder import LadderTier
-from confkv.tiers.planner import StepPlan, fp_token_bytes, plan_step
+from confkv.tiers.byte_model import KVShape, channel_scale_bytes
+from confkv.tiers.planner import StepPlan, plan_step
 from confkv.tiers.storage import MemoryTarget, Storage, check_cap
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
@@ -161,7 +162,7 @@ class ConfKVCache(Cache):
         gate = getattr(policy, "gate", None)
         self.confidence_config: ConfidenceConfig = gate.confidence if gate is not None else ConfidenceConfig()
         self._active = False
-        self.floor_tokens = smallest_budget(policy) if target is not None else 0
+        self.floor_tokens = floor_tokens(policy, self.store_config) if target is not None else 0
         self._policy_at: dict[int, Policy] = {}
         self.last_plan: StepPlan | None = None
         self._cap_checked = 0  # the batch size the cap was checked against (its floor grows with the batch)
@@ -192,7 +193,7 @@ class ConfKVCache(Cache):
         built, target, storage = spec.policy, spec.target, spec.storage
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if max_kv_bytes is not None:
-            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built))
+            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store))
         enable(model)
         return cls(layout, built, store, final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
                    trace_limit=trace_limit, target=target, storage=storage)
@@ -284,17 +285,18 @@ class ConfKVCache(Cache):
         if first is None or not first.is_initialized:
             return torch.full((conf.shape[0], len(self.managed)), UNLIMITED, dtype=torch.int64)
         keys = first.recent.keys
-        token = fp_token_bytes(keys.shape[1], keys.shape[3], keys.element_size())
+        shape = KVShape(keys.shape[1], keys.shape[3], keys.element_size(), self.layout.sliding_windows)
+        token, reserve = shape.token_bytes, keys.shape[0] * reserve_bytes(shape, self.store_config)
         if self.target.max_kv_bytes is not None and self._cap_checked != keys.shape[0]:
-            sliding = sum(w - 1 for w in self.layout.sliding_windows if w is not None)
-            check_cap(self.target.max_kv_bytes, keys.shape[0] * token * (len(self.managed) * self.floor_tokens + sliding))
+            check_cap(self.target.max_kv_bytes, floor_bytes(shape, self.layout, self.floor_tokens, self.store_config,
+                                                            batch=keys.shape[0]))
             self._cap_checked = keys.shape[0]
         with profiling.section("memory plan"):
             plan = plan_step(self.target, self.storage, batch=keys.shape[0], seen=first.seen_tokens,
                              token_bytes=token,
                              managed=len(self.managed),
                              sliding_bytes=sum(s.kv_bytes() for i, s in enumerate(stores) if i not in managed),
-                             floor_tokens=self.floor_tokens)
+                             floor_tokens=self.floor_tokens, reserve_bytes=reserve)
         self.last_plan = plan
         hot = plan.hot_budget
         row = None if hot is None else torch.full(first.seen_real.shape, hot, dtype=torch.int64)
@@ -378,20 +380,31 @@ def smallest_budget(policy: Policy, search: int = 4096) -> int:
     raise ConfigError(f"policy: no budget in [{start}, {start + search}) is valid for {policy.name!r}")
 
 
-def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, batch: int = 1) -> int:
-    """The floor of a memory target for ``model`` (:mod:`confkv.tiers.planner`), one sequence by default:
-    the smallest hot set of every managed layer plus full sliding windows, in the model's dtype."""
-    from confkv.hf.support import text_config  # noqa: PLC0415
+def floor_tokens(policy: Policy, store: StoreConfig) -> int:
+    """The smallest hot budget under a memory target: the policy's (:func:`smallest_budget`), or an INT8 store's
+    never-evicted full-precision window plus the sinks (:func:`confkv.store.check_store_fits`), whichever is larger."""
+    smallest = smallest_budget(policy)
+    return max(smallest, store.fp_window + policy.sinks + 1) if store.kv_int8 else smallest
 
-    config = text_config(model.config)
-    heads = getattr(config, "num_attention_heads", None) or config.n_head
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    hidden = getattr(config, "hidden_size", None) or config.n_embd
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    size = next(model.parameters()).element_size()
-    token = fp_token_bytes(kv_heads, head_dim, size)
+
+def reserve_bytes(shape: KVShape, store: StoreConfig) -> int:
+    """Bytes a managed layer of one sequence holds besides its tokens: an INT8 store's frozen key channel scale."""
+    return channel_scale_bytes(shape.kv_heads, shape.head_dim) if store.kv_int8 else 0
+
+
+def floor_bytes(shape: KVShape, layout: LayerLayout, tokens: int, store: StoreConfig, batch: int = 1) -> int:
+    """The floor of a memory target (:mod:`confkv.tiers.planner`): ``tokens`` hot tokens in the model's dtype and
+    the reserve in every managed layer, plus full sliding windows, for ``batch`` sequences."""
     sliding = sum(w - 1 for w in layout.sliding_windows if w is not None)
-    return batch * token * (len(layout.managed) * smallest_budget(policy) + sliding)
+    per_sequence = len(layout.managed) * (tokens * shape.token_bytes + reserve_bytes(shape, store))
+    return batch * (per_sequence + sliding * shape.token_bytes)
+
+
+def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
+                   batch: int = 1) -> int:
+    """:func:`floor_bytes` of ``model`` under ``policy`` (one sequence by default)."""
+    store = store or StoreConfig()
+    return floor_bytes(KVShape.of(model), layout, floor_tokens(policy, store), store, batch)
 
 
 class _ActiveCache(__import__("threading").local):

@@ -44,27 +44,28 @@ class StepPlan:
 
 
 def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, token_bytes: int,
-              managed: int, sliding_bytes: int, floor_tokens: int) -> StepPlan:
+              managed: int, sliding_bytes: int, floor_tokens: int, reserve_bytes: int = 0) -> StepPlan:
     """The plan of one step (see the module docstring).
 
     Args:
         batch: sequences ``B``; seen: positions ``T`` fed so far (padding included).
         token_bytes: :func:`fp_token_bytes` of one managed layer.
         managed: managed (evictable) layers; sliding_bytes: bytes the sliding-window layers hold now.
-        floor_tokens: the smallest hot budget the policy accepts.
+        floor_tokens: the smallest hot budget the policy (and an INT8 store's never-evicted FP window) accepts.
+        reserve_bytes: bytes each managed layer holds besides its tokens (an INT8 store's key channel scale).
     """
     per_layer_full = batch * seen * token_bytes
     full = managed * per_layer_full + sliding_bytes
-    floor = managed * batch * min(seen, floor_tokens) * token_bytes + sliding_bytes
+    floor = managed * (batch * min(seen, floor_tokens) * token_bytes + reserve_bytes) + sliding_bytes
     total = target.bytes_for(full, floor)
     layer = (total - sliding_bytes) // max(managed, 1)
-    if per_layer_full <= layer:
+    if per_layer_full + reserve_bytes <= layer:
         return StepPlan(total, full, layer, None)
-    fits = layer // (batch * token_bytes)
+    fits = (layer - reserve_bytes) // (batch * token_bytes)
     if storage.hot_tokens is not None:
         hot = min(storage.hot_tokens, fits)
     elif storage.ladder:
-        hot = int(storage.hot_share * layer) // (batch * token_bytes)
+        hot = int(storage.hot_share * (layer - reserve_bytes)) // (batch * token_bytes)
     else:
         hot = fits
     return StepPlan(total, full, layer, max(hot, floor_tokens))

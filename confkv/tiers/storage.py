@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from confkv.config import _require
+from confkv.config import _require, check_pages
 
 #: bit widths a rung may have: 16 = the model's dtype (unquantized), the rest KIVI-style codes
 RUNG_BITS = (16, 8, 4, 3, 2)
@@ -74,12 +74,7 @@ class Storage:
         _require(self.hot_tokens is None or (isinstance(self.hot_tokens, int) and not isinstance(self.hot_tokens, bool)
                                              and self.hot_tokens >= 1), "hot_tokens",
                  f"must be None or a positive number of tokens, got {self.hot_tokens!r}")
-        for name in ("page_size", "group_size"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
-                     f"must be a positive integer, got {value!r}")
-        _require(self.page_size % self.group_size == 0, "group_size",
-                 f"must divide page_size={self.page_size}, got {self.group_size}")
+        check_pages(self.page_size, self.group_size)
         _require(self.step_down_by in STEP_DOWN_SIGNALS, "step_down_by",
                  f"must be one of {', '.join(STEP_DOWN_SIGNALS)}, got {self.step_down_by!r}")
         _require(self.step_order in STEP_ORDERS, "step_order",

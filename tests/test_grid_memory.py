@@ -12,7 +12,7 @@ import torch
 
 from confkv.errors import ConfigError
 from confkv.eval.ppl import streaming_ppl
-from confkv.hf.cache import smallest_budget
+from confkv.tiers.planner import smallest_budget
 from confkv.models import tiny_model, tiny_tokenizer
 from confkv.presets import resolve
 from confkv.tiers.byte_model import KVShape, full_cache_bytes
@@ -28,7 +28,7 @@ def check_trace_under_target(model, trace, memory, policy, batch=1, after=0, sto
     cache's floor, its smallest hot set, for a short prefix), and the bytes held are at most it.
     Returns the steps checked (a llama: no sliding layers)."""
     from confkv.config import StoreConfig
-    from confkv.hf.cache import floor_tokens as floor_tokens_of, reserve_bytes
+    from confkv.tiers.planner import floor_tokens as floor_tokens_of, reserve_bytes
 
     shape = KVShape.of(model)
     store = store or StoreConfig()

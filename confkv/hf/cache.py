@@ -34,15 +34,15 @@ from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.support import LayerLayout, layer_layout
-from confkv.policies import UNLIMITED, Policy, make_policy
+from confkv.policies import UNLIMITED, Policy
 from confkv.page_file import PageFile
 from confkv.policies.tee import TeePolicy
 from confkv.policies.tiered import TieredPolicy
 from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
 from confkv.tiers.ladder import LadderTier
-from confkv.tiers.byte_model import KVShape, channel_scale_bytes
-from confkv.tiers.planner import StepPlan, plan_step
+from confkv.tiers.byte_model import KVShape
+from confkv.tiers.planner import StepPlan, floor_bytes, floor_tokens, plan_step, reserve_bytes
 from confkv.tiers.storage import MemoryTarget, Storage, check_cap
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
@@ -363,41 +363,6 @@ class ConfKVCache(Cache):
         super().batch_repeat_interleave(repeats)
         if self.controller.gated is not None:
             self.controller.gated = self.controller.gated.repeat_interleave(repeats)
-
-
-def smallest_budget(policy: Policy, search: int = 4096) -> int:
-    """The smallest per-layer budget ``policy`` accepts (``protect + sinks + 1`` for most policies;
-    more when the policy's own checks ask it, e.g. H2O's recent share). The floor of a memory target."""
-    start = policy.protect + policy.sinks + 1
-    if not any(f.name == "budget" for f in dataclasses.fields(policy)):
-        return start
-    for budget in range(start, start + search):
-        try:
-            dataclasses.replace(policy, budget=budget)
-        except ConfigError:
-            continue
-        return budget
-    raise ConfigError(f"policy: no budget in [{start}, {start + search}) is valid for {policy.name!r}")
-
-
-def floor_tokens(policy: Policy, store: StoreConfig) -> int:
-    """The smallest hot budget under a memory target: the policy's (:func:`smallest_budget`), or an INT8 store's
-    never-evicted full-precision window plus the sinks (:func:`confkv.store.check_store_fits`), whichever is larger."""
-    smallest = smallest_budget(policy)
-    return max(smallest, store.fp_window + policy.sinks + 1) if store.kv_int8 else smallest
-
-
-def reserve_bytes(shape: KVShape, store: StoreConfig) -> int:
-    """Bytes a managed layer of one sequence holds besides its tokens: an INT8 store's frozen key channel scale."""
-    return channel_scale_bytes(shape.kv_heads, shape.head_dim) if store.kv_int8 else 0
-
-
-def floor_bytes(shape: KVShape, layout: LayerLayout, tokens: int, store: StoreConfig, batch: int = 1) -> int:
-    """The floor of a memory target (:mod:`confkv.tiers.planner`): ``tokens`` hot tokens in the model's dtype and
-    the reserve in every managed layer, plus full sliding windows, for ``batch`` sequences."""
-    sliding = sum(w - 1 for w in layout.sliding_windows if w is not None)
-    per_sequence = len(layout.managed) * (tokens * shape.token_bytes + reserve_bytes(shape, store))
-    return batch * (per_sequence + sliding * shape.token_bytes)
 
 
 def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,

@@ -20,10 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from confkv.tiers.byte_model import fp_token_bytes
+import dataclasses
+from typing import Any
+
+from confkv.config import StoreConfig
+from confkv.errors import ConfigError
+from confkv.tiers.byte_model import KVShape, channel_scale_bytes, fp_token_bytes
 from confkv.tiers.storage import MemoryTarget, Storage
 
-__all__ = ["StepPlan", "fp_token_bytes", "plan_step"]  # fp_token_bytes: from the one byte model
+__all__ = ["StepPlan", "floor_bytes", "floor_tokens", "fp_token_bytes", "plan_step", "reserve_bytes",
+           "smallest_budget"]  # fp_token_bytes: from the one byte model
 
 
 @dataclass(frozen=True)
@@ -69,3 +75,39 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
     else:
         hot = fits
     return StepPlan(total, full, layer, max(hot, floor_tokens))
+
+
+def smallest_budget(policy: Any, search: int = 4096) -> int:
+    """The smallest per-layer budget ``policy`` accepts (``protect + sinks + 1`` for most policies;
+    more when the policy's own checks ask it, e.g. H2O's recent share). The floor of a memory target."""
+    start = policy.protect + policy.sinks + 1
+    if not any(f.name == "budget" for f in dataclasses.fields(policy)):
+        return start
+    for budget in range(start, start + search):
+        try:
+            dataclasses.replace(policy, budget=budget)
+        except ConfigError:
+            continue
+        return budget
+    raise ConfigError(f"policy: no budget in [{start}, {start + search}) is valid for {policy.name!r}")
+
+
+def floor_tokens(policy: Any, store: StoreConfig) -> int:
+    """The smallest hot budget under a memory target: the policy's (:func:`smallest_budget`), or an INT8 store's
+    never-evicted full-precision window plus the sinks (:func:`confkv.store.check_store_fits`), whichever is larger."""
+    smallest = smallest_budget(policy)
+    return max(smallest, store.fp_window + policy.sinks + 1) if store.kv_int8 else smallest
+
+
+def reserve_bytes(shape: KVShape, store: StoreConfig) -> int:
+    """Bytes a managed layer of one sequence holds besides its tokens: an INT8 store's frozen key channel scale."""
+    return channel_scale_bytes(shape.kv_heads, shape.head_dim) if store.kv_int8 else 0
+
+
+def floor_bytes(shape: KVShape, layout: Any, tokens: int, store: StoreConfig, batch: int = 1) -> int:
+    """The floor of a memory target: ``tokens`` hot tokens in the model's dtype and the reserve in
+    every managed layer, plus full sliding windows, for ``batch`` sequences (``layout``: a
+    :class:`~confkv.hf.support.LayerLayout`, anything with ``managed`` and ``sliding_windows``)."""
+    sliding = sum(w - 1 for w in layout.sliding_windows if w is not None)
+    per_sequence = len(layout.managed) * (tokens * shape.token_bytes + reserve_bytes(shape, store))
+    return batch * (per_sequence + sliding * shape.token_bytes)

@@ -12,7 +12,8 @@ from confkv.hf.weights import quantize_linear_weights
 from confkv.models import tiny_model
 from confkv.native.layer import LayerKernels
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off"),
+              pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
 SHAPES = {
     "default": {},  # hidden 64, 4 / 2 heads of 16, MLP 128

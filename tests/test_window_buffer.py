@@ -13,6 +13,9 @@ from confkv.region import Region
 from confkv.native.decode import DecodePlan
 from confkv.window_buffer import WindowBuffer
 
+# spare slots (new_empty) and other buffers to be overwritten start as NaN / the lowest integer / True
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
+
 # attention-ranked policies (the in-place path needs the mass); budgets small enough to evict
 RANKED = [
     ("h2o", {"budget": 20, "protect": 4}),

@@ -118,6 +118,22 @@ def test_decode_step_equals_append_and_attend(name, params, asymmetric):
             assert spare > 0 and sb.window.backs(sb.recent)
 
 
+@pytest.mark.parametrize("name,params", RANKED, ids=[r[0] for r in RANKED])
+def test_the_torch_in_place_step_equals_append_and_attend(name, params):
+    """Without the library (or with a plan it cannot build) the in-place step runs in Python: the window
+    buffer's append_one, the torch mass read and the policy's observe of both regions."""
+    with native.loader.disabled():
+        (reference, lean), appended = _decode_both(name, params, StoreConfig(move_block=4), steps=12,
+                                                   asymmetric=True)
+    assert appended > 0 and _decode_both.native_steps == []  # the Python in-place path, never the C step
+    for a, b in zip(reference.layers, lean.layers):
+        sa, sb = a.store, b.store
+        assert torch.equal(sa.seen_real, sb.seen_real) and sa.seen_tokens == sb.seen_tokens
+        for ra, rb in ((sa.old, sb.old), (sa.recent, sb.recent)):
+            assert torch.equal(ra.positions, rb.positions) and torch.equal(ra.keys, rb.keys)
+            torch.testing.assert_close(rb.stats, ra.stats, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.skipif(not native.available(), reason="the in-place path reads with the native mass read")
 def test_ageing_drops_the_buffer_and_a_stale_one_is_counted_whole():
     (_, lean), _ = _decode_both("h2o", {"budget": 20, "protect": 4}, StoreConfig(move_block=4), steps=5)

@@ -8,8 +8,9 @@ dropped (``round_to(x, d)`` -> ``x``), a fused multiply-add split into two round
 
 For each mutant the script writes a mutated copy of the sources, compiles it with the project's own
 loader (``confkv.native.loader.build``; the tests then load it through ``$CONFKV_NATIVE_SOURCE``, the
-library cached in a scratch ``$CONFKV_NATIVE_CACHE``), and runs the native tests (:data:`TESTS`) in a
-subprocess with a timeout, stopping at the first failure. Outcomes:
+library cached in a scratch ``$CONFKV_NATIVE_CACHE``), and runs the native tests that reach the mutated file
+(:data:`TESTS_FOR`; :data:`TESTS` for common.h) in a subprocess with a timeout, stopping at the first failure.
+Outcomes:
 
 * killed: a test failed (or the process crashed on the mutant, e.g. a segfault);
 * timeout: the tests ran past the limit (counted as killed);
@@ -51,6 +52,16 @@ BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 TESTS = ["tests/test_native_contracts.py", "tests/test_native_confidence.py", "tests/test_native_w8a8.py",
          "tests/test_native_gemv.py", "tests/test_native_kernels.py", "tests/test_native_layer.py",
          "tests/test_window_buffer.py"]
+#: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
+TESTS_FOR = {
+    "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
+    "c/rows.c": ["test_native_contracts", "test_native_confidence", "test_native_kernels", "test_native_layer"],
+    "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
+    "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
+    "c/layer.c": ["test_native_contracts", "test_native_layer"],
+    "c/pool.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
+                 "test_native_layer"],
+}
 #: loader tests that build libraries of their own and test no kernel
 DESELECT = ["tests/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",
             "tests/test_native_kernels.py::test_a_changed_part_of_the_source_builds_a_new_library"]
@@ -212,16 +223,17 @@ def snapshot(target: Path) -> Path:
     return target
 
 
-def run_tests(root: Path, source: Path, cache: Path, timeout: float) -> tuple[str, float, str]:
-    """Build the sources at ``source`` and run :data:`TESTS` of ``root`` (a :func:`snapshot`) on them:
-    (outcome, seconds, tail of the output)."""
+def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str | None = None) -> tuple[str, float, str]:
+    """Build the sources at ``source`` and run :data:`TESTS` of ``root`` (a :func:`snapshot`) on them, those of
+    :data:`TESTS_FOR` ``file`` when it names a mutated file listed there: (outcome, seconds, tail of the output)."""
     env = {**os.environ, "CONFKV_NATIVE_SOURCE": str(source), "CONFKV_NATIVE_CACHE": str(cache),
            "OMP_NUM_THREADS": "1", "CONFKV_NATIVE": "1"}
     build = [sys.executable, "-c", "from confkv.native import loader; loader.build()"]
     done = subprocess.run(build, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode:
         return "compile-error", 0.0, done.stderr[-500:]
-    tests = [t for t in TESTS if (root / t).exists()]
+    wanted = TESTS_FOR.get(file or "")
+    tests = [t for t in TESTS if (root / t).exists() and (wanted is None or Path(t).stem in wanted)]
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                *tests, *(f"--deselect={d}" for d in DESELECT)]
     began = time.monotonic()
@@ -322,7 +334,7 @@ def main() -> None:
             if previous is not None and not (redo is None or previous["outcome"] in redo):
                 continue
             apply(mutant, native, scratch / "src")
-            outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout)
+            outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file)
             shutil.rmtree(scratch / "cache", ignore_errors=True)
             results[mutant.id] = {"outcome": outcome, "seconds": round(seconds, 1), "old": mutant.old,
                                   "new": mutant.new, "tail": tail[-300:]}

@@ -21,13 +21,16 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _integer_operands(rows: int, outputs: int, inputs: int, dtype: torch.dtype, seed: int, bias: bool):
-    """x [rows, inputs] of small integers (each block of 32 holding a +-127, so that W8A8's block scale is 1),
-    an int8 weight [outputs, inputs], a scale [outputs] and optionally a bias [outputs] with full mantissas:
-    every dot product is an integer below 2^24, exact in float32 in any summation order, so the kernel's
-    output is fixed to the bit by its roundings alone."""
+    """x [rows, inputs]: integers times 2^-j, j = (row + block) % 3 per block of 32 (each block holding a
+    +-127 * 2^-j, so that W8A8's block scale is 2^-j exactly and differs between rows and blocks), an int8
+    weight [outputs, inputs], a scale [outputs] and optionally a bias [outputs] with full mantissas: every
+    partial sum is a multiple of 1/4 below 2^22, exact in float32 in any order, so the kernel's output is
+    fixed to the bit by its roundings alone."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(-127, 128, (rows, inputs), generator=gen).float()
     x[:, ::32] = 127.0 * torch.where(torch.rand(rows, (inputs + 31) // 32, generator=gen) < 0.5, -1.0, 1.0)
+    block = torch.arange(inputs) // 32
+    x = x * 2.0 ** -((torch.arange(rows)[:, None] + block[None]) % 3)  # W8A8 block scales 1, 1/2, 1/4: per row and block
     weight = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8, generator=gen)
     scale = (torch.rand(outputs, generator=gen) / 300 + 1e-4).to(dtype)
     shift = (torch.randn(outputs, generator=gen) * 3).to(dtype) if bias else None
@@ -188,3 +191,24 @@ def test_rotary_rounds_every_product_and_the_sum(dtype):
     got, _ = native.rotary(x, x[:, :, :1], cos, sin)
     half = torch.cat((-x[..., 12:], x[..., :12]), -1)
     assert torch.equal(got, x * cos[:, :, None] + half * sin[:, :, None])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [5, 9])
+def test_the_gemv_entry_point_takes_more_rows_than_a_decode_step(dtype, rows):
+    """confkv_int8_gemv / confkv_int8_linear take any number of activation rows (the Python wrappers stop at
+    MAX_GEMV_ROWS): rows past 4 run as further groups of up to 4 (rows_from), W8A16 and W8A8, each bit for bit
+    as torch's lines."""
+    lib = loader.library()
+    for bias in (False, True):
+        x, weight, scale, shift = _integer_operands(rows, 19, 70, dtype, seed=rows, bias=bias)
+        out = torch.empty(rows, 19, dtype=dtype)
+        code = native._CODES[dtype]
+        status = lib.confkv_int8_gemv(x.data_ptr(), code, x.stride(0), rows, 70, weight.data_ptr(), 19,
+                                      scale.data_ptr(), code, shift.data_ptr() if bias else None, code if bias else 0,
+                                      out.data_ptr(), code, 1)
+        assert status == 0 and torch.equal(out, _contract(x, weight, scale, shift)), bias
+        projection = native.Int8Projection(weight, scale, shift, activation_bits=8)  # W8A8: its per-row blocks too
+        out = torch.empty(rows, 19, dtype=dtype)
+        assert lib.confkv_int8_linear(projection._plan, x.data_ptr(), code, 70, rows, out.data_ptr(), 1) == 0
+        assert torch.equal(out, _contract(x, weight, scale, shift)), ("W8A8", bias)

@@ -65,7 +65,7 @@ TESTS_FOR = {
 #: loader tests that build libraries of their own and test no kernel
 DESELECT = ["tests/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",
             "tests/test_native_kernels.py::test_a_changed_part_of_the_source_builds_a_new_library"]
-EQUIVALENT_LINE = re.compile(r"^- `native:([\w./:-]+)`: \S")
+EQUIVALENT_LINE = re.compile(r"^- `native:([\w./:-]+)`(?:, `native:[\w./:-]+`)*: \S")
 
 
 @dataclass(frozen=True)
@@ -251,8 +251,17 @@ def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str |
 
 
 def equivalent(doc: str) -> set[str]:
-    """Mutant ids listed as equivalent (``- `native:<id>`: <reason>``) in MUTATION.md."""
-    return {m.group(1) for line in doc.splitlines() if (m := EQUIVALENT_LINE.match(line))}
+    """Mutant ids listed as equivalent in MUTATION.md, outside the table (which lists the survivors): lines
+    ``- `native:<id>`: <reason>``, or ``- `native:<id>`, `native:<id>`: <reason>`` for several."""
+    if BEGIN in doc and END in doc:
+        head, rest = doc.split(BEGIN, 1)
+        doc = head + rest.split(END, 1)[1]
+    found = set()
+    for line in doc.splitlines():
+        if EQUIVALENT_LINE.match(line):
+            reasonless = line.split("`: ", 1)[0] + "`"  # the ids before the first reason
+            found.update(re.findall(r"`native:([\w./:-]+)`", reasonless))
+    return found
 
 
 def table(results: dict[str, dict], all_mutants: list[Mutant], doc: str) -> str:

@@ -58,11 +58,13 @@ def test_apply_changes_one_place_in_a_copy(tmp_path):
 
 def test_the_table_counts_each_outcome_and_the_listed_equivalents(tmp_path):
     found = mutate_native.mutants(_tree(tmp_path))
-    outcomes = ["killed", "killed", "timeout", "compile-error", "survived", "survived"]
+    outcomes = ["killed", "killed", "timeout", "compile-error", "survived", "survived", "survived", "survived"]
     results = {m.id: {"outcome": o, "old": m.old, "new": m.new} for m, o in zip(found, outcomes)}
-    doc = f"- `native:{found[4].id}`: the same value either way\n"
+    doc = (f"- `native:{found[4].id}`: the same value either way\n"
+           f"- `native:{found[5].id}`, `native:{found[6].id}`: scheduling only, see `native:{found[7].id}`\n"
+           f"{mutate_native.BEGIN}\n- `native:{found[7].id}`: a survivor in the table\n{mutate_native.END}\n")
     table = mutate_native.table(results, found, doc)
     row = next(line for line in table.splitlines() if line.startswith("| `c/part.c`"))
     # mutants, run, killed, timeout, compile error, equivalent, survived, killed of the non-equivalent (3 of 4)
-    assert row == f"| `c/part.c` | {len(found)} | 6 | 2 | 1 | 1 | 1 | 1 | 75.0% |"
-    assert f"`native:{found[5].id}`" in table and f"`native:{found[4].id}`" not in table  # only the unlisted one
+    assert row == f"| `c/part.c` | {len(found)} | 8 | 2 | 1 | 1 | 3 | 1 | 75.0% |"
+    assert f"`native:{found[7].id}`" in table and f"`native:{found[4].id}`" not in table  # only the unlisted one

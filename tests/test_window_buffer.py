@@ -46,6 +46,9 @@ def test_a_buffer_holds_the_region_and_appends_in_place():
     assert buffer.backs(again) and again.length == 7 and torch.equal(again.keys[:, :, 5], grown.keys[:, :, 5])
     assert buffer.nbytes() == 2 * 2 * 3 * 7 * 8 * 4
     assert not buffer.backs(again.slice(0, 7, copy=True))
+    assert not buffer.backs(grown)  # the same storage, but no longer the views append_one returned last
+    again.keys = again.keys.clone()  # the last views, one of them replaced by a copy
+    assert not buffer.backs(again)
 
 
 def test_a_buffer_refuses_too_little_room_and_int8_regions():

@@ -212,3 +212,33 @@ def test_the_gemv_entry_point_takes_more_rows_than_a_decode_step(dtype, rows):
         out = torch.empty(rows, 19, dtype=dtype)
         assert lib.confkv_int8_linear(projection._plan, x.data_ptr(), code, 70, rows, out.data_ptr(), 1) == 0
         assert torch.equal(out, _contract(x, weight, scale, shift)), ("W8A8", bias)
+
+
+_MIN_PARALLEL_SCRIPT = r"""
+import sys, torch
+from confkv import native
+torch.set_num_threads(2)
+x, w, s = torch.ones(1, 16), torch.ones(16, 16, dtype=torch.int8), torch.ones(16)
+if sys.argv[1] == "0":
+    native.gemv_settings(min_parallel=0)  # every product, however small, split over the pool
+want = torch.full((1, 16), 16.0)
+assert torch.equal(native.int8_linear(x, w, s), want)
+print(native.gemv_settings())
+"""
+
+
+def test_min_parallel_zero_splits_even_the_smallest_product():
+    """gemv_settings(min_parallel=0) is a setting like any other (not 'keep'): a 16 x 16 product then starts
+    the pool's worker; by default it runs on the caller alone. In fresh processes (workers outlive a call)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def workers(setting: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _MIN_PARALLEL_SCRIPT, setting], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).resolve().parents[1], env={**os.environ})
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert workers("default") == 0 and workers("0") >= 1

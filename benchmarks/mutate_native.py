@@ -20,7 +20,7 @@ Outcomes:
 
 The run works on a snapshot of confkv/, tests/ and benchmarks/ taken when it starts. Results go to
 ``mutants-native/results.json`` (git-ignored), one entry per mutant id, so an interrupted run
-resumes where it stopped; ``--rerun survived`` re-tests the survivors (after new tests), ``--sample N`` runs a
+resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--sample N`` runs a
 seeded sample of N mutants spread over the files (the full set takes hours on two cores). The table of
 docs/MUTATION.md (between ``<!-- native-mutation-table -->`` markers) is rewritten at the end.
 
@@ -338,9 +338,12 @@ def main() -> None:
         timeout = 3 * baseline + 60
         print(f"baseline {baseline:.0f} s; timeout {timeout:.0f} s; {len(chosen)} mutants", flush=True)
         redo = {"survived": {"survived"}, "all": None}.get(args.rerun or "", set())
+        listed = equivalent(DOC.read_text()) if args.rerun == "survived" else set()
         for n, mutant in enumerate(chosen, 1):
             previous = results.get(mutant.id)
             if previous is not None and not (redo is None or previous["outcome"] in redo):
+                continue
+            if previous is not None and mutant.id in listed:  # a survivor listed as equivalent: nothing to re-test
                 continue
             apply(mutant, native, scratch / "src")
             outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file)

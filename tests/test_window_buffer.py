@@ -187,3 +187,31 @@ def test_a_cache_with_native_decode_plans_clones_and_pickles():
     decoder = LeanDecoder(model)
     torch.testing.assert_close(decoder(token, twin), decoder(token, lean), rtol=0, atol=0)
     assert all(layer.store.decode_plan is not None for layer in twin.layers)  # its own, built at its step
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step needs the library")
+def test_the_native_step_writes_slot_0_and_refuses_slots_outside_the_window():
+    """DecodePlan.step on an empty window (slot 0, the first one: allowed) and at slot == capacity or < 0
+    (outside: refused, nothing written). Region shapes: B 2, Hkv 3, D 8; 6 query heads."""
+    from confkv.attention import KVSegment
+    from confkv.attention.mass_read import mass_read
+
+    old = _region(5, seed=3)
+    window = WindowBuffer.around(_region(0), 2)
+    plan = DecodePlan.build(window, old, 6, None)
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(2, 6, 1, 8, generator=gen)
+    key, value = torch.randn(2, 3, 1, 8, generator=gen), torch.randn(2, 3, 1, 8, generator=gen)
+    position = torch.tensor([5, 7])
+    out, masses = plan.step(query, key, value, position, 0, 0.5)
+    want, want_masses = mass_read(query, [KVSegment(old.keys, old.values, None), KVSegment(key, value, None)], 0.5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(masses, want_masses):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(window.keys[:, :, :1], key) and torch.equal(window.values[:, :, :1], value)
+    assert window.positions[:, :, 0].tolist() == [[5] * 3, [7] * 3] and bool(window.valid[:, 0].all())
+    before = window.keys.clone()
+    for outside in (2, -1):
+        with pytest.raises(RuntimeError, match="outside the window"):
+            plan.step(query, key, value, position, outside, 0.5)
+    torch.testing.assert_close(window.keys, before, rtol=0, atol=0, equal_nan=True)  # slot 1 still the poison (NaN)

@@ -40,3 +40,29 @@ def native_and_torch_code(request):
             yield
     else:
         yield
+
+
+def _poisoned(make):
+    """``make`` (torch.empty, torch.empty_like, Tensor.new_empty) whose result is filled with NaN (floats), the
+    dtype's lowest value (integers) or True (bool): memory a caller must overwrite, never zeros left over."""
+    def poisoned(*args, **kwargs):
+        out = make(*args, **kwargs)
+        with torch.no_grad():
+            if out.is_floating_point() or out.is_complex():
+                out.fill_(float("nan"))
+            elif out.dtype == torch.bool:
+                out.fill_(True)
+            else:
+                out.fill_(torch.iinfo(out.dtype).min)
+        return out
+    return poisoned
+
+
+@pytest.fixture
+def nan_filled_empty(monkeypatch):
+    """Within the test, buffers made with torch.empty / empty_like / Tensor.new_empty start poisoned (NaN, the
+    lowest integer, True), so code that reads a slot it should have written first fails loudly instead of
+    passing on whatever the allocator left there."""
+    monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(torch.Tensor.new_empty))

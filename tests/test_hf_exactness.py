@@ -1,4 +1,5 @@
-"""With budgets at least the sequence length, confkv must equal transformers' own cache."""
+"""With budgets at least the sequence length, confkv must equal transformers' own cache (on the symmetric tiny
+models and on the asymmetric ones: random norm weights and biases, head_dim != hidden / heads)."""
 
 import pytest
 import torch
@@ -30,8 +31,9 @@ def _reference(model, ids, mask):
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("policy", ["confkv", "full"])
-def test_generate_matches_dynamic_cache(arch, batch, policy):
-    model = tiny_model(arch, seed=1)
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_generate_matches_dynamic_cache(arch, batch, policy, asymmetric):
+    model = tiny_model(arch, seed=1, asymmetric=asymmetric)
     ids, mask = _prompt(batch, 20)
     ref_tokens, ref_logits = _reference(model, ids, mask)
     params = {"n_high": 200, "n_low": 400} if policy == "confkv" else {}
@@ -44,8 +46,9 @@ def test_generate_matches_dynamic_cache(arch, batch, policy):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
-def test_chunked_prefill_then_generate_matches(arch):
-    model = tiny_model(arch, seed=2)
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_chunked_prefill_then_generate_matches(arch, asymmetric):
+    model = tiny_model(arch, seed=2, asymmetric=asymmetric)
     ids, mask = _prompt(2, 37, seed=3)
     ref_tokens, ref_logits = _reference(model, ids, mask)
     cache = ConfKVCache.for_model(model, "confkv", n_high=300, n_low=500)
@@ -56,8 +59,9 @@ def test_chunked_prefill_then_generate_matches(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_manual_step_loop_logits_match(arch):
-    model = tiny_model(arch, seed=4)
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_manual_step_loop_logits_match(arch, asymmetric):
+    model = tiny_model(arch, seed=4, asymmetric=asymmetric)
     ids = torch.randint(0, 250, (2, 30), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         reference = model(ids).logits

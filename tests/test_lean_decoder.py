@@ -46,8 +46,9 @@ def _decode_both(model, name, params, store, batch, steps=24, prompt=30):
 
 @pytest.mark.parametrize("arch", LEAN_MODEL_TYPES)
 @pytest.mark.parametrize("name,params,store", POLICIES, ids=[p[0] for p in POLICIES])
-def test_lean_logits_equal_the_models_forward(arch, name, params, store):
-    model = tiny_model(arch)
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_lean_logits_equal_the_models_forward(arch, name, params, store, asymmetric):
+    model = tiny_model(arch, asymmetric=asymmetric)
     pairs, (reference, lean) = _decode_both(model, name, params, store, batch=1)
     for expected, got in pairs:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -59,15 +60,17 @@ def test_lean_logits_equal_the_models_forward(arch, name, params, store):
 
 
 @pytest.mark.parametrize("name,params,store", POLICIES[1:3], ids=[p[0] for p in POLICIES[1:3]])
-def test_lean_with_left_padding_equals_the_models_forward(name, params, store):
-    model = tiny_model("llama")
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_lean_with_left_padding_equals_the_models_forward(name, params, store, asymmetric):
+    model = tiny_model("llama", asymmetric=asymmetric)
     pairs, _ = _decode_both(model, name, params, store, batch=3)
     for expected, got in pairs:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_lean_prefill_of_several_tokens_equals_the_models_forward():
-    model = tiny_model("qwen2")
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_lean_prefill_of_several_tokens_equals_the_models_forward(asymmetric):
+    model = tiny_model("qwen2", asymmetric=asymmetric)
     ids, _ = _prompt(2, 40)
     caches = [ConfKVCache.for_model(model, "streaming", budget=20, sinks=2) for _ in range(2)]
     lean = LeanDecoder(model)

@@ -63,6 +63,28 @@ def test_tiny_model_deterministic_in_seed(arch: str) -> None:
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)
 
 
+@pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
+def test_asymmetric_tiny_models_break_every_symmetry(arch: str) -> None:
+    """asymmetric=True: no norm with a constant weight, no bias at 0, head_dim != hidden / heads where the
+    architecture has a head_dim of its own, a width not a multiple of 16; seeded, the global RNG untouched."""
+    rng_before = torch.get_rng_state()
+    model = tiny_model(arch, seed=2, asymmetric=True)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    norms = [p for n, p in model.named_parameters() if "norm" in n.lower() or ".ln_" in n]
+    assert norms and all(float(p.detach().std()) > 0.05 for p in norms)  # per-channel weights (and LayerNorm biases)
+    biases = [p for n, p in model.named_parameters() if n.endswith(".bias")]
+    assert all(float(p.detach().abs().min()) > 0 for p in biases)
+    assert bool(biases) == (arch in ("llama", "qwen2", "gpt2"))  # Llama: its optional biases turned on
+    config = model.config
+    assert config.hidden_size % 16
+    if arch != "gpt2":
+        assert config.head_dim * config.num_attention_heads != config.hidden_size
+    again = tiny_model(arch, seed=2, asymmetric=True).state_dict()
+    assert all(torch.equal(t, again[k]) for k, t in model.state_dict().items())
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(_logits(model, ids)).all()
+
+
 def test_tiny_gemma3_mixes_sliding_and_full_attention() -> None:
     config = tiny_model("gemma3").config
     assert set(config.layer_types) == {"sliding_attention", "full_attention"}

@@ -10,7 +10,8 @@ from confkv.confidence import confidence
 from confkv.config import ConfidenceConfig
 from confkv.native import loader
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="native kernels unavailable"),
+              pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
 
 def _torch_confidence(logits, config=None):

@@ -20,6 +20,8 @@ from confkv.native import loader
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C compiler or "
                                   "CONFKV_NATIVE=0; see the warning)")
+# buffers the kernels must overwrite (torch.empty, empty_like, new_empty) start as NaN in every test here
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 #: (N, K): odd sizes (no multiple of 8 / 16 rows or columns) and SmolLM2-like ones
 SHAPES = [(37, 53), (13, 16), (579, 576), (64, 1536), (200, 97)]

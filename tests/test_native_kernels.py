@@ -18,6 +18,8 @@ from segment_cases import unmasked_segments
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C compiler or "
                                   "CONFKV_NATIVE=0; see the warning)")
+# buffers the kernels must overwrite (torch.empty, empty_like, new_empty) start as NaN in every test here
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
 def _close(got, want, dtype):

@@ -12,11 +12,14 @@ from confkv.hf.weights import quantize_linear_weights
 from confkv.models import tiny_model
 from confkv.native.layer import LayerKernels
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off"),
+              pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
 SHAPES = {
     "default": {},  # hidden 64, 4 / 2 heads of 16, MLP 128
     "ragged": {"hidden_size": 40, "head_dim": 10, "intermediate_size": 72},  # widths not multiples of 16
+    # random norm weights and biases (Llama: on every projection), head_dim 16 != hidden 40 / 4 heads
+    "asymmetric": {"asymmetric": True},
 }
 
 
@@ -50,7 +53,7 @@ def _decode(model, fuse: bool, batch: int, steps: int = 12, prompt: int = 20, po
     return logits, len(calls), cache
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q / k / v
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q / k / v (asymmetric llama: on all)
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("batch", [1, 3])

@@ -10,7 +10,8 @@ from confkv.hf.weights import Int8Linear, quantize_linear_weights
 from confkv.models import tiny_model
 from confkv.native import loader
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off")
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off"),
+              pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
 
 def test_activation_blocks_by_hand():

@@ -38,8 +38,9 @@ def _older_region_holds_most(cache) -> None:
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("int8", [False, True], ids=["fp", "int8"])
-def test_step_loop_matches_one_forward_pass(arch, policy, int8):
-    model = tiny_model(arch, seed=5)
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_step_loop_matches_one_forward_pass(arch, policy, int8, asymmetric):
+    model = tiny_model(arch, seed=5, asymmetric=asymmetric)
     ids = torch.randint(0, 250, (2, LENGTH), generator=torch.Generator().manual_seed(6))
     # a truncated run: each token sees only the last 6 (the FP window), what ignoring the older region gives
     band = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril() & ~torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril(-6)
@@ -62,8 +63,9 @@ def test_step_loop_matches_one_forward_pass(arch, policy, int8):
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_generate_with_padding_matches_dynamic_cache(arch, policy):
-    model = tiny_model(arch, seed=8)
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_generate_with_padding_matches_dynamic_cache(arch, policy, asymmetric):
+    model = tiny_model(arch, seed=8, asymmetric=asymmetric)
     ids = torch.randint(0, 250, (2, 30), generator=torch.Generator().manual_seed(9))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0

@@ -13,6 +13,9 @@ from confkv.region import Region
 from confkv.native.decode import DecodePlan
 from confkv.window_buffer import WindowBuffer
 
+# spare slots (new_empty) and other buffers to be overwritten start as NaN / the lowest integer / True
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
+
 # attention-ranked policies (the in-place path needs the mass); budgets small enough to evict
 RANKED = [
     ("h2o", {"budget": 20, "protect": 4}),
@@ -43,6 +46,9 @@ def test_a_buffer_holds_the_region_and_appends_in_place():
     assert buffer.backs(again) and again.length == 7 and torch.equal(again.keys[:, :, 5], grown.keys[:, :, 5])
     assert buffer.nbytes() == 2 * 2 * 3 * 7 * 8 * 4
     assert not buffer.backs(again.slice(0, 7, copy=True))
+    assert not buffer.backs(grown)  # the same storage, but no longer the views append_one returned last
+    again.keys = again.keys.clone()  # the last views, one of them replaced by a copy
+    assert not buffer.backs(again)
 
 
 def test_a_buffer_refuses_too_little_room_and_int8_regions():
@@ -54,9 +60,9 @@ def test_a_buffer_refuses_too_little_room_and_int8_regions():
         WindowBuffer.around(region, 8)
 
 
-def _decode_both(name, params, store, steps=30, prompt=24):
+def _decode_both(name, params, store, steps=30, prompt=24, asymmetric=False):
     """The same tokens through the lean decoder (decode_step) and model(...) (append + attend)."""
-    model = tiny_model("llama")
+    model = tiny_model("llama", asymmetric=asymmetric)
     ids = torch.randint(1, 250, (2, prompt + steps), generator=torch.Generator().manual_seed(1))
     caches = [ConfKVCache.for_model(model, name, store=store, **params) for _ in range(2)]
     for cache in caches:
@@ -90,10 +96,13 @@ def _decode_both(name, params, store, steps=30, prompt=24):
 
 @pytest.mark.skipif(not native.available(), reason="the in-place path reads with the native mass read")
 @pytest.mark.parametrize("name,params", RANKED, ids=[r[0] for r in RANKED])
-def test_decode_step_equals_append_and_attend(name, params):
-    (reference, lean), appended = _decode_both(name, params, StoreConfig(move_block=4))
-    if name == "confkv":  # the gate gives the two sequences different budgets: holes, the general path
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+def test_decode_step_equals_append_and_attend(name, params, asymmetric):
+    (reference, lean), appended = _decode_both(name, params, StoreConfig(move_block=4), asymmetric=asymmetric)
+    if name == "confkv" and not asymmetric:  # the gate gives the two sequences different budgets: holes, the general path
         assert 0 < appended < 30 * 2
+    elif name == "confkv":  # (on the asymmetric model it need not)
+        assert 0 < appended <= 30 * 2
     else:
         assert appended == 30 * 2  # every decode step of both layers took the in-place path
     # ... as one native call each, with the statistics updated in C for the linear observes (EMA, sum)
@@ -110,6 +119,22 @@ def test_decode_step_equals_append_and_attend(name, params):
         assert sb.kv_bytes() == sa.kv_bytes() + spare
         if sb.window is not None:
             assert spare > 0 and sb.window.backs(sb.recent)
+
+
+@pytest.mark.parametrize("name,params", RANKED, ids=[r[0] for r in RANKED])
+def test_the_torch_in_place_step_equals_append_and_attend(name, params):
+    """Without the library (or with a plan it cannot build) the in-place step runs in Python: the window
+    buffer's append_one, the torch mass read and the policy's observe of both regions."""
+    with native.loader.disabled():
+        (reference, lean), appended = _decode_both(name, params, StoreConfig(move_block=4), steps=12,
+                                                   asymmetric=True)
+    assert appended > 0 and _decode_both.native_steps == []  # the Python in-place path, never the C step
+    for a, b in zip(reference.layers, lean.layers):
+        sa, sb = a.store, b.store
+        assert torch.equal(sa.seen_real, sb.seen_real) and sa.seen_tokens == sb.seen_tokens
+        for ra, rb in ((sa.old, sb.old), (sa.recent, sb.recent)):
+            assert torch.equal(ra.positions, rb.positions) and torch.equal(ra.keys, rb.keys)
+            torch.testing.assert_close(rb.stats, ra.stats, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.skipif(not native.available(), reason="the in-place path reads with the native mass read")
@@ -162,3 +187,31 @@ def test_a_cache_with_native_decode_plans_clones_and_pickles():
     decoder = LeanDecoder(model)
     torch.testing.assert_close(decoder(token, twin), decoder(token, lean), rtol=0, atol=0)
     assert all(layer.store.decode_plan is not None for layer in twin.layers)  # its own, built at its step
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step needs the library")
+def test_the_native_step_writes_slot_0_and_refuses_slots_outside_the_window():
+    """DecodePlan.step on an empty window (slot 0, the first one: allowed) and at slot == capacity or < 0
+    (outside: refused, nothing written). Region shapes: B 2, Hkv 3, D 8; 6 query heads."""
+    from confkv.attention import KVSegment
+    from confkv.attention.mass_read import mass_read
+
+    old = _region(5, seed=3)
+    window = WindowBuffer.around(_region(0), 2)
+    plan = DecodePlan.build(window, old, 6, None)
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(2, 6, 1, 8, generator=gen)
+    key, value = torch.randn(2, 3, 1, 8, generator=gen), torch.randn(2, 3, 1, 8, generator=gen)
+    position = torch.tensor([5, 7])
+    out, masses = plan.step(query, key, value, position, 0, 0.5)
+    want, want_masses = mass_read(query, [KVSegment(old.keys, old.values, None), KVSegment(key, value, None)], 0.5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, expected in zip(masses, want_masses):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(window.keys[:, :, :1], key) and torch.equal(window.values[:, :, :1], value)
+    assert window.positions[:, :, 0].tolist() == [[5] * 3, [7] * 3] and bool(window.valid[:, 0].all())
+    before = window.keys.clone()
+    for outside in (2, -1):
+        with pytest.raises(RuntimeError, match="outside the window"):
+            plan.step(query, key, value, position, outside, 0.5)
+    torch.testing.assert_close(window.keys, before, rtol=0, atol=0, equal_nan=True)  # slot 1 still the poison (NaN)

@@ -54,7 +54,13 @@ def _tiny_config(arch: str, overrides: dict[str, Any]) -> Any:
     raise ValueError(f"unknown tiny arch {arch!r}; choose one of {SUPPORTED_TINY_ARCHS}")
 
 
-def tiny_model(arch: str, *, seed: int = 0, **config_overrides: Any) -> Any:
+#: the widths of ``tiny_model(..., asymmetric=True)``: hidden 40 (not a multiple of 16), 4 query heads / 2 KV
+#: heads of dim 16 (so ``head_dim * heads`` = 64 != hidden), MLP 72; GPT-2 derives its head size (40 / 4 = 10)
+ASYMMETRIC_SHAPE: dict[str, Any] = {"hidden_size": 40, "head_dim": 16, "intermediate_size": 72}
+_ASYMMETRIC_GPT2 = {"n_embd": 40}
+
+
+def tiny_model(arch: str, *, seed: int = 0, asymmetric: bool = False, **config_overrides: Any) -> Any:
     """A tiny randomly initialised causal LM of architecture ``arch``, built locally.
 
     Defaults: 2 layers (gemma3: 3, mixing sliding_window=8 and full attention),
@@ -62,17 +68,47 @@ def tiny_model(arch: str, *, seed: int = 0, **config_overrides: Any) -> Any:
     vocab ``TINY_VOCAB_SIZE`` (260), 1024 positions, fp32, eval mode. Same seed ->
     same weights; the global RNG state is left untouched. ``config_overrides``
     are passed to the config class (e.g. ``num_hidden_layers=3``).
+
+    ``asymmetric=True`` gives a model on which code that uses the wrong norm, bias or head size
+    does not pass by accident: the widths of :data:`ASYMMETRIC_SHAPE` (hidden 40, ``head_dim`` 16 != 40 / 4;
+    GPT-2: hidden 40, heads of 10), every norm weight (RMSNorm and LayerNorm) and LayerNorm bias
+    drawn at random instead of the initial 1 (Gemma-3: 0, its norms scale by 1 + w), and every
+    bias the architecture has (Qwen2's q / k / v, GPT-2's; Llama: its optional ``attention_bias`` and
+    ``mlp_bias`` turned on) drawn at random instead of 0.
+    ``config_overrides`` still apply on top.
     """
     from transformers import AutoModelForCausalLM
 
     if arch not in SUPPORTED_TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {SUPPORTED_TINY_ARCHS}")
+    if asymmetric:
+        shape = _ASYMMETRIC_GPT2 if arch == "gpt2" else ASYMMETRIC_SHAPE
+        if arch == "llama":  # Llama's optional biases (every projection), which Qwen2's q / k / v-only ones miss
+            shape = {**shape, "attention_bias": True, "mlp_bias": True}
+        config_overrides = {**shape, **config_overrides}
     config = _tiny_config(arch, config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if asymmetric:
+            _break_symmetry(model)
     model.eval()
     return model
+
+
+@torch.no_grad()
+def _break_symmetry(model: torch.nn.Module) -> None:
+    """Norm weights and biases of ``model`` drawn at random (from the global RNG, seeded by the caller):
+    a norm's weight w [n] gets + U(-0.5, 0.5) per channel (1 -> [0.5, 1.5]; Gemma-3's 0 -> 1 + w in the
+    same range), a LayerNorm's bias and every other bias [n] N(0, 0.1^2)."""
+    for module in model.modules():
+        is_norm = "Norm" in type(module).__name__
+        weight = getattr(module, "weight", None)
+        if is_norm and isinstance(weight, torch.Tensor) and weight.dim() == 1:
+            weight.add_(torch.rand_like(weight) - 0.5)
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.is_floating_point():
+            bias.add_(torch.randn_like(bias) * 0.1)
 
 
 def tiny_tokenizer() -> Any:

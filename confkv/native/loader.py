@@ -1,7 +1,8 @@
 """Compile ``kernels.c`` with the system C compiler on first use, cache the shared library, load it with ctypes.
 
 The library is cached under ``$CONFKV_NATIVE_CACHE`` (default ``~/.cache/confkv/native``) as
-``kernels-<hash>.so``, the hash covering the source (kernels.c and its parts in ``c/``), the flags,
+``kernels-<hash>.so``, the hash covering the source (kernels.c and its parts in ``c/``; from
+``$CONFKV_NATIVE_SOURCE`` when set, e.g. a mutated copy in mutation testing), the flags,
 the compiler's ``--version`` and the CPU (``-march=native``), so a changed source, compiler or
 machine builds a new one. The
 build writes a temporary file and renames it into place (atomic on POSIX), so two processes
@@ -28,9 +29,11 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-SOURCE = Path(__file__).with_name("kernels.c")
+#: ``$CONFKV_NATIVE_SOURCE``: another directory holding kernels.c and c/ (a mutated copy: benchmarks/mutate_native.py)
+_SOURCE_DIR = Path(os.environ["CONFKV_NATIVE_SOURCE"]) if os.environ.get("CONFKV_NATIVE_SOURCE") else Path(__file__).parent
+SOURCE = _SOURCE_DIR / "kernels.c"
 #: the parts kernels.c includes (one translation unit); the build's hash covers them too
-PARTS = Path(__file__).with_name("c")
+PARTS = _SOURCE_DIR / "c"
 # no -ffast-math: NaN / inf semantics stay those of torch (-fno-trapping-math and -fno-math-errno
 # change no result: they let the compiler vectorise floor / int conversions without FP-exception or
 # errno side effects); no contraction of a * b + c into an FMA

@@ -40,8 +40,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch: str) -> torch.nn.Module:
+    """Asymmetric tiny models (head_dim 16 != hidden 40 / 4 heads, random norms and biases): a byte rule
+    that derives the head size from the hidden size, or a floor computed on the wrong shape, shows."""
     if arch not in _MODELS:
-        _MODELS[arch] = tiny_model(arch, seed=3)
+        _MODELS[arch] = tiny_model(arch, seed=3, asymmetric=True)
     return _MODELS[arch]
 
 

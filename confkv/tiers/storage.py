@@ -50,7 +50,7 @@ class Storage:
             ``offload_dir``: its directory (None: the system temp dir).
     """
 
-    ladder: tuple[int, ...] = (8, 4, 3, 2)
+    ladder: tuple[int, ...] = (8, 4, 3)
     hot_share: float = 0.2
     hot_tokens: int | None = None
     page_size: int = 64

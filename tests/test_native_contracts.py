@@ -243,3 +243,16 @@ def test_min_parallel_zero_splits_even_the_smallest_product():
         return int(done.stdout.split()[-1])
 
     assert workers("default") == 0 and workers("0") == 1  # 2 threads: the caller and exactly one worker
+
+
+@pytest.mark.parametrize("lanes", [1, 8, 16])
+def test_torch_order_sum_at_every_vector_width_sums_each_element_once(lanes):
+    """torch_order_sum at each width it supports (this machine's torch matches one of them; the others run on
+    other CPUs): within float32 rounding of the exact sum, on lengths with leftover vectors and a scalar tail."""
+    lib = loader.library()
+    gen = torch.Generator().manual_seed(lanes)
+    for n in (5, 37, 100, 1000, 3000, 5001, 16384):
+        row = torch.rand(n, generator=gen) + 0.5  # positive: a double-counted or lost element moves the sum by >= 0.5
+        got = lib.confkv_torch_order_sum(row.data_ptr(), n, lanes)
+        exact = float(row.double().sum())
+        assert abs(got - exact) <= n * 2.0 ** -23 * exact, (n, got, exact)

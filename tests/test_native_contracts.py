@@ -21,16 +21,16 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _integer_operands(rows: int, outputs: int, inputs: int, dtype: torch.dtype, seed: int, bias: bool):
-    """x [rows, inputs]: integers times 2^-j, j = (row + block) % 3 per block of 32 (each block holding a
-    +-127 * 2^-j, so that W8A8's block scale is 2^-j exactly and differs between rows and blocks), an int8
+    """x [rows, inputs]: integers times 2^-j, j in {0, 1, 2} drawn per row and block of 32 (each block holding
+    a +-127 * 2^-j, so that W8A8's block scale is 2^-j exactly and differs between rows and blocks), an int8
     weight [outputs, inputs], a scale [outputs] and optionally a bias [outputs] with full mantissas: every
     partial sum is a multiple of 1/4 below 2^22, exact in float32 in any order, so the kernel's output is
     fixed to the bit by its roundings alone."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(-127, 128, (rows, inputs), generator=gen).float()
     x[:, ::32] = 127.0 * torch.where(torch.rand(rows, (inputs + 31) // 32, generator=gen) < 0.5, -1.0, 1.0)
-    block = torch.arange(inputs) // 32
-    x = x * 2.0 ** -((torch.arange(rows)[:, None] + block[None]) % 3)  # W8A8 block scales 1, 1/2, 1/4: per row and block
+    exponents = torch.randint(0, 3, (rows, (inputs + 31) // 32), generator=gen)  # random: no pattern across rows
+    x = x * 2.0 ** -exponents.repeat_interleave(32, dim=1)[:, :inputs]  # W8A8 block scales 1, 1/2 or 1/4
     weight = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8, generator=gen)
     scale = (torch.rand(outputs, generator=gen) / 300 + 1e-4).to(dtype)
     shift = (torch.randn(outputs, generator=gen) * 3).to(dtype) if bias else None
@@ -229,7 +229,8 @@ print(native.gemv_settings())
 
 def test_min_parallel_zero_splits_even_the_smallest_product():
     """gemv_settings(min_parallel=0) is a setting like any other (not 'keep'): a 16 x 16 product then starts
-    the pool's worker; by default it runs on the caller alone. In fresh processes (workers outlive a call)."""
+    the pool's one worker (2 threads: the caller and one worker, no more); by default it runs on the caller
+    alone. In fresh processes (workers outlive a call)."""
     import os
     import subprocess
     import sys
@@ -241,4 +242,17 @@ def test_min_parallel_zero_splits_even_the_smallest_product():
         assert done.returncode == 0, done.stderr[-2000:]
         return int(done.stdout.split()[-1])
 
-    assert workers("default") == 0 and workers("0") >= 1
+    assert workers("default") == 0 and workers("0") == 1  # 2 threads: the caller and exactly one worker
+
+
+@pytest.mark.parametrize("lanes", [1, 8, 16])
+def test_torch_order_sum_at_every_vector_width_sums_each_element_once(lanes):
+    """torch_order_sum at each width it supports (this machine's torch matches one of them; the others run on
+    other CPUs): within float32 rounding of the exact sum, on lengths with leftover vectors and a scalar tail."""
+    lib = loader.library()
+    gen = torch.Generator().manual_seed(lanes)
+    for n in (5, 37, 100, 1000, 3000, 5001, 16384):
+        row = torch.rand(n, generator=gen) + 0.5  # positive: a double-counted or lost element moves the sum by >= 0.5
+        got = lib.confkv_torch_order_sum(row.data_ptr(), n, lanes)
+        exact = float(row.double().sum())
+        assert abs(got - exact) <= n * 2.0 ** -23 * exact, (n, got, exact)

@@ -85,13 +85,13 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
     sliding = [w for w in bytes_model.sliding_windows if w is not None]
     cold = policy.cold if isinstance(policy, TieredPolicy) else None
     if cold is not None:
-        from confkv import lowbit
+        from confkv.tiers.formats import format_for
 
-        page_bytes = lowbit.page_bytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size, cold.bits,
-                                       cold.group_size, bytes_model.element_size, digest=cold.needs_digest)
-        if resident and cold.offload:  # only the digest of a sealed page stays in RAM
-            page_bytes -= lowbit.page_bytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size, cold.bits,
-                                            cold.group_size, bytes_model.element_size, digest=False)
+        dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[bytes_model.element_size]
+        page_data = format_for(cold, bytes_model.head_dim, dtype).page_nbytes(
+            bytes_model.kv_heads, bytes_model.head_dim, cold.page_size)  # every side byte of the format
+        digest = 2 * bytes_model.kv_heads * bytes_model.head_dim * 2 if cold.needs_digest else 0
+        page_bytes = digest if resident and cold.offload else page_data + digest  # offloaded: only the digest stays
         open_page = np.zeros(managed, dtype=np.int64)
         pages = np.zeros(managed, dtype=np.int64)
     out = np.empty(steps, dtype=np.float64)

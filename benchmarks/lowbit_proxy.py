@@ -56,7 +56,7 @@ def _sim_attention(module, query, key, value, attention_mask, scaling, dropout=0
     i = torch.arange(length)[:, None]
     j = torch.arange(length)[None, :]
     page_end = (j // page + 1) * page  # the position after j's page
-    sealed = (page_end <= i - cfg["budget"]) & (j // page < pages)
+    sealed = (page_end <= i - cfg["budget"]) & (j // page < pages) & (j >= cfg["sinks"])
     causal = j <= i
     s_exact = (q @ exact_k.transpose(-1, -2)) * scaling
     s_quant = (q @ kq.transpose(-1, -2)) * scaling
@@ -89,6 +89,7 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--sinks", type=int, nargs="+", default=[0], help="first tokens kept exact (the policy's sinks)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from confkv.data import corpus_tokens
@@ -99,11 +100,13 @@ def main() -> int:
     for bits in args.bits:
         for fmt in args.format:
             for fraction in args.outlier_fraction if "outliers" in fmt else [0.0]:
-                start = time.time()
-                ppl = proxy_ppl(model, ids, bits=bits, format=fmt, group_size=args.group_size,
-                                page_size=args.page_size, budget=args.budget, outlier_fraction=fraction)
-                print(json.dumps({"bits": bits, "format": fmt, "outlier_fraction": fraction, "proxy_ppl": round(ppl, 4),
-                                  "seconds": round(time.time() - start, 1)}), flush=True)
+                for sinks in args.sinks:
+                    start = time.time()
+                    ppl = proxy_ppl(model, ids, bits=bits, format=fmt, group_size=args.group_size, sinks=sinks,
+                                    page_size=args.page_size, budget=args.budget, outlier_fraction=fraction)
+                    print(json.dumps({"bits": bits, "format": fmt, "outlier_fraction": fraction, "sinks": sinks,
+                                      "group_size": args.group_size, "budget": args.budget, "corpus": args.corpus,
+                                      "proxy_ppl": round(ppl, 4), "seconds": round(time.time() - start, 1)}), flush=True)
     return 0
 
 

@@ -93,8 +93,11 @@ class ConfKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         page_file = self.store.cold.page_file if self.store.cold is not None else None
+        rope = self.store.cold.rope if self.store.cold is not None else None
         self.store.__init__(self.store.policy, self.store.config, sliding_window=self.store.sliding_window,
                             page_file=page_file)
+        if self.store.cold is not None:
+            self.store.cold.rope = rope
 
     def offload(self) -> None:
         raise NotImplementedError("confkv caches do not support offloading; keep the cache on the model's device")
@@ -122,10 +125,14 @@ class ConfKVCache(Cache):
             confidence (Gemma), or None.
         trace_limit: keep only the newest ``trace_limit`` trace records (None: every
             step); peak and mean KV bytes still cover the whole run. For endless streams.
+        rope: the model's rotary embedding (:class:`confkv.tiers.prerope.Rope`), for cold-page
+            formats that store keys before it (``prerope``); :meth:`for_model` passes it.
     """
 
     def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
-                 final_logit_softcapping: float | None = None, trace_limit: int | None = None) -> None:
+                 final_logit_softcapping: float | None = None, trace_limit: int | None = None,
+                 rope=None) -> None:
+        self.rope = rope
         self.policy = policy
         self.store_config = store or StoreConfig()
         self.layout = layout
@@ -136,6 +143,9 @@ class ConfKVCache(Cache):
         self.page_file = PageFile(policy.cold.offload_dir) if tiered and policy.cold.offload else None
         stores = [LayerStore(policy, self.store_config, sliding_window=w, page_file=self.page_file)
                   for w in layout.sliding_windows]
+        for layer_store in stores:
+            if layer_store.cold is not None:
+                layer_store.cold.rope = rope
         super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
         self.managed = layout.managed
         self.controller = BudgetController(policy, len(self.managed))
@@ -155,8 +165,11 @@ class ConfKVCache(Cache):
         layout = layer_layout(model.config)
         enable(model)
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        from confkv.tiers.prerope import Rope  # noqa: PLC0415
+
         return cls(layout, make_policy(policy, **policy_params), store,
-                   final_logit_softcapping=getattr(config, "final_logit_softcapping", None), trace_limit=trace_limit)
+                   final_logit_softcapping=getattr(config, "final_logit_softcapping", None), trace_limit=trace_limit,
+                   rope=Rope.from_model(model))
 
     def fork(self, member: int) -> "ConfKVCache":
         """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
@@ -173,7 +186,7 @@ class ConfKVCache(Cache):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
         twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping,
-                           trace_limit=self.trace.max_steps)
+                           trace_limit=self.trace.max_steps, rope=self.rope)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))

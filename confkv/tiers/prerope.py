@@ -69,4 +69,4 @@ class Rope:
 
     def unrotate(self, keys: Tensor, positions: Tensor) -> Tensor:
         """The inverse of :meth:`rotate`."""
-        return self._turn(keys, positions, 1.0, 1.0 / self.scaling)
+        return self._turn(keys, positions, -1.0, 1.0 / self.scaling)

@@ -95,7 +95,10 @@ def main() -> int:
     from confkv.data import corpus_tokens
     from confkv.models import load_model
 
+    from confkv.tiers.prerope import Rope
+
     model, tokenizer = load_model(args.model, dtype=torch.bfloat16)
+    _STATE["rope"] = Rope.from_model(model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens)
     for bits in args.bits:
         for fmt in args.format:

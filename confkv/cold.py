@@ -59,6 +59,8 @@ class ColdTier:
         self.page_file = page_file
         self.rope = rope
         self.format: PageFormat | None = None  # built at the first demotion (it needs head_dim and dtype)
+        #: let reads fold the format's rotation into the query and output (False: decode every page back)
+        self.fold_rotation = True
         self.open: dict[str, Tensor] | None = None  # keys, values [B,H,S,D]; positions [B,H,S]; valid [B,S]
         self.pages: dict[str, Tensor] = {}  # name -> [B, H, N, ...]; N = capacity
         self.num_pages = 0
@@ -239,7 +241,15 @@ class ColdTier:
         self.num_pages = kept
 
     # -- reading ---------------------------------------------------------------------------------
-    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False) -> list[KVSegment | PagedSegment]:
+    def read_rotation(self):
+        """The format's rotation when this read can fold it into the query and output (pages to read,
+        a format with one, :attr:`fold_rotation` on), else None (see :meth:`segments`' ``rotated``)."""
+        if not self.fold_rotation or self.format is None or not self.num_pages:
+            return None
+        return self.format.read_rotation
+
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False,
+                 rotated: bool = False) -> list[KVSegment | PagedSegment]:
         """The open page and the ``read_pages[b]`` best pages of each sequence, as read segments.
 
         Args:
@@ -253,6 +263,11 @@ class ColdTier:
             selected pages: a :class:`KVSegment` dequantized to float32 (invisible where a
             sequence reads fewer pages), or with ``paged`` the :class:`PagedSegment`. Either
             way the pages' attention mass is [B, H, K * P], what :meth:`observe` takes.
+            With ``rotated`` (only when :meth:`read_rotation` is not None) both segments are in
+            the rotated basis (the open page rotated, the pages not rotated back): the caller
+            rotates the query and un-rotates the output, so the per-token inverse rotation of
+            every page is skipped (the scores and the output are the same, the rotation being
+            orthogonal).
         """
         self._selected = None
         self.bytes_read = 0
@@ -260,24 +275,30 @@ class ColdTier:
         if self.open is None:
             return []
         segments: list[KVSegment | PagedSegment] = []
+        rotation = self.read_rotation() if rotated else None
+        if rotated and rotation is None:
+            raise ValueError("cold tier: a rotated read needs a format with a rotation and pages to read")
         if self.open_length:
             valid = self.open["valid"]
-            segments.append(KVSegment(self.open["keys"], self.open["values"],
-                                      None if bool(valid.all()) else valid[:, None, None, :]))
+            keys, values = self.open["keys"], self.open["values"]
+            if rotation is not None:
+                keys, values = rotation.forward(keys), rotation.forward(values)
+            segments.append(KVSegment(keys, values, None if bool(valid.all()) else valid[:, None, None, :]))
             self.bytes_read += self.open["keys"].nbytes + self.open["values"].nbytes
         want = int(read_pages.max()) if read_pages.numel() else 0
         if self.num_pages and want:
-            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged))
+            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated))
         return segments
 
-    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool) -> KVSegment | PagedSegment:
+    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool,
+                      rotated: bool = False) -> KVSegment | PagedSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
         if int(read_pages.min()) >= count:  # every sequence reads every page: no ranking needed
             index = torch.arange(count, device=device).expand(batch, heads, count)
         else:
             with profiling.section("cold page selection (digest bound + top-k)"):
-                bound = self.digest_bound(query)  # [B, H, N]
+                bound = self.digest_bound(query)  # [B, H, N] (digests are of the original keys)
                 # best first: a sequence that reads k pages reads the first k of the width
                 index = bound.topk(width, dim=-1, sorted=True).indices
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
@@ -285,17 +306,22 @@ class ColdTier:
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
         if not self.format.paged:  # formats other than plain KIVI / 16 bits: the torch decode (any backend)
             with profiling.section("cold pages (gather + decode)"):
-                return self._decoded_segment(index, read_pages, width)
+                return self._decoded_segment(index, read_pages, width, rotated)
         if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
             return self._paged(index, read_pages, width)
         with profiling.section("cold pages (gather + dequantize)"):
             return self._paged(index, read_pages, width).to_dense()
 
-    def _decoded_segment(self, index: Tensor, read_pages: Tensor, width: int) -> KVSegment:
+    def _decoded_segment(self, index: Tensor, read_pages: Tensor, width: int, rotated: bool = False) -> KVSegment:
         """The read's pages decoded by the format (float32), as a dense :class:`KVSegment` (the
-        reference read for formats the packed readers do not take)."""
+        reference read for formats the packed readers do not take); ``rotated``: left in the
+        format's rotated basis."""
         live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
-        keys, values = self._dequantized(live, index)
+        if rotated:
+            data = {name: _gather_pages(live[name], index) for name in self.format.storage}
+            keys, values = self.format.decode(data, _gather_pages(live["positions"], index), rotated=True)
+        else:
+            keys, values = self._dequantized(live, index)
         batch, heads, _ = index.shape
         shape = (batch, heads, width * self.config.page_size, self.head_dim)
         visible = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
@@ -442,6 +468,7 @@ class ColdTier:
     def clone(self) -> "ColdTier":
         twin = ColdTier(self.config, self.page_file, self.rope)
         twin.format = self.format  # shared: a fitted codebook never changes, so both decode alike
+        twin.fold_rotation = self.fold_rotation
         twin.head_dim, twin.dtype, twin.num_pages, twin.reads = self.head_dim, self.dtype, self.num_pages, self.reads
         twin.step_confidence = self.step_confidence
         if self.open is not None:

@@ -90,8 +90,17 @@ class PageFormat:
     def encode(self, keys: Tensor, values: Tensor, valid: Tensor, positions: Tensor | None) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def decode(self, data: dict[str, Tensor], positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    def decode(self, data: dict[str, Tensor], positions: Tensor | None,
+               rotated: bool = False) -> tuple[Tensor, Tensor]:
+        """Keys, values float32 [B, H, N, P, D]; ``rotated`` (only where :attr:`read_rotation` is
+        not None): left in that rotation's basis, for a read that rotates the query and the output."""
         raise NotImplementedError
+
+    @property
+    def read_rotation(self):
+        """A rotation a read may fold into the query and output instead of decoding each page back
+        (see :meth:`decode`'s ``rotated``), or None."""
+        return None
 
     def page_nbytes(self, kv_heads: int, head_dim: int, page_size: int) -> int:
         raise NotImplementedError
@@ -122,7 +131,7 @@ class FullPrecisionFormat(PageFormat):
     def encode(self, keys, values, valid, positions=None):
         return {"keys": keys.to(self.dtype), "values": values.to(self.dtype)}
 
-    def decode(self, data, positions=None):
+    def decode(self, data, positions=None, rotated=False):
         self.check(data)
         return data["keys"].float(), data["values"].float()
 
@@ -258,7 +267,13 @@ class KiviFormat(PageFormat):
         decoded = torch.nn.functional.embedding(packed.long(), self._tables[key])
         return decoded.reshape(*packed.shape[:-1], self.head_dim)
 
-    def decode(self, data, positions=None):
+    @property
+    def read_rotation(self):
+        return self.rotation if self.rope is None else None  # pre-RoPE keys must come back to turn
+
+    def decode(self, data, positions=None, rotated=False):
+        if rotated and self.read_rotation is None:
+            raise ValueError(f"format {self.name!r}: no rotation to leave the pages in")
         self.check(data)
         if "codebook" in self.techniques and self.levels["key"] is None:
             raise ValueError("format: codebook pages decoded before any page was encoded (no codebook fitted)")
@@ -274,7 +289,7 @@ class KiviFormat(PageFormat):
         if "outliers" in self.techniques:
             keys = _outliers.restore(keys, data["key_outlier_index"], data["key_outlier_value"])
             values = _outliers.restore(values, data["value_outlier_index"], data["value_outlier_value"])
-        if self.rotation is not None:
+        if self.rotation is not None and not rotated:
             keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
         if self.rope is not None:
             keys = self.rope.rotate(keys, _need_positions(positions))

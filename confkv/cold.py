@@ -187,6 +187,8 @@ class ColdTier:
             for name in ("digest_min", "digest_max"):  # an all-invalid page (never read) gets a zero digest
                 tensor = fresh[name]
                 fresh[name] = torch.where(torch.isfinite(tensor), tensor, torch.zeros_like(tensor)).to(lowbit.SCALE_DTYPE)
+        if self.format is None:  # pages sealed before any demotion fixed the layer (tests seal directly)
+            self.format = format_for(self.config, keys.shape[-1], self.dtype or keys.dtype, self.rope)
         fresh.update(self.format.encode(keys, values, valid, positions))
         return fresh
 

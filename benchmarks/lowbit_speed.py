@@ -32,12 +32,23 @@ def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: 
     values = torch.randn(1, heads, pages, page, dim, generator=gen)
     valid = torch.ones(1, heads, pages, page, dtype=torch.bool)
     positions = torch.arange(pages * page).reshape(1, 1, pages, page).expand(1, heads, pages, page)
-    fmt = build_format(bits, group, dim, torch.bfloat16, name, 0.01)
+    from confkv.tiers.prerope import Rope
+
+    rope = Rope(1.0 / (100000.0 ** (torch.arange(0, dim, 2).float() / dim)))  # SmolLM2's theta
+    fmt = build_format(bits, group, dim, torch.bfloat16, name, 0.01, rope=rope)
+    folded = fmt.read_rotation is not None
     data = fmt.encode(keys, values, valid, positions)
     index = torch.arange(pages).expand(1, heads, pages)
 
-    def decode():
+    query = torch.randn(1, 3 * 3, 1, dim, generator=gen)
+
+    def decode():  # what a read does: pages gathered and decoded (a rotated format: in its basis, query turned)
         gathered = {n: gather_pages(data[n], index) for n in fmt.storage}
+        if folded:
+            fmt.read_rotation.forward(query)
+            out = fmt.decode(gathered, gather_pages(positions, index), rotated=True)
+            fmt.read_rotation.inverse(query)  # the output, [B, Hq, 1, D] like the query
+            return out
         return fmt.decode(gathered, gather_pages(positions, index))
 
     def encode():
@@ -53,7 +64,7 @@ def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: 
             times.append(time.perf_counter() - start)
         best[label] = sorted(times)[len(times) // 2]  # median
     per_step = best["decode"] + best["encode"] / page
-    return {"format": fmt.name, "bits": bits, "decode_ms": best["decode"] * 1e3, "encode_page_ms": best["encode"] * 1e3,
+    return {"format": fmt.name, "bits": bits, "rotation_folded": folded, "decode_ms": best["decode"] * 1e3, "encode_page_ms": best["encode"] * 1e3,
             "per_step_ms": per_step * 1e3}
 
 

@@ -161,7 +161,7 @@ def test_codebook_levels_lower_the_error_of_even_levels_on_their_samples():
     assert torch.all(levels[1:] > levels[:-1])
 
 
-def test_codebook_decodes_through_its_byte_table_as_through_the_levels():
+def test_codebook_decodes_through_its_lookup_table_as_through_the_levels():
     for bits in (2, 3, 4):
         keys, values, valid, positions = _pages(bits)
         fmt = build_format(bits, 8, 32, torch.float32, "codebook")

@@ -56,12 +56,3 @@ def nearest(u: Tensor, levels: Tensor) -> Tensor:
     """Index (int64) of the nearest level (sorted ``levels``) for each entry of ``u``."""
     midpoints = (levels[1:] + levels[:-1]) / 2
     return torch.bucketize(u.contiguous(), midpoints.to(u.device))
-
-
-def byte_table(levels: Tensor, bits: int) -> Tensor:
-    """[256, 8 // bits] float32: the levels the codes of one packed byte decode to (bits 2, 4, 8)."""
-    per_byte = 8 // bits
-    byte = torch.arange(256, dtype=torch.int64)[:, None]
-    shifts = torch.arange(per_byte, dtype=torch.int64) * bits
-    codes = (byte >> shifts) & ((1 << bits) - 1)
-    return levels.float().cpu()[codes]

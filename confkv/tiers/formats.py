@@ -259,13 +259,10 @@ class KiviFormat(PageFormat):
         levels = self.levels[which]
         if levels is None:
             return lowbit.unpack_float(packed, self.bits, self.head_dim)
-        if self.bits == 3:
-            return levels.to(packed.device)[lowbit.unpack(packed, self.bits, self.head_dim)]
         key = (which, packed.device)
         if key not in self._tables:
-            self._tables[key] = _codebook.byte_table(levels, self.bits).to(packed.device)
-        decoded = torch.nn.functional.embedding(packed.long(), self._tables[key])
-        return decoded.reshape(*packed.shape[:-1], self.head_dim)
+            self._tables[key] = lowbit.code_table(self.bits, levels, packed.device)
+        return lowbit.lookup_codes(packed, self.bits, self.head_dim, self._tables[key])
 
     @property
     def read_rotation(self):

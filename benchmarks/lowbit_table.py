@@ -59,9 +59,18 @@ def streaming(folder: Path) -> list[str]:
         label = _label(fmt, sinks, fraction)
         rows[corpus][(label, bits)] = (run["ppl"], cold_bytes(fmt, bits, p["group_size"], p["page_size"], fraction),
                                        path.name)
+    source = {corpus: "this folder" for corpus in full}
+    for path in sorted(folder.parent.glob("tiered/ppl_*.jsonl")):  # full-KV runs of the same setting elsewhere
+        for line in path.read_text().splitlines():
+            run = json.loads(line)
+            if (run.get("policy") == "full" and run.get("dtype") == "bfloat16" and run.get("tokens") == 2048
+                    and run.get("corpus") not in full):
+                full[run["corpus"]] = run["ppl"]
+                source[run["corpus"]] = str(path)
     out = []
     for corpus in sorted(rows):
-        out += [f"**{corpus}** (streaming, 2,048 tokens; full KV: {full.get(corpus, float('nan')):.3f})", "",
+        out += [f"**{corpus}** (streaming, 2,048 tokens; full KV: {full.get(corpus, float('nan')):.3f}, "
+                f"from {source.get(corpus, '-')})", "",
                 "| format | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|"]
         labels = sorted({label for label, _ in rows[corpus]}, key=lambda l: (len(l), l))
         for label in labels:

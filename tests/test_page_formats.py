@@ -347,8 +347,11 @@ def test_pre_rope_path_equals_the_post_rope_path_unquantized():
 
 
 def test_prerope_without_the_models_rotary_parameters_is_refused():
+    fmt = build_format(3, 8, 32, torch.float32, "prerope")  # sizes need no rope
+    assert fmt.page_nbytes(2, 32, 16) == build_format(3, 8, 32, torch.float32, "kivi").page_nbytes(2, 32, 16)
+    keys, values, valid, positions = _pages(0)
     with pytest.raises(ValueError, match="prerope.*rotary"):
-        build_format(3, 8, 32, torch.float32, "prerope")
+        fmt.encode(keys, values, valid, positions)
 
 
 def test_a_cache_built_for_a_model_passes_its_rope_to_the_cold_tiers():

@@ -161,9 +161,6 @@ class KiviFormat(PageFormat):
         unknown = set(techniques) - set(TECHNIQUES)
         if unknown:
             raise ValueError(f"format: unknown techniques {sorted(unknown)}; known: {TECHNIQUES}")
-        if "prerope" in techniques and rope is None:
-            raise ValueError("format: 'prerope' needs the model's rotary parameters; build the cache with "
-                             "ConfKVCache.for_model (which passes them) or drop 'prerope'")
         self.bits, self.group_size, self.head_dim = bits, group_size, head_dim
         self.techniques = frozenset(techniques)
         self.name = canonical_name(self.techniques)
@@ -171,6 +168,7 @@ class KiviFormat(PageFormat):
         self.outlier_fraction = outlier_fraction
         self.rotation = HadamardRotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
+        self._needs_rope = "prerope" in techniques  # checked at encode/decode (sizes need no rope)
         self.levels: dict[str, Tensor | None] = {"key": None, "value": None}  # fitted codebooks
         self._tables: dict[tuple[str, torch.device], Tensor] = {}
         names = list(KIVI_STORAGE)
@@ -194,8 +192,14 @@ class KiviFormat(PageFormat):
         return 2 * (1 << self.bits) * torch.empty((), dtype=_codebook.LEVEL_DTYPE).element_size()
 
     # -- encode -----------------------------------------------------------------------------------
+    def _check_rope(self) -> None:
+        if self._needs_rope and self.rope is None:
+            raise ValueError("format: 'prerope' needs the model's rotary parameters; build the cache with "
+                             "ConfKVCache.for_model (which passes them) or drop 'prerope'")
+
     def _basis(self, keys: Tensor, values: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor]:
         """Keys and values in the basis they are quantized in (float32)."""
+        self._check_rope()
         keys, values = keys.float(), values.float()
         if self.rope is not None:
             keys = self.rope.unrotate(keys, _need_positions(positions))
@@ -266,11 +270,12 @@ class KiviFormat(PageFormat):
 
     @property
     def read_rotation(self):
-        return self.rotation if self.rope is None else None  # pre-RoPE keys must come back to turn
+        return self.rotation if not self._needs_rope else None  # pre-RoPE keys must come back to turn
 
     def decode(self, data, positions=None, rotated=False):
         if rotated and self.read_rotation is None:
             raise ValueError(f"format {self.name!r}: no rotation to leave the pages in")
+        self._check_rope()
         self.check(data)
         if "codebook" in self.techniques and self.levels["key"] is None:
             raise ValueError("format: codebook pages decoded before any page was encoded (no codebook fitted)")

@@ -6,8 +6,10 @@ seals one page per ``page_size`` steps per layer. Per layer and step this times
     decode: gather + decode of all pages (``context / page_size`` pages, SmolLM2's 3 KV heads x 64)
     encode: one page encoded (digest excluded), divided by ``page_size`` (its share of a step)
 
-with the format's own code path (``ColdTier._dequantized`` / ``PageFormat.encode``), and prints each
-format's time per step and its ratio to 4-bit plain KIVI measured in the same run::
+with the format's own code path (``PageFormat.decode`` / ``PageFormat.encode``; a rotated format decodes
+in its basis and turns a query and an output, as the read does), and prints each format's median time
+per step and the median ratio to 4-bit plain KIVI timed in alternation with it (pairs, so a load
+that drifts on a shared machine hits both alike)::
 
     OMP_NUM_THREADS=1 python benchmarks/lowbit_speed.py --context 8192 --formats kivi hadamard
 """
@@ -24,23 +26,22 @@ from confkv.attention.paged import gather_pages
 from confkv.tiers.formats import build_format
 
 
-def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: int, group: int,
-                repeats: int) -> dict:
+def _step(name: str, bits: int, context: int, heads: int, dim: int, page: int, group: int):
+    """A callable doing one step's page work of format ``name`` (decode every page, 1/page of an encode)."""
+    from confkv.tiers.prerope import Rope
+
     pages = context // page
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(1, heads, pages, page, dim, generator=gen) * 2
     values = torch.randn(1, heads, pages, page, dim, generator=gen)
     valid = torch.ones(1, heads, pages, page, dtype=torch.bool)
     positions = torch.arange(pages * page).reshape(1, 1, pages, page).expand(1, heads, pages, page)
-    from confkv.tiers.prerope import Rope
-
     rope = Rope(1.0 / (100000.0 ** (torch.arange(0, dim, 2).float() / dim)))  # SmolLM2's theta
     fmt = build_format(bits, group, dim, torch.bfloat16, name, 0.01, rope=rope)
     folded = fmt.read_rotation is not None
     data = fmt.encode(keys, values, valid, positions)
     index = torch.arange(pages).expand(1, heads, pages)
-
-    query = torch.randn(1, 3 * 3, 1, dim, generator=gen)
+    query = torch.randn(1, 3 * heads, 1, dim, generator=gen)
 
     def decode():  # what a read does: pages gathered and decoded (a rotated format: in its basis, query turned)
         gathered = {n: gather_pages(data[n], index) for n in fmt.storage}
@@ -54,18 +55,36 @@ def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: 
     def encode():
         return fmt.encode(keys[:, :, :1], values[:, :, :1], valid[:, :, :1], positions[:, :, :1])
 
-    best = {}
-    for label, fn, reps in (("decode", decode, repeats), ("encode", encode, repeats * 4)):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        best[label] = sorted(times)[len(times) // 2]  # median
-    per_step = best["decode"] + best["encode"] / page
-    return {"format": fmt.name, "bits": bits, "rotation_folded": folded, "decode_ms": best["decode"] * 1e3, "encode_page_ms": best["encode"] * 1e3,
-            "per_step_ms": per_step * 1e3}
+    return fmt, folded, decode, encode
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: int, group: int,
+                repeats: int) -> dict:
+    """Median time per step of format ``name`` and of 4-bit KIVI, timed in alternation (pairs), and the
+    median of the per-pair ratios (robust to a machine whose load drifts)."""
+    shape = dict(context=context, heads=heads, dim=dim, page=page, group=group)
+    fmt, folded, decode, encode = _step(name, bits, **shape)
+    _, _, ref_decode, ref_encode = _step("kivi", 4, **shape)
+    decode(), ref_decode(), encode(), ref_encode()
+    mine, ref, ratios, enc, ref_enc = [], [], [], [], []
+    for _ in range(repeats):
+        a, b = _timed(decode), _timed(ref_decode)
+        e, f = _timed(encode), _timed(ref_encode)
+        mine.append(a + e / page)
+        ref.append(b + f / page)
+        ratios.append(mine[-1] / ref[-1])
+        enc.append(e)
+        ref_enc.append(f)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {"format": fmt.name, "bits": bits, "rotation_folded": folded, "per_step_ms": med(mine) * 1e3,
+            "kivi4_per_step_ms": med(ref) * 1e3, "encode_page_ms": med(enc) * 1e3,
+            "kivi4_encode_page_ms": med(ref_enc) * 1e3, "ratio_to_kivi4": med(ratios)}
 
 
 def main() -> int:
@@ -82,12 +101,9 @@ def main() -> int:
     torch.set_num_threads(1)
     shape = dict(context=args.context, heads=args.heads, dim=args.head_dim, page=args.page_size,
                  group=args.group_size, repeats=args.repeats)
-    reference = time_format("kivi", 4, **shape)
-    print(json.dumps({**reference, "ratio_to_kivi4": 1.0}), flush=True)
     for bits in args.bits:
         for name in args.formats:
             row = time_format(name, bits, **shape)
-            row["ratio_to_kivi4"] = row["per_step_ms"] / reference["per_step_ms"]
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return 0
 

@@ -65,6 +65,9 @@ def gather(grouped: Tensor, index: Tensor) -> Tensor:
 
 
 def restore(grouped: Tensor, index: Tensor, values: Tensor) -> Tensor:
-    """``grouped`` with the kept outliers written back at ``index`` (int16 or int64)."""
+    """``grouped`` with the kept outliers written back at ``index`` (int16 or int64), in place when
+    ``grouped`` is contiguous (a decode's fresh output), else on a copy."""
     flat = grouped.reshape(*grouped.shape[:3], -1)
-    return flat.scatter(-1, index.long(), values.to(flat.dtype)).reshape(grouped.shape)
+    if flat.data_ptr() != grouped.data_ptr() or not grouped.is_contiguous():
+        flat = flat.clone()
+    return flat.scatter_(-1, index.long(), values.to(flat.dtype)).reshape(grouped.shape)

@@ -37,6 +37,16 @@ def _label(fmt: str, sinks: int, fraction: float) -> str:
     return name + (f", sinks={sinks}" if sinks else "")
 
 
+def _order(label: str) -> tuple:
+    """kivi first, then one technique at a time, then combinations; sinks after their format."""
+    name, _, rest = label.partition(" ")
+    parts = name.split("+")[1:]
+    return (len(parts), [TECHNIQUE_ORDER.index(p) for p in parts], "sinks" in rest, rest)
+
+
+TECHNIQUE_ORDER = ("hadamard", "outliers", "codebook", "prerope")
+
+
 def _cell(ppl: float, full: float | None, nbytes: float) -> str:
     change = f" ({100 * (ppl / full - 1):+.1f}%)" if full else ""
     return f"{ppl:.3f}{change}, {nbytes:.0f} B"
@@ -72,7 +82,7 @@ def streaming(folder: Path) -> list[str]:
         out += [f"**{corpus}** (streaming, 2,048 tokens; full KV: {full.get(corpus, float('nan')):.3f}, "
                 f"from {source.get(corpus, '-')})", "",
                 "| format | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|"]
-        labels = sorted({label for label, _ in rows[corpus]}, key=lambda l: (len(l), l))
+        labels = sorted({label for label, _ in rows[corpus]}, key=_order)
         for label in labels:
             cells = []
             for bits in (2, 3, 4):
@@ -105,7 +115,7 @@ def proxy(folder: Path) -> list[str]:
         shown = f"{reference:.3f}" if reference else "not run"
         out += [f"**{corpus}, replay (benchmarks/lowbit_proxy.py), FP window {budget}, group {group}; "
                 f"full KV {shown}**", "", "| format | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|"]
-        labels = sorted({label for label, _ in cells_by}, key=lambda l: (len(l), l))
+        labels = sorted({label for label, _ in cells_by}, key=_order)
         for label in labels:
             cells = []
             for bits in (2, 3, 4):

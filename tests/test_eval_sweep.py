@@ -35,6 +35,11 @@ def model():
     ("confkv-r", {"budget": 30, "protect": 4, "bits": 3, "page_size": 8, "group_size": 4, "cold_budget": 40, "k": 3}, True, 4),
     ("kivi", {"budget": 16, "bits": 4, "page_size": 16, "group_size": 16}, False, 0),
     ("quest", {"budget": 20, "k": 2, "page_size": 4, "group_size": 4}, False, 0),
+    # page formats: outlier values and indices per page, a codebook per layer (confkv.tiers)
+    ("kivi", {"budget": 16, "bits": 2, "page_size": 16, "group_size": 16, "format": "outliers",
+              "outlier_fraction": 0.02}, False, 0),
+    ("confkv-r", {"budget": 24, "protect": 4, "bits": 3, "page_size": 8, "group_size": 8,
+                  "format": "hadamard+outliers+codebook", "outlier_fraction": 0.05}, False, 0),
 ])
 def test_simulated_bytes_equal_measured_trace(model, name, params, int8, slack):
     ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(0))

@@ -88,8 +88,10 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
         from confkv.tiers.formats import format_for
 
         dtype = {1: torch.int8, 2: torch.bfloat16, 4: torch.float32}[bytes_model.element_size]
-        page_data = format_for(cold, bytes_model.head_dim, dtype).page_nbytes(
-            bytes_model.kv_heads, bytes_model.head_dim, cold.page_size)  # every side byte of the format
+        page_format = format_for(cold, bytes_model.head_dim, dtype)
+        page_data = page_format.page_nbytes(bytes_model.kv_heads, bytes_model.head_dim, cold.page_size)  # side bytes too
+        layer_state = page_format.layer_nbytes()  # codebooks: once per layer whose cold tier has started
+        started = np.zeros(managed, dtype=bool)
         digest = 2 * bytes_model.kv_heads * bytes_model.head_dim * 2 if cold.needs_digest else 0
         page_bytes = digest if resident and cold.offload else page_data + digest  # offloaded: only the digest stays
         open_page = np.zeros(managed, dtype=np.int64)
@@ -119,6 +121,7 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
         floor = min(policy.sinks, t + 1)  # sinks are never evicted
         kept_old = np.minimum(old, np.maximum(keep_old, np.minimum(old, floor)))
         if cold is not None:  # the evicted tokens are demoted
+            started |= (old - kept_old) > 0
             open_page += old - kept_old
             pages += open_page // cold.page_size
             open_page %= cold.page_size
@@ -127,7 +130,7 @@ def simulate_kv_bytes(policy: Policy, bytes_model: BytesModel, steps: int, store
         old = kept_old
         total = int((recent * bytes_model.fp_bytes + old * old_bytes).sum())
         if cold is not None:
-            total += int((open_page * bytes_model.fp_bytes + pages * page_bytes).sum())
+            total += int((open_page * bytes_model.fp_bytes + pages * page_bytes).sum()) + int(started.sum()) * layer_state
         total += int(scaled.sum()) * bytes_model.channel_scale_bytes
         total += sum(min(t + 1, w - 1) for w in sliding) * bytes_model.fp_bytes
         out[t] = total

@@ -2,6 +2,24 @@
 
 References are independent of the code under test: float64 dense attention, error bounds
 worked out from the stored scales, byte counts summed over the tensors actually held.
+
+Each test was seen to fail with a bug put in by hand (then removed):
+
+- rotation / fwht tests: ``HadamardRotation.inverse`` multiplying by the forward matrix; ``fwht``
+  without its ``1/sqrt(n)``.
+- error-bound test: ``torch.floor`` for ``torch.round`` in ``KiviFormat._quantize``; codebook
+  ``nearest`` splitting at the upper level instead of the midpoint; ``prerope`` decode without the
+  re-rotation.
+- outlier round trip: the outlier score without ``abs`` (negative outliers missed).
+- bytes tests: an outlier entry counted as 3 bytes; the codebooks counted as 0 bytes (and, in
+  tests/test_eval_sweep.py, left out of the sweep's bytes model).
+- rung move: ``put_pages`` encoding with the positions reversed.
+- every-backend read: the decode fallback removed (``_page_segment``), or ``paged`` set True for
+  every format.
+- RoPE tests: ``Rope.unrotate`` with the forward sign; the cache not passing its rope down.
+- codebook fit: no Lloyd iterations (even levels returned).
+- folded read: the output not un-rotated; the open page not rotated; the query not rotated.
+- 3-bit lookup (tests/test_cold_tier.py round trip): the two 12-bit halves swapped.
 """
 
 from __future__ import annotations

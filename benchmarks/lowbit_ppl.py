@@ -4,7 +4,7 @@
 :func:`confkv.eval.ppl.streaming_ppl` with the policy's parameters, so every row of
 results/lowbit/ is one command of this script::
 
-    OMP_NUM_THREADS=1 python benchmarks/lowbit_ppl.py --policy kivi --param bits=3 \
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lowbit_ppl.py --policy kivi --param bits=3 \
         --param group_size=64 --param page_size=64 --param budget=32 --param format=hadamard \
         --corpus pydoc-topics --tokens 2048 --out results/lowbit/pydoc_hadamard_3.json
 """

@@ -11,7 +11,7 @@ key otherwise. Each layer's format is calibrated on its first page alone, as in 
 
 Numbers from here are a ranking for tuning; the tables in results/lowbit/ are streaming runs.
 
-    OMP_NUM_THREADS=1 python benchmarks/lowbit_proxy.py --bits 3 --format kivi hadamard hadamard+codebook
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lowbit_proxy.py --bits 3 --format kivi hadamard hadamard+codebook
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ in its basis and turns a query and an output, as the read does), and prints each
 per step and the median ratio to 4-bit plain KIVI timed in alternation with it (pairs, so a load
 that drifts on a shared machine hits both alike)::
 
-    OMP_NUM_THREADS=1 python benchmarks/lowbit_speed.py --context 8192 --formats kivi hadamard
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lowbit_speed.py --context 8192 --formats kivi hadamard
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from confkv.attention import KVSegment
 from confkv.attention.paged import PagedSegment, gather_pages as _gather_pages
 from confkv.config import ColdConfig
 from confkv.page_file import PageFile
+from confkv.tiers.formats import PageFormat, format_for
 
 
 #: page tensors that stay in RAM when sealed pages are offloaded (metadata and digests)
@@ -47,13 +48,19 @@ class ColdTier:
     """Low-bit pages of one layer's demoted tokens (see the module docstring).
 
     Args:
-        config: bits, page and group size, read budgets, cold budget, offload.
+        config: bits, page and group size, page format, read budgets, cold budget, offload.
         page_file: where sealed pages live when ``config.offload`` (None: in RAM).
+        rope: the model's rotary parameters (:class:`confkv.tiers.prerope.Rope`), for page
+            formats that store keys before the rotary embedding (None: none known).
     """
 
-    def __init__(self, config: ColdConfig, page_file: PageFile | None = None) -> None:
+    def __init__(self, config: ColdConfig, page_file: PageFile | None = None, rope=None) -> None:
         self.config = config
         self.page_file = page_file
+        self.rope = rope
+        self.format: PageFormat | None = None  # built at the first demotion (it needs head_dim and dtype)
+        #: let reads fold the format's rotation into the query and output (False: decode every page back)
+        self.fold_rotation = True
         self.open: dict[str, Tensor] | None = None  # keys, values [B,H,S,D]; positions [B,H,S]; valid [B,S]
         self.pages: dict[str, Tensor] = {}  # name -> [B, H, N, ...]; N = capacity
         self.num_pages = 0
@@ -79,18 +86,19 @@ class ColdTier:
         return held
 
     def page_nbytes(self) -> int:
-        """Bytes of one sealed page of one sequence (all KV heads): data, scales, digest."""
+        """Bytes of one sealed page of one sequence (all KV heads): the format's data and side data, digest."""
         heads = self.open["keys"].shape[1]
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return lowbit.page_bytes(heads, self.head_dim, self.config.page_size, self.config.bits,
-                                 self.config.group_size, size, digest=self.config.needs_digest)
+        return (self.format.page_nbytes(heads, self.head_dim, self.config.page_size)
+                + self._digest_nbytes())
 
     def kv_bytes(self) -> int:
-        """Exact bytes: the open page's keys/values plus every sealed page's data, scales and digest."""
+        """Exact bytes: the open page's keys/values, every sealed page's data, side data and digest,
+        and the format's per-layer state (codebooks)."""
         if self.open is None:
             return 0
         batch = self.open["keys"].shape[0]
-        return self.open["keys"].nbytes + self.open["values"].nbytes + batch * self.num_pages * self.page_nbytes()
+        return (self.open["keys"].nbytes + self.open["values"].nbytes + batch * self.num_pages * self.page_nbytes()
+                + self.format.layer_nbytes())
 
     def offloaded_bytes(self) -> int:
         """Bytes of sealed page data kept in the page file (0 in RAM); digests stay resident."""
@@ -125,12 +133,7 @@ class ColdTier:
         """
         if self.open is None:
             batch, heads, _, head_dim = keys.shape
-            self.head_dim, self.dtype = head_dim, keys.dtype
-            if self.config.bits != 16:
-                lowbit.check_packable(head_dim, self.config.bits)
-                if head_dim % min(self.config.group_size, head_dim):
-                    raise ValueError(f"group_size: must divide head_dim={head_dim} (values are grouped by "
-                                     f"channels), got {self.config.group_size}")
+            self._start(head_dim, keys.dtype)
             self.open = _empty_open(batch, heads, head_dim, keys.dtype, keys.device)
         incoming = {"keys": keys.to(self.dtype), "values": values.to(self.dtype), "positions": positions,
                     "valid": valid}
@@ -159,7 +162,13 @@ class ColdTier:
                 "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device),
                 "sealed_at": torch.full((batch, heads, count), self.reads, dtype=torch.int64, device=keys.device),
                 "confidence": self.confidence_now(batch, keys.device)[:, None, None].expand(batch, heads, count)}
-        self._append_pages({**meta, **self._encode(keys, values, head_valid)}, count)
+        self._append_pages({**meta, **self._encode(keys, values, head_valid, meta["positions"])}, count)
+
+    def _start(self, head_dim: int, dtype: torch.dtype) -> None:
+        """Fix the layer's head dim and dtype and build its page format (raises on a shape it cannot pack)."""
+        self.head_dim, self.dtype = head_dim, dtype
+        if self.format is None:
+            self.format = format_for(self.config, head_dim, dtype, self.rope)
 
     def confidence_now(self, batch: int, device: torch.device) -> Tensor:
         """[B] float32: the model's confidence at this step (set by the store; 0.5 before the first step)."""
@@ -167,8 +176,9 @@ class ColdTier:
             return torch.full((batch,), 0.5, dtype=torch.float32, device=device)
         return self.step_confidence.to(device=device, dtype=torch.float32)
 
-    def _encode(self, keys: Tensor, values: Tensor, valid: Tensor) -> dict[str, Tensor]:
-        """Page storage of keys / values [B, H, N, P, D] (valid [B, H, N, P]): digest, then codes and side data."""
+    def _encode(self, keys: Tensor, values: Tensor, valid: Tensor, positions: Tensor | None = None) -> dict[str, Tensor]:
+        """Page storage of keys / values [B, H, N, P, D] (valid, positions [B, H, N, P]): digest, then the
+        format's codes and side data (:meth:`confkv.tiers.formats.PageFormat.encode`)."""
         fresh: dict[str, Tensor] = {}
         if self.config.needs_digest:
             float_keys = keys.float()
@@ -177,14 +187,9 @@ class ColdTier:
             for name in ("digest_min", "digest_max"):  # an all-invalid page (never read) gets a zero digest
                 tensor = fresh[name]
                 fresh[name] = torch.where(torch.isfinite(tensor), tensor, torch.zeros_like(tensor)).to(lowbit.SCALE_DTYPE)
-        if self.config.bits == 16:
-            fresh["keys"], fresh["values"] = keys.to(self.dtype), values.to(self.dtype)
-        else:
-            bits, group = self.config.bits, self.config.group_size
-            qk = lowbit.quantize_keys(keys, valid, bits, group)
-            qv = lowbit.quantize_values(values, bits, group)
-            fresh.update(key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
-                         value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
+        if self.format is None:  # pages sealed before any demotion fixed the layer (tests seal directly)
+            self.format = format_for(self.config, keys.shape[-1], self.dtype or keys.dtype, self.rope)
+        fresh.update(self.format.encode(keys, values, valid, positions))
         return fresh
 
     def _append_pages(self, fresh: dict[str, Tensor], count: int) -> None:
@@ -238,7 +243,15 @@ class ColdTier:
         self.num_pages = kept
 
     # -- reading ---------------------------------------------------------------------------------
-    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False) -> list[KVSegment | PagedSegment]:
+    def read_rotation(self):
+        """The format's rotation when this read can fold it into the query and output (pages to read,
+        a format with one, :attr:`fold_rotation` on), else None (see :meth:`segments`' ``rotated``)."""
+        if not self.fold_rotation or self.format is None or not self.num_pages:
+            return None
+        return self.format.read_rotation
+
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False,
+                 rotated: bool = False) -> list[KVSegment | PagedSegment]:
         """The open page and the ``read_pages[b]`` best pages of each sequence, as read segments.
 
         Args:
@@ -252,6 +265,11 @@ class ColdTier:
             selected pages: a :class:`KVSegment` dequantized to float32 (invisible where a
             sequence reads fewer pages), or with ``paged`` the :class:`PagedSegment`. Either
             way the pages' attention mass is [B, H, K * P], what :meth:`observe` takes.
+            With ``rotated`` (only when :meth:`read_rotation` is not None) both segments are in
+            the rotated basis (the open page rotated, the pages not rotated back): the caller
+            rotates the query and un-rotates the output, so the per-token inverse rotation of
+            every page is skipped (the scores and the output are the same, the rotation being
+            orthogonal).
         """
         self._selected = None
         self.bytes_read = 0
@@ -259,33 +277,58 @@ class ColdTier:
         if self.open is None:
             return []
         segments: list[KVSegment | PagedSegment] = []
+        rotation = self.read_rotation() if rotated else None
+        if rotated and rotation is None:
+            raise ValueError("cold tier: a rotated read needs a format with a rotation and pages to read")
         if self.open_length:
             valid = self.open["valid"]
-            segments.append(KVSegment(self.open["keys"], self.open["values"],
-                                      None if bool(valid.all()) else valid[:, None, None, :]))
+            keys, values = self.open["keys"], self.open["values"]
+            if rotation is not None:
+                keys, values = rotation.forward(keys), rotation.forward(values)
+            segments.append(KVSegment(keys, values, None if bool(valid.all()) else valid[:, None, None, :]))
             self.bytes_read += self.open["keys"].nbytes + self.open["values"].nbytes
         want = int(read_pages.max()) if read_pages.numel() else 0
         if self.num_pages and want:
-            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged))
+            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated))
         return segments
 
-    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool) -> KVSegment | PagedSegment:
+    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool,
+                      rotated: bool = False) -> KVSegment | PagedSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
         if int(read_pages.min()) >= count:  # every sequence reads every page: no ranking needed
             index = torch.arange(count, device=device).expand(batch, heads, count)
         else:
             with profiling.section("cold page selection (digest bound + top-k)"):
-                bound = self.digest_bound(query)  # [B, H, N]
+                bound = self.digest_bound(query)  # [B, H, N] (digests are of the original keys)
                 # best first: a sequence that reads k pages reads the first k of the width
                 index = bound.topk(width, dim=-1, sorted=True).indices
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
+        if not self.format.paged:  # formats other than plain KIVI / 16 bits: the torch decode (any backend)
+            with profiling.section("cold pages (gather + decode)"):
+                return self._decoded_segment(index, read_pages, width, rotated)
         if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
             return self._paged(index, read_pages, width)
         with profiling.section("cold pages (gather + dequantize)"):
             return self._paged(index, read_pages, width).to_dense()
+
+    def _decoded_segment(self, index: Tensor, read_pages: Tensor, width: int, rotated: bool = False) -> KVSegment:
+        """The read's pages decoded by the format (float32), as a dense :class:`KVSegment` (the
+        reference read for formats the packed readers do not take); ``rotated``: left in the
+        format's rotated basis."""
+        live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
+        if rotated:
+            data = {name: _gather_pages(live[name], index) for name in self.format.storage}
+            keys, values = self.format.decode(data, _gather_pages(live["positions"], index), rotated=True)
+        else:
+            keys, values = self._dequantized(live, index)
+        batch, heads, _ = index.shape
+        shape = (batch, heads, width * self.config.page_size, self.head_dim)
+        visible = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
+                               self.config.group_size, self.head_dim).visible()
+        return KVSegment(keys.reshape(shape), values.reshape(shape), visible)
 
     def _paged(self, index: Tensor, read_pages: Tensor, width: int) -> PagedSegment:
         """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B])."""
@@ -294,12 +337,12 @@ class ColdTier:
                             self.config.group_size, self.head_dim, **storage)
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
+        """Pages ``index`` [B, H, K] of ``live`` decoded by the format: keys, values [B, H, K, P, D]
+        (float32; the model's dtype at 16 bits)."""
         if self.config.bits == 16:
             return _gather_pages(live["keys"], index), _gather_pages(live["values"], index)
-        bits, group, dim = self.config.bits, self.config.group_size, self.head_dim
-        keys = lowbit.Quantized(*(_gather_pages(live[n], index) for n in ("key_codes", "key_scale", "key_min")))
-        values = lowbit.Quantized(*(_gather_pages(live[n], index) for n in ("value_codes", "value_scale", "value_min")))
-        return (lowbit.dequantize_keys(keys, bits, dim, group), lowbit.dequantize_values(values, bits, dim, group))
+        data = {name: _gather_pages(live[name], index) for name in self.format.storage}
+        return self.format.decode(data, _gather_pages(live["positions"], index))
 
     def digest_bound(self, query: Tensor) -> Tensor:
         """Quest's upper bound of ``q . k`` per page: [B, Hq, Q, D] -> [B, H, N] float32.
@@ -410,12 +453,11 @@ class ColdTier:
         if page != self.config.page_size:
             raise ValueError(f"page_size: pages of {page} tokens cannot join a tier of {self.config.page_size}")
         if self.open is None:
-            self.head_dim, self.dtype = head_dim, dtype
-            if self.config.bits != 16:
-                lowbit.check_packable(head_dim, self.config.bits)
+            self._start(head_dim, dtype)
             self.open = _empty_open(batch, heads, head_dim, dtype, taken["keys"].device)
         meta = {name: taken[name] for name in _METADATA}
-        self._append_pages({**meta, **self._encode(taken["keys"], taken["values"], taken["valid"])}, count)
+        encoded = self._encode(taken["keys"], taken["values"], taken["valid"], taken["positions"])
+        self._append_pages({**meta, **encoded}, count)
 
     def drop_open(self) -> None:
         """Delete the open page's tokens (when even no sealed page leaves room for them)."""
@@ -431,7 +473,9 @@ class ColdTier:
         self.pages = {name: t.index_select(0, index.to(t.device)) for name, t in self.pages.items()}
 
     def clone(self) -> "ColdTier":
-        twin = ColdTier(self.config, self.page_file)
+        twin = ColdTier(self.config, self.page_file, self.rope)
+        twin.format = self.format  # shared: a fitted codebook never changes, so both decode alike
+        twin.fold_rotation = self.fold_rotation
         twin.head_dim, twin.dtype, twin.num_pages, twin.reads = self.head_dim, self.dtype, self.num_pages, self.reads
         twin.step_confidence = self.step_confidence
         if self.open is not None:

@@ -162,6 +162,12 @@ class ColdConfig:
       heads) in some head, every head moves its most-attended read page back to the hot tier;
       the hot tier then demotes its lowest-ranked tokens at the step's end. Tokens can come
       back. Needs a policy that reads attention mass (``confkv-r``).
+    - ``format``: how sealed pages are stored (:mod:`confkv.tiers.formats`): ``"kivi"`` (plain
+      KIVI, the default) or ``"kivi"`` plus techniques joined by ``+``: ``hadamard`` (rotated
+      channels), ``outliers`` (the most extreme entries kept in 16 bits), ``codebook``
+      (non-uniform levels per layer), ``prerope`` (keys stored before the rotary embedding),
+      e.g. ``"hadamard+codebook"``. Ignored at ``bits=16``.
+    - ``outlier_fraction``: with ``outliers``, the share of each page's entries kept apart.
     """
 
     bits: int = 2
@@ -173,8 +179,19 @@ class ColdConfig:
     offload: bool = False
     offload_dir: str | None = None
     promote: float | None = None
+    format: str = "kivi"
+    outlier_fraction: float = 0.01
 
     def __post_init__(self) -> None:
+        from confkv.tiers.formats import parse_format  # noqa: PLC0415
+
+        try:
+            parse_format(self.format)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        _require(isinstance(self.outlier_fraction, (int, float)) and not isinstance(self.outlier_fraction, bool)
+                 and 0.0 <= self.outlier_fraction <= 0.25, "outlier_fraction",
+                 f"must be a share of a page's entries in [0, 0.25], got {self.outlier_fraction!r}")
         _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
                  f"must be one of 2, 3, 4, 8 (KIVI-style) or 16 (unquantized), got {self.bits!r}")
         check_pages(self.page_size, self.group_size)

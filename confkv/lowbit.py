@@ -73,30 +73,46 @@ def unpack(packed: Tensor, bits: int, head_dim: int) -> Tensor:
     return codes.reshape(*packed.shape[:-1], head_dim)
 
 
-_BYTE_TABLES: dict[tuple[int, torch.device], Tensor] = {}
+_BYTE_TABLES: dict[tuple[int, torch.device], Tensor] = {}  # (bits, device) -> code_table(bits)
 
 
-def _byte_table(bits: int, device: torch.device) -> Tensor:
-    """[256, 8 // bits] float32: the codes one packed byte holds (bits 2, 4, 8: a byte is a whole word)."""
-    key = (bits, device)
-    if key not in _BYTE_TABLES:
-        per_byte = 8 // bits
-        byte = torch.arange(256, device=device, dtype=torch.int32)[:, None]
-        shifts = torch.arange(per_byte, device=device, dtype=torch.int32) * bits
-        _BYTE_TABLES[key] = ((byte >> shifts) & ((1 << bits) - 1)).float()
-    return _BYTE_TABLES[key]
+def code_table(bits: int, levels: Tensor | None = None, device: torch.device | str = "cpu") -> Tensor:
+    """The lookup table of :func:`lookup_codes`: what each packed unit decodes to, float32.
+
+    Bits 2, 4, 8: [256, 8 // bits], the codes of one byte. Bits 3: [4096, 4], the codes of
+    12 bits (half of a 3-byte word: 4 codes). ``levels`` [2**bits]: decode code ``c`` to
+    ``levels[c]`` (a codebook) instead of ``c``.
+    """
+    unit, per_unit = (4096, 4) if bits == 3 else (256, 8 // bits)
+    value = torch.arange(unit, dtype=torch.int64, device=device)[:, None]
+    shifts = torch.arange(per_unit, dtype=torch.int64, device=device) * bits
+    codes = (value >> shifts) & ((1 << bits) - 1)
+    return codes.float() if levels is None else levels.detach().float().to(device)[codes]
+
+
+def lookup_codes(packed: Tensor, bits: int, head_dim: int, table: Tensor) -> Tensor:
+    """[..., packed_width] uint8 -> [..., head_dim] float32 through ``table`` (:func:`code_table`, on
+    ``packed``'s device): one lookup per byte (bits 2, 4, 8) or per 12 bits (bits 3)."""
+    if bits == 3:
+        *lead, width = packed.shape
+        grouped = packed.reshape(*lead, width // 3, 3).to(torch.int32)
+        word = grouped[..., 0] | (grouped[..., 1] << 8) | (grouped[..., 2] << 16)
+        units = torch.stack((word & 0xFFF, word >> 12), dim=-1)
+    else:
+        units = packed
+    return torch.nn.functional.embedding(units.long(), table).reshape(*packed.shape[:-1], head_dim)
 
 
 def unpack_float(packed: Tensor, bits: int, head_dim: int) -> Tensor:
     """:func:`unpack` as float32 codes: [..., packed_width] uint8 -> [..., head_dim] float32.
 
-    For 2, 4 and 8 bits every byte is a whole word, so one table lookup per byte replaces the
-    shifts and masks (the read path's hot spot); 3-bit words span three bytes and take :func:`unpack`.
+    One table lookup per byte (2, 4, 8 bits: a byte is a whole word) or per 12 bits (3 bits:
+    four codes) replaces the shifts and masks (the read path's hot spot).
     """
-    if bits == 3:
-        return unpack(packed, bits, head_dim).float()
-    codes = torch.nn.functional.embedding(packed.long(), _byte_table(bits, packed.device))
-    return codes.reshape(*packed.shape[:-1], head_dim)
+    key = (bits, packed.device)
+    if key not in _BYTE_TABLES:
+        _BYTE_TABLES[key] = code_table(bits, device=packed.device)
+    return lookup_codes(packed, bits, head_dim, _BYTE_TABLES[key])
 
 
 @dataclass

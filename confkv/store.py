@@ -294,12 +294,23 @@ class LayerStore:
             segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
                         for r in regions]
             need_mass = bool(self.stat_names) and self.policy.needs_attention
+        rotation = None
         if self.cold is not None:  # every cold token is older than every query: no causal mask
             paged = reads_pages(query, self.config.read_backend)  # the Triton read takes packed pages
-            segments += self.cold.segments(query, self._cold_read_pages(), paged=paged)  # timed inside
+            # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
+            # rotated back token by token; the few hot keys/values, the query and the output turn instead
+            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation()
+            if rotation is not None:
+                segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
+                            for s in segments]
+            segments += self.cold.segments(query, self._cold_read_pages(), paged=paged,
+                                           rotated=rotation is not None)  # timed inside
+        read_query = query if rotation is None else rotation.forward(query)
         with profiling.section("attention read"):
-            out, masses = attention_read(query, segments, scaling, block_size=self.config.block_size,
+            out, masses = attention_read(read_query, segments, scaling, block_size=self.config.block_size,
                                          softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
+        if rotation is not None:
+            out = rotation.inverse(out).to(query.dtype)
         if need_mass:
             with profiling.section("EMA / stats update"):
                 for region, mass in zip(regions, masses):

@@ -118,7 +118,7 @@ def test_eight_bit_codes_pack_one_to_a_byte_whatever_the_head_dim():
 
 # ------------------------------------------------------------------ devices
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_table_lookup_unpacking_stays_on_the_device_of_its_input(bits, monkeypatch):
     """On the ``meta`` device: the byte table is made on the packed bytes' device (a CPU table
     would not combine with the pages of an accelerator). The table cache starts empty, so the

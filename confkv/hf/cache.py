@@ -98,8 +98,11 @@ class ConfKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         page_file = self.store.cold.page_file if self.store.cold is not None else None
+        rope = self.store.cold.rope if self.store.cold is not None else None
         self.store.__init__(self.store.policy, self.store.config, sliding_window=self.store.sliding_window,
                             page_file=page_file, storage=self.store.storage)
+        if self.store.cold is not None:
+            self.store.cold.rope = rope
 
     def offload(self) -> None:
         raise NotImplementedError("confkv caches do not support offloading; keep the cache on the model's device")
@@ -132,11 +135,14 @@ class ConfKVCache(Cache):
             budgets come from the target. None: the policy's own budgets (the paper's rows).
         storage: how tokens are held under ``target`` (default ``Storage(ladder=())``: what the
             hot tier lets go is dropped).
+        rope: the model's rotary embedding (:class:`confkv.tiers.prerope.Rope`), for cold-page
+            formats that store keys before it (``prerope``); :meth:`for_model` passes it.
     """
 
     def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
-                 final_logit_softcapping: float | None = None, trace_limit: int | None = None, *,
-                 target: MemoryTarget | None = None, storage: Storage | None = None) -> None:
+                 final_logit_softcapping: float | None = None, trace_limit: int | None = None,
+                 rope=None, *, target: MemoryTarget | None = None, storage: Storage | None = None) -> None:
+        self.rope = rope
         self.policy = policy
         self.store_config = store or StoreConfig()
         self.layout = layout
@@ -154,6 +160,9 @@ class ConfKVCache(Cache):
         self.page_file = PageFile(offload_dir) if offload else None
         stores = [LayerStore(policy, self.store_config, sliding_window=w, page_file=self.page_file,
                              storage=self.storage) for w in layout.sliding_windows]
+        for layer_store in stores:
+            if layer_store.cold is not None:
+                layer_store.cold.rope = rope
         super().__init__(layers=[ConfKVLayer(s, self) for s in stores])
         self.managed = layout.managed
         self.controller = BudgetController(policy, len(self.managed))
@@ -192,11 +201,13 @@ class ConfKVCache(Cache):
         spec = resolve(policy, memory=memory, max_kv_bytes=max_kv_bytes, storage=storage, **policy_params)
         built, target, storage = spec.policy, spec.target, spec.storage
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        from confkv.tiers.prerope import Rope  # noqa: PLC0415
+
         if max_kv_bytes is not None:
             check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store))
         enable(model)
         return cls(layout, built, store, final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
-                   trace_limit=trace_limit, target=target, storage=storage)
+                   trace_limit=trace_limit, rope=Rope.from_model(model), target=target, storage=storage)
 
     def fork(self, member: int) -> "ConfKVCache":
         """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
@@ -213,7 +224,7 @@ class ConfKVCache(Cache):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
         twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping,
-                           trace_limit=self.trace.max_steps, target=self.target, storage=self.storage)
+                           trace_limit=self.trace.max_steps, rope=self.rope, target=self.target, storage=self.storage)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))

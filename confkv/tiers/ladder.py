@@ -44,7 +44,8 @@ class LadderTier:
         self.storage = storage
         self.page_file = page_file if storage.offload else None
         self.rungs = [ColdTier(ColdConfig(bits=bits, page_size=storage.page_size, group_size=storage.group_size,
-                                          k_high=ALL_PAGES, k_low=ALL_PAGES), self.page_file)
+                                          k_high=ALL_PAGES, k_low=ALL_PAGES, format=storage.format,
+                                          outlier_fraction=storage.outlier_fraction), self.page_file)
                       for bits in storage.ladder]
         self.config = self.rungs[0].config  # promotion is off (config.promote is None)
         self._read_counts: list[int] = []
@@ -52,6 +53,21 @@ class LadderTier:
     @property
     def top(self) -> ColdTier:
         return self.rungs[0]
+
+    @property
+    def rope(self):
+        """The model's rotary embedding, for page formats that store keys before it (every rung)."""
+        return self.top.rope
+
+    @rope.setter
+    def rope(self, value) -> None:
+        for rung in self.rungs:
+            rung.rope = value
+
+    def read_rotation(self) -> None:
+        """None: every rung decodes its pages back to the model's basis (rungs may hold different bit
+        widths of a rotated format; folding one rotation into the read is a single rung's optimisation)."""
+        return None
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -96,7 +112,7 @@ class LadderTier:
         """The model's confidence [B] at this step, recorded on the pages sealed now."""
         self.top.step_confidence = confidence
 
-    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False) -> list:
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False, rotated: bool = False) -> list:
         """Every rung's read segments (open page, then its pages), rung by rung; all pages are read."""
         out: list = []
         self._read_counts = []

@@ -46,6 +46,10 @@ class Storage:
             growth of a uniform quantizer's squared step, ``4**-bits``, over the bytes freed), so that
             pages spread over the upper rungs before any reaches the bottom; ``"coldest"`` the rung
             holding the least valuable page (cold pages sink to the bottom first).
+        format: the page format of every rung (:mod:`confkv.tiers.formats`: ``"kivi"`` or techniques
+            joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
+            page's values kept apart in 16 bits by the ``outliers`` technique. Checked by
+            :class:`~confkv.config.ColdConfig` when the rungs are built.
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -57,6 +61,8 @@ class Storage:
     group_size: int = 64
     step_down_by: str = "heat"
     step_order: str = "error"
+    format: str = "kivi"
+    outlier_fraction: float = 0.01
     offload: bool = False
     offload_dir: str | None = None
 
@@ -79,6 +85,9 @@ class Storage:
                  f"must be one of {', '.join(STEP_DOWN_SIGNALS)}, got {self.step_down_by!r}")
         _require(self.step_order in STEP_ORDERS, "step_order",
                  f"must be one of {', '.join(STEP_ORDERS)}, got {self.step_order!r}")
+        from confkv.config import ColdConfig  # noqa: PLC0415 - one place checks a page format
+
+        ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction)
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:

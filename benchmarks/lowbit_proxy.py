@@ -1,0 +1,117 @@
+"""A fast, teacher-forced stand-in for the streaming perplexity of a cold-page format (tuning only).
+
+The streaming run (benchmarks/lowbit_ppl.py) feeds one token per step: minutes per run on one
+thread. Under the KIVI policy (every token kept: an FP window of ``budget`` recent tokens,
+every older token in sealed pages, all read) the keys a query sees depend only on which pages
+were sealed by its step, so one causal forward pass can replay them: query ``i`` sees the
+decoded page of key ``j`` when ``j``'s page of ``page_size`` tokens ended at least ``budget``
+tokens before ``i`` (the store moves tokens in blocks and pages seal when full, so the real
+run seals a little later: this is a slight over-count of the quantized keys), and the exact
+key otherwise. Each layer's format is calibrated on its first page alone, as in the stream.
+
+Numbers from here are a ranking for tuning; the tables in results/lowbit/ are streaming runs.
+
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lowbit_proxy.py --bits 3 --format kivi hadamard hadamard+codebook
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from confkv.tiers.formats import build_format
+
+_STATE: dict = {}
+
+
+def _sim_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    layer = module.layer_idx
+    cfg = _STATE["config"]
+    batch, q_heads, length, dim = query.shape
+    heads = key.shape[1]
+    page = cfg["page_size"]
+    pages = length // page
+    formats = _STATE["formats"]
+    if layer not in formats:
+        formats[layer] = build_format(cfg["bits"], cfg["group_size"], dim, key.dtype, cfg["format"],
+                                      cfg["outlier_fraction"], rope=_STATE.get("rope"))
+    fmt = formats[layer]
+    k = key[:, :, :pages * page].reshape(batch, heads, pages, page, dim)
+    v = value[:, :, :pages * page].reshape(batch, heads, pages, page, dim)
+    valid = torch.ones(batch, heads, pages, page, dtype=torch.bool)
+    positions = torch.arange(pages * page).reshape(1, 1, pages, page).expand(batch, heads, pages, page)
+    fmt.encode(k[:, :, :1], v[:, :, :1], valid[:, :, :1], positions[:, :, :1])  # calibrate on the first page
+    kq, vq = fmt.decode(fmt.encode(k, v, valid, positions), positions)
+    kq = torch.cat([kq.reshape(batch, heads, pages * page, dim), key[:, :, pages * page:].float()], 2)
+    vq = torch.cat([vq.reshape(batch, heads, pages * page, dim), value[:, :, pages * page:].float()], 2)
+    group = q_heads // heads
+    q = query.float()
+    exact_k = key.float().repeat_interleave(group, 1)
+    exact_v = value.float().repeat_interleave(group, 1)
+    kq, vq = kq.repeat_interleave(group, 1), vq.repeat_interleave(group, 1)
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    page_end = (j // page + 1) * page  # the position after j's page
+    sealed = (page_end <= i - cfg["budget"]) & (j // page < pages) & (j >= cfg["sinks"])
+    causal = j <= i
+    s_exact = (q @ exact_k.transpose(-1, -2)) * scaling
+    s_quant = (q @ kq.transpose(-1, -2)) * scaling
+    scores = torch.where(sealed, s_quant, s_exact).masked_fill(~causal, float("-inf"))
+    probs = scores.softmax(-1)
+    out = (probs * ~sealed) @ exact_v + (probs * sealed) @ vq
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def proxy_ppl(model, ids, **config) -> float:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("lowbit_sim", _sim_attention)
+    _STATE.update(config=config, formats={})
+    model.set_attn_implementation("lowbit_sim")
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].float()
+    nll = torch.logsumexp(logits, -1) - logits.gather(-1, ids[0, 1:, None])[:, 0]
+    return math.exp(float(nll.mean()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--corpus", default="pydoc-topics")
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--bits", type=int, nargs="+", default=[3])
+    parser.add_argument("--format", nargs="+", default=["kivi"])
+    parser.add_argument("--outlier-fraction", type=float, nargs="+", default=[0.01])
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=32)
+    parser.add_argument("--sinks", type=int, nargs="+", default=[0], help="first tokens kept exact (the policy's sinks)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from confkv.data import corpus_tokens
+    from confkv.models import load_model
+
+    from confkv.tiers.prerope import Rope
+
+    model, tokenizer = load_model(args.model, dtype=torch.bfloat16)
+    _STATE["rope"] = Rope.from_model(model)
+    ids = corpus_tokens(tokenizer, args.corpus, args.tokens)
+    for bits in args.bits:
+        for fmt in args.format:
+            for fraction in args.outlier_fraction if "outliers" in fmt else [0.0]:
+                for sinks in args.sinks:
+                    start = time.time()
+                    ppl = proxy_ppl(model, ids, bits=bits, format=fmt, group_size=args.group_size, sinks=sinks,
+                                    page_size=args.page_size, budget=args.budget, outlier_fraction=fraction)
+                    print(json.dumps({"bits": bits, "format": fmt, "outlier_fraction": fraction, "sinks": sinks,
+                                      "group_size": args.group_size, "budget": args.budget, "corpus": args.corpus,
+                                      "proxy_ppl": round(ppl, 4), "seconds": round(time.time() - start, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Rebuild the tables of results/lowbit/README.md from the run files there.
+
+    python benchmarks/lowbit_table.py [results/lowbit]
+
+* streaming runs (``*.json``, one per run of benchmarks/lowbit_ppl.py): per corpus, a row per
+  page format (and sinks setting), a column per bit width: perplexity and its change against
+  the corpus's ``full`` run;
+* tuning replays (``proxy_*.jsonl``, benchmarks/lowbit_proxy.py): the same layout, proxy perplexity.
+
+Bytes per cold token are the format's own count (``PageFormat.page_nbytes`` / page size, SmolLM2's
+3 KV heads x 64 channels, one layer), every side byte included, digest excluded (the KIVI policy's
+pages carry none); bf16 is 768 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from confkv.tiers.formats import build_format, canonical_name, parse_format
+
+BF16_BYTES = 2 * 3 * 64 * 2
+
+
+def cold_bytes(fmt: str, bits: int, group: int, page: int, fraction: float) -> float:
+    return build_format(bits, group, 64, torch.bfloat16, fmt, fraction).page_nbytes(3, 64, page) / page
+
+
+def _label(fmt: str, sinks: int, fraction: float) -> str:
+    name = canonical_name(parse_format(fmt))
+    if "outliers" in name:
+        name += f" ({fraction:g})"
+    return name + (f", sinks={sinks}" if sinks else "")
+
+
+def _order(label: str) -> tuple:
+    """kivi first, then one technique at a time, then combinations; sinks after their format."""
+    name, _, rest = label.partition(" ")
+    parts = name.split("+")[1:]
+    return (len(parts), [TECHNIQUE_ORDER.index(p) for p in parts], "sinks" in rest, rest)
+
+
+TECHNIQUE_ORDER = ("hadamard", "outliers", "codebook", "prerope")
+
+
+def _cell(ppl: float, full: float | None, nbytes: float) -> str:
+    change = f" ({100 * (ppl / full - 1):+.1f}%)" if full else ""
+    return f"{ppl:.3f}{change}, {nbytes:.0f} B"
+
+
+def streaming(folder: Path) -> list[str]:
+    rows: dict[str, dict] = defaultdict(dict)
+    full: dict[str, float] = {}
+    for path in sorted(folder.glob("*.json")):
+        run = json.loads(path.read_text())
+        if run.get("interrupted"):
+            continue
+        corpus = run["corpus"]
+        if run["policy"] == "full":
+            full[corpus] = run["ppl"]
+            continue
+        p = run["params"]
+        fmt, bits = p.get("format", "kivi"), p["bits"]
+        fraction, sinks = p.get("outlier_fraction", 0.01), p.get("sinks", 0)
+        label = _label(fmt, sinks, fraction)
+        rows[corpus][(label, bits)] = (run["ppl"], cold_bytes(fmt, bits, p["group_size"], p["page_size"], fraction),
+                                       path.name)
+    source = {corpus: "this folder" for corpus in full}
+    for path in sorted(folder.parent.glob("tiered/ppl_*.jsonl")):  # full-KV runs of the same setting elsewhere
+        for line in path.read_text().splitlines():
+            run = json.loads(line)
+            if (run.get("policy") == "full" and run.get("dtype") == "bfloat16" and run.get("tokens") == 2048
+                    and run.get("corpus") not in full):
+                full[run["corpus"]] = run["ppl"]
+                source[run["corpus"]] = str(path)
+    out = []
+    for corpus in sorted(rows):
+        out += [f"**{corpus}** (streaming, 2,048 tokens; full KV: {full.get(corpus, float('nan')):.3f}, "
+                f"from {source.get(corpus, '-')})", "",
+                "| format | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|"]
+        labels = sorted({label for label, _ in rows[corpus]}, key=_order)
+        for label in labels:
+            cells = []
+            for bits in (2, 3, 4):
+                hit = rows[corpus].get((label, bits))
+                cells.append(_cell(hit[0], full.get(corpus), hit[1]) if hit else "-")
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def proxy(folder: Path) -> list[str]:
+    rows: dict[tuple, dict] = defaultdict(dict)
+    full: dict[str, float] = {}
+    for path in sorted(folder.glob("proxy_*.jsonl")):
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            corpus = r.get("corpus", "pydoc-topics")
+            if r["bits"] == 16:
+                full[corpus] = r["proxy_ppl"]
+                continue
+            key = (corpus, r.get("budget", 32), r.get("group_size", 64))
+            label = _label(r["format"], r.get("sinks", 0), r["outlier_fraction"])
+            rows[key][(label, r["bits"])] = (r["proxy_ppl"], cold_bytes(r["format"], r["bits"], r.get("group_size", 64),
+                                                                        64, r["outlier_fraction"] or 0.01))
+    out = []
+    for (corpus, budget, group), cells_by in sorted(rows.items()):
+        reference = full.get(corpus)
+        shown = f"{reference:.3f}" if reference else "not run"
+        out += [f"**{corpus}, replay (benchmarks/lowbit_proxy.py), FP window {budget}, group {group}; "
+                f"full KV {shown}**", "", "| format | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|"]
+        labels = sorted({label for label, _ in cells_by}, key=_order)
+        for label in labels:
+            cells = []
+            for bits in (2, 3, 4):
+                hit = cells_by.get((label, bits))
+                cells.append(_cell(hit[0], reference, hit[1]) if hit else "-")
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
+def main() -> int:
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "results/lowbit")
+    print("\n".join(streaming(folder) + proxy(folder)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,323 @@
+"""Page formats of the cold tier: how a page of keys and values is encoded, decoded and counted.
+
+One interface for every storage of a sealed page (:class:`PageFormat`), built per layer by
+:func:`build_format` from the tier's :class:`~confkv.config.ColdConfig` (``bits``,
+``group_size``, ``format``, ``outlier_fraction``) and the layer's facts (head dim, dtype,
+rotary parameters)::
+
+    fmt.encode(keys, values, valid, positions) -> dict[str, Tensor]   # every tensor [B, H, N, ...]
+    fmt.decode(data, positions) -> (keys, values)                      # float32 [B, H, N, P, D]
+    fmt.page_nbytes(kv_heads, head_dim, page_size) -> int              # one page, one sequence, all heads
+    fmt.layer_nbytes() -> int                                          # per-layer state (codebooks)
+
+``keys`` / ``values`` are [B, H, N, P, D] (``N`` pages of ``P`` tokens), ``valid`` [B, H, N, P]
+bool, ``positions`` [B, H, N, P] int64 (the tokens' original positions). Every stored tensor
+leads with [B, H, N] so pages can be gathered and moved along dim 2 by index. ``page_nbytes``
+counts every side byte (scales, minima, outlier values and indices); the Quest digest is the
+tier's, not the format's, and is not included.
+
+Formats (``ColdConfig.format``): ``"kivi"`` (plain KIVI, :mod:`confkv.lowbit`; the only format
+the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques below joined by
+``+`` (order free; ``"hadamard+outliers"`` is ``"kivi+outliers+hadamard"``):
+
+- ``hadamard``: a randomized Hadamard rotation of each head's channels, keys and values
+  (:mod:`confkv.tiers.hadamard`); decoded back to the original basis.
+- ``outliers``: ``outlier_fraction`` of each page's entries kept apart in 16 bits
+  (:mod:`confkv.tiers.outliers`).
+- ``codebook``: non-uniform levels, one k-means codebook per layer and tensor
+  (:mod:`confkv.tiers.codebook`).
+- ``prerope``: keys stored before the rotary embedding, re-rotated at decode from each
+  token's position (:mod:`confkv.tiers.prerope`; needs the model's rotary parameters).
+
+At ``bits=16`` every format is the unquantized page in the model's dtype (:class:`FullPrecisionFormat`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from confkv import lowbit
+from confkv.tiers import codebook as _codebook
+from confkv.tiers import outliers as _outliers
+from confkv.tiers.hadamard import HadamardRotation
+
+#: the techniques a format may add to KIVI
+TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope")
+#: the storage of plain KIVI pages (what :class:`~confkv.attention.paged.PagedSegment` reads)
+KIVI_STORAGE = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
+
+
+def parse_format(name: str) -> frozenset[str]:
+    """The techniques of format ``name`` ("kivi", or "kivi"/techniques joined by "+").
+
+    Raises:
+        ValueError: an unknown part, naming the known ones.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"format: must be a non-empty string, got {name!r}")
+    parts = [part.strip() for part in name.split("+")]
+    unknown = [part for part in parts if part not in TECHNIQUES and part != "kivi"]
+    if unknown:
+        raise ValueError(f"format: unknown part(s) {', '.join(map(repr, unknown))} in {name!r}; known: 'kivi', "
+                         f"or 'kivi' plus any of {', '.join(map(repr, TECHNIQUES))} joined by '+' "
+                         "(e.g. 'hadamard+outliers')")
+    return frozenset(part for part in parts if part != "kivi")
+
+
+def canonical_name(techniques: frozenset[str]) -> str:
+    return "+".join(["kivi", *[t for t in TECHNIQUES if t in techniques]])
+
+
+class PageFormat:
+    """The storage of one layer's sealed pages (see the module docstring).
+
+    Attributes:
+        name: the canonical format name ("kivi", "kivi+hadamard", ..., "fp16").
+        bits: code width (16: unquantized).
+        paged: True when :class:`~confkv.attention.paged.PagedSegment` (and the Triton read) can
+            read the storage as it is; otherwise reads decode with :meth:`decode`.
+        storage: the names :meth:`encode` returns.
+    """
+
+    name = "abstract"
+    bits = 0
+    paged = False
+    storage: tuple[str, ...] = ()
+
+    def encode(self, keys: Tensor, values: Tensor, valid: Tensor, positions: Tensor | None) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def decode(self, data: dict[str, Tensor], positions: Tensor | None,
+               rotated: bool = False) -> tuple[Tensor, Tensor]:
+        """Keys, values float32 [B, H, N, P, D]; ``rotated`` (only where :attr:`read_rotation` is
+        not None): left in that rotation's basis, for a read that rotates the query and the output."""
+        raise NotImplementedError
+
+    @property
+    def read_rotation(self):
+        """A rotation a read may fold into the query and output instead of decoding each page back
+        (see :meth:`decode`'s ``rotated``), or None."""
+        return None
+
+    def page_nbytes(self, kv_heads: int, head_dim: int, page_size: int) -> int:
+        raise NotImplementedError
+
+    def layer_nbytes(self) -> int:
+        """Bytes of per-layer state (codebooks); 0 for formats without any."""
+        return 0
+
+    def check(self, data: dict[str, Tensor]) -> None:
+        """Raise ValueError unless ``data`` holds this format's storage."""
+        missing = [name for name in self.storage if name not in data]
+        if missing:
+            raise ValueError(f"page format {self.name!r}: the pages lack {', '.join(missing)} (pages of another "
+                             "format cannot be decoded by this one)")
+
+
+class FullPrecisionFormat(PageFormat):
+    """16-bit pages: keys and values in the model's dtype, no side data."""
+
+    name = "fp16"
+    bits = 16
+    paged = True
+    storage = ("keys", "values")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def encode(self, keys, values, valid, positions=None):
+        return {"keys": keys.to(self.dtype), "values": values.to(self.dtype)}
+
+    def decode(self, data, positions=None, rotated=False):
+        self.check(data)
+        return data["keys"].float(), data["values"].float()
+
+    def page_nbytes(self, kv_heads, head_dim, page_size):
+        return 2 * kv_heads * page_size * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+class KiviFormat(PageFormat):
+    """KIVI pages (keys per channel in groups of ``group_size`` tokens, values per token in groups
+    of ``min(group_size, head_dim)`` channels, float16 scales and minima), with optional techniques.
+
+    Args:
+        bits: 2, 3, 4 or 8.
+        group_size: the KIVI group.
+        head_dim: channels per KV head.
+        techniques: a subset of :data:`TECHNIQUES`.
+        outlier_fraction: with ``outliers``, the share of each page's entries kept apart.
+        rope: with ``prerope``, the model's :class:`~confkv.tiers.prerope.Rope`.
+    """
+
+    def __init__(self, bits: int, group_size: int, head_dim: int, techniques: frozenset[str] = frozenset(),
+                 outlier_fraction: float = 0.01, rope: Any = None) -> None:
+        lowbit.check_packable(head_dim, bits)
+        if head_dim % min(group_size, head_dim):
+            raise ValueError(f"group_size: must divide head_dim={head_dim} (values are grouped by channels), "
+                             f"got {group_size}")
+        unknown = set(techniques) - set(TECHNIQUES)
+        if unknown:
+            raise ValueError(f"format: unknown techniques {sorted(unknown)}; known: {TECHNIQUES}")
+        self.bits, self.group_size, self.head_dim = bits, group_size, head_dim
+        self.techniques = frozenset(techniques)
+        self.name = canonical_name(self.techniques)
+        self.paged = not self.techniques
+        self.outlier_fraction = outlier_fraction
+        self.rotation = HadamardRotation(head_dim) if "hadamard" in techniques else None
+        self.rope = rope if "prerope" in techniques else None
+        self._needs_rope = "prerope" in techniques  # checked at encode/decode (sizes need no rope)
+        self.levels: dict[str, Tensor | None] = {"key": None, "value": None}  # fitted codebooks
+        self._tables: dict[tuple[str, torch.device], Tensor] = {}
+        names = list(KIVI_STORAGE)
+        if "outliers" in techniques:
+            names += ["key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value"]
+        self.storage = tuple(names)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    def outliers_per_page(self, page_size: int) -> int:
+        if "outliers" not in self.techniques:
+            return 0
+        return _outliers.outlier_count(self.outlier_fraction, page_size, self.head_dim)
+
+    def page_nbytes(self, kv_heads, head_dim, page_size):
+        total = lowbit.page_bytes(kv_heads, head_dim, page_size, self.bits, self.group_size, digest=False)
+        return total + 2 * kv_heads * self.outliers_per_page(page_size) * _outliers.ENTRY_BYTES
+
+    def layer_nbytes(self):
+        if "codebook" not in self.techniques:
+            return 0
+        return 2 * (1 << self.bits) * torch.empty((), dtype=_codebook.LEVEL_DTYPE).element_size()
+
+    # -- encode -----------------------------------------------------------------------------------
+    def _check_rope(self) -> None:
+        if self._needs_rope and self.rope is None:
+            raise ValueError("format: 'prerope' needs the model's rotary parameters; build the cache with "
+                             "ConfKVCache.for_model (which passes them) or drop 'prerope'")
+
+    def _basis(self, keys: Tensor, values: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Keys and values in the basis they are quantized in (float32)."""
+        self._check_rope()
+        keys, values = keys.float(), values.float()
+        if self.rope is not None:
+            keys = self.rope.unrotate(keys, _need_positions(positions))
+        if self.rotation is not None:
+            keys, values = self.rotation.forward(keys), self.rotation.forward(values)
+        return keys, values
+
+    def encode(self, keys, values, valid, positions=None):
+        if not self.techniques:
+            qk = lowbit.quantize_keys(keys, valid, self.bits, self.group_size)
+            qv = lowbit.quantize_values(values, self.bits, self.group_size)
+            return dict(key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
+                        value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
+        keys, values = self._basis(keys, values, positions)
+        batch, heads, count, page, dim = keys.shape
+        group, vgroup = self.group_size, min(self.group_size, dim)
+        # keys: groups of `group` tokens per channel (axis -2); values: groups of `vgroup` channels per token (axis -1)
+        key_grouped = keys.reshape(batch, heads, count, page // group, group, dim)
+        key_valid = valid.reshape(batch, heads, count, page // group, group, 1).expand_as(key_grouped)
+        value_grouped = values.reshape(batch, heads, count, page, dim // vgroup, vgroup)
+        value_valid = torch.ones_like(value_grouped, dtype=torch.bool)
+        out: dict[str, Tensor] = {}
+        kept = {"key": key_valid, "value": value_valid}
+        per_page = self.outliers_per_page(page)
+        if per_page:
+            _outliers.check_indexable(page, dim)
+            for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
+                index, picked = _outliers.pick(grouped, kept[which], axis, per_page)
+                out[f"{which}_outlier_index"] = index.to(_outliers.INDEX_DTYPE)
+                out[f"{which}_outlier_value"] = _outliers.gather(grouped, index)
+                kept[which] = kept[which] & ~picked
+        for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
+            codes, scale, minimum = self._quantize(which, grouped, kept[which], axis)
+            out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim), self.bits)
+            out[f"{which}_scale"], out[f"{which}_min"] = scale.squeeze(axis), minimum.squeeze(axis)
+        return out
+
+    def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries): codes uint8, scale, min float16."""
+        top_code = (1 << self.bits) - 1
+        top = x.masked_fill(~mask, float("-inf")).amax(dim=axis, keepdim=True)
+        bottom = x.masked_fill(~mask, float("inf")).amin(dim=axis, keepdim=True)
+        empty = ~torch.isfinite(top)
+        top = torch.where(empty, torch.zeros_like(top), top)
+        bottom = torch.where(empty, torch.zeros_like(bottom), bottom)
+        minimum = bottom.to(lowbit.SCALE_DTYPE)
+        scale = ((top - minimum.float()) / top_code).to(lowbit.SCALE_DTYPE)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
+        u = ((x - minimum.float()) / safe).clamp_(0, top_code)
+        if "codebook" in self.techniques:
+            if self.levels[which] is None:  # the layer's first pages calibrate its codebook
+                self.levels[which] = _codebook.fit_levels(u[mask], self.bits)
+            codes = _codebook.nearest(u, self.levels[which].to(u.device))
+        else:
+            codes = torch.round(u)
+        return codes.to(torch.uint8), scale, minimum
+
+    # -- decode -----------------------------------------------------------------------------------
+    def _codes(self, which: str, packed: Tensor) -> Tensor:
+        """[..., packed] uint8 -> [..., D] float32 levels (code values for even levels)."""
+        levels = self.levels[which]
+        if levels is None:
+            return lowbit.unpack_float(packed, self.bits, self.head_dim)
+        key = (which, packed.device)
+        if key not in self._tables:
+            self._tables[key] = lowbit.code_table(self.bits, levels, packed.device)
+        return lowbit.lookup_codes(packed, self.bits, self.head_dim, self._tables[key])
+
+    @property
+    def read_rotation(self):
+        return self.rotation if not self._needs_rope else None  # pre-RoPE keys must come back to turn
+
+    def decode(self, data, positions=None, rotated=False):
+        if rotated and self.read_rotation is None:
+            raise ValueError(f"format {self.name!r}: no rotation to leave the pages in")
+        self._check_rope()
+        self.check(data)
+        if "codebook" in self.techniques and self.levels["key"] is None:
+            raise ValueError("format: codebook pages decoded before any page was encoded (no codebook fitted)")
+        key_codes = self._codes("key", data["key_codes"])
+        *lead, page, dim = key_codes.shape
+        group, vgroup = self.group_size, min(self.group_size, dim)
+        grouped = key_codes.reshape(*lead, page // group, group, dim)
+        keys = torch.addcmul(data["key_min"].unsqueeze(-2).float(), grouped,
+                             data["key_scale"].unsqueeze(-2).float()).reshape(*lead, page, dim)
+        grouped = self._codes("value", data["value_codes"]).reshape(*lead, page, dim // vgroup, vgroup)
+        values = torch.addcmul(data["value_min"].unsqueeze(-1).float(), grouped,
+                               data["value_scale"].unsqueeze(-1).float()).reshape(*lead, page, dim)
+        if "outliers" in self.techniques:
+            keys = _outliers.restore(keys, data["key_outlier_index"], data["key_outlier_value"])
+            values = _outliers.restore(values, data["value_outlier_index"], data["value_outlier_value"])
+        if self.rotation is not None and not rotated:
+            keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
+        if self.rope is not None:
+            keys = self.rope.rotate(keys, _need_positions(positions))
+        return keys, values
+
+
+def _need_positions(positions: Tensor | None) -> Tensor:
+    if positions is None:
+        raise ValueError("format: 'prerope' pages need the tokens' positions to encode and decode")
+    return positions
+
+
+def build_format(bits: int, group_size: int, head_dim: int, dtype: torch.dtype, format: str = "kivi",
+                 outlier_fraction: float = 0.01, rope: Any = None) -> PageFormat:
+    """The page format of one layer (``bits`` 16: :class:`FullPrecisionFormat`, whatever ``format``).
+
+    Raises:
+        ValueError: an unknown format (naming the known ones) or a shape it cannot pack.
+    """
+    techniques = parse_format(format)
+    if bits == 16:
+        return FullPrecisionFormat(dtype)
+    return KiviFormat(bits, group_size, head_dim, techniques, outlier_fraction=outlier_fraction, rope=rope)
+
+
+def format_for(config: Any, head_dim: int, dtype: torch.dtype, rope: Any = None) -> PageFormat:
+    """:func:`build_format` from a :class:`~confkv.config.ColdConfig`."""
+    return build_format(config.bits, config.group_size, head_dim, dtype, config.format,
+                        config.outlier_fraction, rope)

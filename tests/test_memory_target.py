@@ -292,3 +292,22 @@ def test_no_policy_and_no_memory_is_the_default_preset_at_a_quarter():
     assert cache.policy.name == PRESETS[DEFAULT_PRESET].policy
     paper = ConfKVCache.for_model(_model("llama"), "confkv")
     assert paper.target is None and paper.storage is None  # the paper's row: its own budgets
+
+
+@pytest.mark.parametrize("page_format", ["hadamard+outliers+codebook", "outliers"])
+def test_a_ladder_of_another_page_format_holds_the_target(page_format):
+    """Storage.format reaches every rung: pages step down through its encode/decode, side bytes counted."""
+    model = _model("llama")
+    ids = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(4))
+    cache = ConfKVCache.for_model(model, "tiered", memory=0.3, page_size=16, group_size=16, format=page_format)
+    assert all(rung.config.format == page_format for rung in cache.layers[0].store.cold.rungs)
+    with torch.no_grad():
+        model(ids[:, :64], cache=cache, use_cache=True)
+        for t in range(64, 300):
+            out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+            step = cache.trace.steps[-1]
+            assert cache.kv_bytes() == int(step.kv_bytes.sum()) <= step.target_bytes
+    assert torch.isfinite(out.logits).all()
+    assert sum(cache.trace.steps[-1].rung_tokens[1:]) > 0
+    with pytest.raises(ConfigError, match=r"^format: "):
+        Storage(format="zip")

@@ -149,6 +149,9 @@ class LadderTier:
                     bottom.drop_pages(_coldest(bottom, signal, count))
                 elif self.top.open_length:
                     self.top.drop_open()
+                elif any(rung.open is not None for rung in self.rungs):
+                    for rung in self.rungs:  # empty rungs still count a format's per-layer state (codebooks)
+                        rung.open = None  # counted as nothing; the next demotion or page starts it again
                 else:
                     return
 

@@ -185,9 +185,9 @@ def test_the_cold_read_gets_int64_page_counts(monkeypatch):
     handed = []
     original = store.cold.segments
 
-    def spy(query, read_pages, paged=False):
+    def spy(query, read_pages, paged=False, **kwargs):
         handed.append(read_pages)
-        return original(query, read_pages, paged=paged)
+        return original(query, read_pages, paged=paged, **kwargs)
 
     monkeypatch.setattr(store.cold, "segments", spy)
     for _ in range(8):

@@ -69,6 +69,9 @@ class ColdTier:
         self.bytes_read = 0  # cold bytes read by the last attention read
         self.reads = 0  # attention reads of this layer so far (the clock of a page's mean heat)
         self._selected: Tensor | None = None  # [B, H, K] pages read by the last read
+        #: hold exactly ``num_pages`` pages (no spare capacity), so that every allocated byte is counted:
+        #: set by the bit ladder (a byte target); the default grows by doubling (fewer copies)
+        self.exact_capacity = False
         self.step_confidence: Tensor | None = None  # [B] the model's confidence at this step (page metadata)
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ class ColdTier:
         needed = self.num_pages + count
         capacity = self._capacity()
         if needed > capacity:
-            grown = max(needed, 2 * capacity, 8)
+            grown = needed if self.exact_capacity else max(needed, 2 * capacity, 8)
             self.pages = {name: _grow(self.pages.get(name), fresh[name], grown,
                                       self.page_file if self._offloaded(name) else None)
                           for name in fresh}
@@ -241,6 +244,8 @@ class ColdTier:
             picked = _gather_pages(tensor.narrow(2, 0, self.num_pages), index)
             tensor.narrow(2, 0, kept).copy_(picked)
         self.num_pages = kept
+        if self.exact_capacity and self.page_file is None and kept < self._capacity():  # give the freed pages back
+            self.pages = {name: tensor.narrow(2, 0, kept).clone() for name, tensor in self.pages.items()}
 
     # -- reading ---------------------------------------------------------------------------------
     def read_rotation(self):
@@ -478,6 +483,7 @@ class ColdTier:
         twin.fold_rotation = self.fold_rotation
         twin.head_dim, twin.dtype, twin.num_pages, twin.reads = self.head_dim, self.dtype, self.num_pages, self.reads
         twin.step_confidence = self.step_confidence
+        twin.exact_capacity = self.exact_capacity
         if self.open is not None:
             twin.open = {name: t.clone() for name, t in self.open.items()}
             twin.pages = {name: _grow(None, t, t.shape[2], self.page_file if self._offloaded(name) else None)

@@ -76,10 +76,11 @@ def _tensor_bytes(store) -> int:
         for rung in store.cold.rungs:
             if rung.open is None:
                 continue
-            total += rung.open["keys"].nbytes + rung.open["values"].nbytes
+            total += rung.open["keys"].nbytes + rung.open["values"].nbytes + rung.format.layer_nbytes()
             for name, tensor in rung.pages.items():
                 if name not in ("positions", "valid", "heat", "sealed_at", "confidence"):
-                    total += tensor[:, :, :rung.num_pages].nbytes
+                    assert tensor.shape[2] == rung.num_pages, "pages allocated beyond those held (bytes not counted)"
+                    total += tensor.nbytes
     return total
 
 

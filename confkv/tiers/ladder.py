@@ -47,6 +47,8 @@ class LadderTier:
                                           k_high=ALL_PAGES, k_low=ALL_PAGES, format=storage.format,
                                           outlier_fraction=storage.outlier_fraction), self.page_file)
                       for bits in storage.ladder]
+        for rung in self.rungs:
+            rung.exact_capacity = True  # every allocated page counted: the target is on bytes held
         self.config = self.rungs[0].config  # promotion is off (config.promote is None)
         self._read_counts: list[int] = []
 

@@ -1,5 +1,5 @@
 # Two commands for a new user (see README):
-#   make demo   set up .venv and run CONF-KV and CONF-KV-R next to the full cache on the bundled SmolLM2-135M
+#   make demo   set up .venv and run the memory preset (memory=0.25) and the paper's CONF-KV next to the full cache on the bundled SmolLM2-135M
 #   make test   set up .venv and run the test suite
 PYTHON ?= python3
 VENV   := .venv

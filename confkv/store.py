@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from confkv import profiling, tier_moves
-from confkv.config import StoreConfig
+from confkv.config import ALL_PAGES, StoreConfig
 from confkv.errors import ConfigError
 from confkv.cold import ColdTier
 from confkv.eviction import protection_mask, select_kept
@@ -40,7 +40,6 @@ from confkv.region import Region, concat, select_batch
 from confkv.native.decode import DecodePlan
 from confkv.store_decode import decode_in_place, decodes_in_place
 from confkv.window_buffer import WindowBuffer
-from confkv.config import ALL_PAGES
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import Storage
 

@@ -226,7 +226,7 @@ def test_a_target_of_the_full_cache_is_exact(arch, policy):
 
 # ----------------------------------------------------------------------------- the ladder itself
 
-def test_precision_steps_down_before_a_page_is_dropped_and_the_hottest_stay_high():
+def test_precision_steps_down_before_a_page_is_dropped():
     model = _model("llama")
     ids = torch.randint(0, 250, (1, 400), generator=torch.Generator().manual_seed(2))
     cache = ConfKVCache.for_model(model, "tiered", memory=0.3, page_size=16, group_size=16)
@@ -236,11 +236,6 @@ def test_precision_steps_down_before_a_page_is_dropped_and_the_hottest_stay_high
             model(ids[:, t:t + 1], cache=cache, use_cache=True)
     rungs = cache.trace.steps[-1].rung_tokens
     assert len(rungs) == 3 and sum(rungs[1:]) > 0  # pages reached lower rungs (the preset: 8, 4, 3 bits)
-    ladder = cache.layers[0].store.cold
-    # within a rung pair, the pages left higher received at least as much attention per read as the
-    # pages stepped below them most recently is not guaranteed; but every rung's pages are real tokens:
-    assert int(ladder.token_count().sum()) == sum(r.token_count().sum().item() for r in ladder.rungs
-                                                  if r.token_count() is not None)
 
 
 # ----------------------------------------------------------------------------- refusals

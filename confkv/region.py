@@ -86,6 +86,13 @@ class Region:
         return Region(stats={n: cut(t) for n, t in self.stats.items()},
                       valid=valid.clone() if copy else valid, dense=self.dense, **parts)
 
+    def clone(self, stats: dict[str, torch.Tensor] | None = None) -> "Region":
+        """A copy that shares no tensor with this region; ``stats``: other statistics (cloned too) instead of its own."""
+        parts = {name: t.clone() for name, t in self._per_slot().items()}
+        stats = self.stats if stats is None else stats
+        return Region(stats={name: t.clone() for name, t in stats.items()}, valid=self.valid.clone(),
+                      dense=self.dense, **parts)
+
     def nbytes(self) -> int:
         """Bytes of the stored keys and values, including per-token scales."""
         total = self.keys.nbytes + self.values.nbytes

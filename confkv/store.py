@@ -195,9 +195,29 @@ class LayerStore:
         Raises:
             ValueError: a statistic ``policy`` needs is missing, or keys are pending.
         """
-        from confkv.store_fork import fork_store  # noqa: PLC0415 - keeps this module to the store itself
+        twin = LayerStore(policy, self.config, sliding_window=self.sliding_window,
+                          page_file=self.cold.page_file if self.cold is not None else None, storage=self.storage)
+        if self.cold is not None and twin.cold is not None:
+            twin.cold = self.cold.clone()
+        if not self.is_initialized:
+            return twin
+        if self.pending:
+            raise ValueError("confkv: cannot fork a store in the middle of a forward pass")
 
-        return fork_store(self, policy, stats_of)
+        def copy(region: Region) -> Region:
+            # a sliding-window layer keeps no statistics for any policy: nothing to map
+            stats = stats_of(region.stats) if stats_of is not None and twin.stat_names else region.stats
+            missing = [name for name in twin.stat_names if name not in stats]
+            if missing:
+                raise ValueError(f"confkv: cannot fork for policy {policy.name!r}: statistics {missing} were "
+                                 "never collected (prefill with a TeePolicy that includes it)")
+            return region.clone(stats={name: stats[name] for name in twin.stat_names})
+
+        twin.old, twin.recent = copy(self.old), copy(self.recent)
+        twin.channel_scale = None if self.channel_scale is None else self.channel_scale.clone()
+        twin.seen_tokens = self.seen_tokens
+        twin.seen_real = self.seen_real.clone()
+        return twin
 
     # -- the step --------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Forking a layer store (:func:`confkv.store_fork.fork_store`): a sliding-window layer stays a
+"""Forking a layer store (:meth:`confkv.store.LayerStore.fork`): a sliding-window layer stays a
 sliding-window layer whatever the policy, and an offloaded cold tier's copy shares the page file
 instead of opening one more.
 

@@ -33,6 +33,7 @@ from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
+from confkv.hf.enable import enable, mark_active, take_active_cache  # noqa: F401 - take_active_cache: old path
 from confkv.hf.support import LayerLayout, layer_layout
 from confkv.policies import UNLIMITED, Policy
 from confkv.page_file import PageFile
@@ -194,7 +195,6 @@ class ConfKVCache(Cache):
         - ``policy_params``: the policy's parameters; with a preset, :class:`Storage` field names
           (``ladder``, ``hot_share``, ...) override the preset's storage.
         """
-        from confkv.hf.enable import enable  # noqa: PLC0415
         from confkv.presets import resolve  # noqa: PLC0415
 
         layout = layer_layout(model.config)
@@ -251,7 +251,7 @@ class ConfKVCache(Cache):
     # -- the step --------------------------------------------------------------------------------
     def _mark_active(self) -> None:
         self._active = True
-        _ACTIVE_CACHE.cache = self
+        mark_active(self)
 
     def end_step(self, logits: torch.Tensor) -> None:
         """Close one forward pass: confidence, budgets, ageing/eviction, trace.
@@ -381,17 +381,3 @@ def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, 
     """:func:`floor_bytes` of ``model`` under ``policy`` (one sequence by default)."""
     store = store or StoreConfig()
     return floor_bytes(KVShape.of(model), layout, floor_tokens(policy, store), store, batch)
-
-
-class _ActiveCache(__import__("threading").local):
-    cache: ConfKVCache | None = None
-
-
-_ACTIVE_CACHE = _ActiveCache()
-
-
-def take_active_cache() -> ConfKVCache | None:
-    """The confkv cache used by the forward pass that is ending, if any (then cleared)."""
-    cache = _ACTIVE_CACHE.cache
-    _ACTIVE_CACHE.cache = None
-    return cache

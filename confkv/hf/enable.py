@@ -1,19 +1,46 @@
-"""Switch a transformers model to confkv attention and hook the end of each forward pass."""
+"""Switch a transformers model to confkv attention and hook the end of each forward pass.
+
+The hook closes the step of the cache whose layers ran in this pass: the cache marks itself
+(:func:`mark_active`) and the hook takes it (:func:`take_active_cache`), so the two live here.
+"""
 
 from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from confkv.hf import attention as attention_glue
 from confkv.hf.support import check_supported
 
+if TYPE_CHECKING:
+    from confkv.hf.cache import ConfKVCache
+
 _HOOK_FLAG = "_confkv_end_step_hook"
+
+
+class _ActiveCache(threading.local):
+    cache: ConfKVCache | None = None
+
+
+_ACTIVE_CACHE = _ActiveCache()
+
+
+def mark_active(cache: ConfKVCache) -> None:
+    """Name ``cache`` as the one whose step the running forward pass closes (called by its layers' ``update``)."""
+    _ACTIVE_CACHE.cache = cache
+
+
+def take_active_cache() -> ConfKVCache | None:
+    """The confkv cache used by the forward pass that is ending, if any (then cleared)."""
+    cache = _ACTIVE_CACHE.cache
+    _ACTIVE_CACHE.cache = None
+    return cache
 
 
 def _end_of_forward(module: torch.nn.Module, inputs, output) -> None:
     """LM-head forward hook: hand the last position's raw logits to the active confkv cache."""
-    from confkv.hf.cache import take_active_cache  # noqa: PLC0415
-
     cache = take_active_cache()
     if cache is not None:
         logits = output[0] if isinstance(output, tuple) else output

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
-    from confkv.commands_eval import parse_params
+    from confkv.cli.common import parse_params
     from confkv.config import StoreConfig
     from confkv.data import corpus_tokens
     from confkv.display import budget_text

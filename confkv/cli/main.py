@@ -24,7 +24,7 @@ from confkv.errors import ConfKVError
 
 def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
     """Policy parameters given as ``--param key=value`` (values parsed as JSON when possible)."""
-    from confkv.commands_eval import parse_params
+    from confkv.cli.common import parse_params
 
     params = parse_params(args.param)
     for name in ("memory", "max_kv_bytes"):
@@ -41,7 +41,7 @@ def _store_config(args: argparse.Namespace):
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    from confkv.commands_eval import MODEL_HELP
+    from confkv.cli.common import MODEL_HELP
 
     parser.add_argument("--model", default="smollm2", help=MODEL_HELP)
     parser.add_argument("--policy", default=None,
@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="leave out the llama.cpp peer row (it runs when llama_cpp is installed: "
                             'pip install "confkv[llamacpp]")')
 
-    from confkv.commands_eval import COMMANDS as EVAL_COMMANDS, add_eval_subcommands
+    from confkv.cli.evaluate import COMMANDS as EVAL_COMMANDS, add_eval_subcommands
 
     add_eval_subcommands(sub, _add_common)
-    from confkv.commands_ruler import add_ruler_subcommand, run_ruler
+    from confkv.cli.ruler import add_ruler_subcommand, run_ruler
 
     add_ruler_subcommand(sub)
 
@@ -158,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0
         if args.command == "demo":
-            from confkv.demo import run_demo
+            from confkv.cli.demo import run_demo
 
             return run_demo(args.model, args.prompt, args.max_new_tokens, store=_store_config(args))
         if args.command == "ppl":
-            from confkv.commands_ppl import run_ppl
+            from confkv.cli.ppl import run_ppl
 
             return run_ppl(args, _policy_params(args), _store_config(args))
         if args.command == "ruler":

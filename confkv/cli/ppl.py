@@ -9,7 +9,7 @@ from typing import Any
 
 from confkv.config import StoreConfig
 from confkv.display import budgets_text
-from confkv.textplot import sparkline
+from confkv.cli.textplot import sparkline
 
 
 def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig) -> int:

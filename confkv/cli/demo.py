@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache
-from confkv.textplot import sparkline
+from confkv.cli.textplot import sparkline
 
 DEFAULT_PROMPT = ("Explain, step by step and in detail, how a hash table works: hashing, collisions, "
                   "open addressing versus chaining, resizing, and the cost of each operation.")

@@ -9,7 +9,7 @@ from typing import Any
 
 
 def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> None:
-    from confkv.commands_eval import MEMORY_HELP, memory_fractions, removed_flags
+    from confkv.cli.common import MEMORY_HELP, memory_fractions, removed_flags
 
     agent = sub.add_parser("agent", help="agent tasks on a text web, teacher-forced and closed loop (resumable)")
     model_args(agent)
@@ -44,12 +44,12 @@ def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> N
 
 def run_agent(args: argparse.Namespace) -> int:
     from confkv.agent.grid import DEFAULT_POLICIES, AgentConfig, run_agent_grid, summarize, summary_lines
-    from confkv.commands_eval import _setup, _write_json, parse_params
+    from confkv.cli.common import parse_params, set_threads, write_json
     from confkv.eval.ray_grid import ModelSpec, ray_options
     from confkv.outputs import check_writable
 
     check_writable(args.out_dir, folder=True, what="--out-dir")
-    _setup(args)
+    set_threads(args)
     config = AgentConfig(policies=tuple(args.policies or DEFAULT_POLICIES), protocols=tuple(args.protocols),
                          memory=tuple(args.memory), tasks=tuple(args.tasks), limit=args.limit,
                          seed=args.seed, chunk=args.chunk, max_new_tokens=args.max_new_tokens,
@@ -70,7 +70,7 @@ def run_agent(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     rows = summarize(records)
-    _write_json(args.out_dir / "agent_summary.json", {"model": args.model, "config": vars(config), "summary": rows})
+    write_json(args.out_dir / "agent_summary.json", {"model": args.model, "config": vars(config), "summary": rows})
     for line in summary_lines(rows):
         print(line)
     from confkv.agent.report import write_agent_report

@@ -8,65 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-MODEL_HELP = "'smollm2' (bundled), 'gemma3-270m' (optional package), a local path or a hub id"
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in str(text).replace(" ", "").split(",") if x]
-
-
-def _strs(text: str) -> list[str]:
-    return [x for x in str(text).replace(" ", "").split(",") if x]
-
-
-class _Removed(argparse.Action):
-    """A flag that was removed: using it stops the parser with what to give instead."""
-
-    def __init__(self, option_strings: list[str], dest: str, instead: str = "", **kwargs: Any) -> None:
-        kwargs.setdefault("nargs", "?")
-        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
-        self.instead = instead
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        parser.error(f"{option_string} was removed with the offline budget matching; {self.instead}")
-
-
-def removed_flags(parser: argparse.ArgumentParser, flags: tuple[str, ...], instead: str) -> None:
-    """Register ``flags`` as removed: each one is an error that says ``instead``."""
-    for flag in flags:
-        parser.add_argument(flag, action=_Removed, instead=instead, dest=f"removed_{flag.strip('-')}")
-
-
-def memory_fraction(text: str) -> float:
-    """A ``--memory`` value: a fraction in (0, 1] of the full cache's bytes."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a fraction of the full cache's bytes "
-                                         "in (0, 1], e.g. 0.25") from None
-    if not 0.0 < value <= 1.0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]; give a fraction of the full cache's bytes, "
-                                         "e.g. 0.25")
-    return value
-
-
-def memory_fractions(text: str) -> list[float]:
-    """Comma-separated ``--memory`` values, e.g. ``0.25,0.125``."""
-    values = [memory_fraction(x) for x in str(text).replace(" ", "").split(",") if x]
-    if not values:
-        raise argparse.ArgumentTypeError("give at least one fraction, e.g. 0.25,0.125")
-    return values
-
-
-MEMORY_HELP = ("each cache holds this fraction of the full cache's bytes at the end of every step (the full "
-               "cache: transformers' DynamicCache at the same length); policies may be presets (tiered, kivi-4, "
-               "kivi-2)")
-
+from confkv.cli.common import (MEMORY_HELP, MODEL_HELP, floats, ints, memory_fraction, memory_fractions,  # noqa: F401
+                               parse_params, removed_flags, set_threads, strs, write_json)
 
 def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
@@ -83,7 +26,7 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     probe.add_argument("--corpus", default="pydoc-topics")
     probe.add_argument("--tokens", type=int, default=2048)
     probe.add_argument("--offset", type=int, default=0)
-    probe.add_argument("--k", type=_ints, default=[32], help="tokens evicted before the current one, e.g. 8,32,128")
+    probe.add_argument("--k", type=ints, default=[32], help="tokens evicted before the current one, e.g. 8,32,128")
     probe.add_argument("--start", type=int, default=None, help="first probed step (default max(64, 2*max(k)))")
     probe.add_argument("--stride", type=int, default=1, help="probe every s-th step")
     probe.add_argument("--block", type=int, default=256, help="tokens per forward block")
@@ -97,11 +40,11 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
 
     niah = sub.add_parser("niah", help="needle-in-a-haystack grid (query-aware and streaming protocols)")
     model_args(niah)
-    niah.add_argument("--policies", type=_strs, default=["full", "streaming", "confkv"],
+    niah.add_argument("--policies", type=strs, default=["full", "streaming", "confkv"],
                       help="comma-separated policy names; add +int8 for an INT8 store (e.g. confkv+int8)")
-    niah.add_argument("--protocols", type=_strs, default=["query-aware", "streaming"])
-    niah.add_argument("--lengths", type=_ints, default=[1024, 2048])
-    niah.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    niah.add_argument("--protocols", type=strs, default=["query-aware", "streaming"])
+    niah.add_argument("--lengths", type=ints, default=[1024, 2048])
+    niah.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     niah.add_argument("--trials", type=int, default=1)
     niah.add_argument("--first-trial", type=int, default=0,
                       help="run trials FIRST..FIRST+TRIALS-1 (split a grid over processes; same --out-dir)")
@@ -135,7 +78,7 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
 
     sweep = sub.add_parser("sweep", help="policies x memory targets (x INT8) on streaming perplexity, resumable")
     model_args(sweep)
-    sweep.add_argument("--policies", type=_strs,
+    sweep.add_argument("--policies", type=strs,
                        default=["full", "window", "streaming", "confkv", "confkv-fixed", "h2o", "tova",
                                 "scissorhands", "random", "confkv-l"])
     sweep.add_argument("--memory", type=memory_fractions, default=[0.25, 0.125],
@@ -158,28 +101,14 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     sweep.add_argument("--dry-run", action="store_true", help="print the planned runs only (no model is loaded)")
     add_ray_arguments(sweep)
 
-    from confkv.commands_agent import add_agent_subcommand
+    from confkv.cli.agent import add_agent_subcommand
 
-    add_agent_subcommand(sub, model_args, _strs, _floats)
+    add_agent_subcommand(sub, model_args, strs, floats)
 
     report = sub.add_parser("report", help="Markdown (+ HTML) page from a results folder")
     report.add_argument("results", type=Path, nargs="?", default=Path("results"))
     report.add_argument("--out", type=Path, default=None, help="default <results>/REPORT.md")
     report.add_argument("--html", action="store_true")
-
-
-def _setup(args: argparse.Namespace) -> None:
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(args.threads)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
 
 
 def run_probe(args: argparse.Namespace) -> int:
@@ -191,7 +120,7 @@ def run_probe(args: argparse.Namespace) -> int:
     from confkv.outputs import check_writable
 
     check_writable(args.out_dir, folder=True, what="--out-dir")
-    _setup(args)
+    set_threads(args)
     model, tokenizer = load_model(args.model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
     results = probe_confidence_kl(model, ids, k=args.k, start=args.start, stride=args.stride, block=args.block,
@@ -201,7 +130,7 @@ def run_probe(args: argparse.Namespace) -> int:
     meta = {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "offset": args.offset,
             "stride": args.stride, "mode": "keep-recent" if args.keep_recent else "drop-recent",
             "sinks": args.sinks if args.keep_recent else 0}
-    _write_json(out / "probe.json", {"meta": meta, "results": [r.to_dict() for r in results]})
+    write_json(out / "probe.json", {"meta": meta, "results": [r.to_dict() for r in results]})
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "probe.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -222,20 +151,6 @@ def run_probe(args: argparse.Namespace) -> int:
                   f"median KL {q['median_kl']:.4f}  mean KL {q['mean_kl']:.4f}  ({q['steps']} steps)")
     print(f"wrote {out / 'probe.json'}, {out / 'probe.csv'}, {out / 'probe.png'}")
     return 0
-
-
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """``['key=value', ...]`` from ``--param`` -> dict (values parsed as JSON when possible)."""
-    params: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise SystemExit(f"--param expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        try:
-            params[key.replace("-", "_")] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[key.replace("-", "_")] = raw
-    return params
 
 
 def _replot_niah(out_dir: Path) -> int:
@@ -261,7 +176,7 @@ def run_niah(args: argparse.Namespace) -> int:
         return _replot_niah(args.out_dir)
     check_writable(args.out_dir, folder=True, what="--out-dir")
     ray = ray_options(args)
-    _setup(args)
+    set_threads(args)
     spec = ModelSpec(args.model, args.dtype)
     if ray is not None and not args.collect_only:  # Ray and the workers' model loads start while this one loads
         from confkv.eval.niah.runner import run_niah_unit
@@ -311,7 +226,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         check_writable(args.out, what="--out")
         if args.traces_dir is not None:
             check_writable(args.traces_dir, folder=True, what="--traces-dir")
-    _setup(args)
+    set_threads(args)
     per_policy: dict[str, dict[str, Any]] = {}
     for item in args.param or []:
         who, _, kv = item.partition(":")
@@ -355,7 +270,7 @@ def run_report(args: argparse.Namespace) -> int:
 
 
 def run_agent_cmd(args: argparse.Namespace) -> int:
-    from confkv.commands_agent import run_agent
+    from confkv.cli.agent import run_agent
 
     return run_agent(args)
 

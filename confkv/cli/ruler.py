@@ -13,7 +13,7 @@ def _csv(kind: type) -> Any:
 
 
 def add_ruler_subcommand(sub: Any) -> None:
-    from confkv.commands_eval import MEMORY_HELP, MODEL_HELP, memory_fractions, removed_flags
+    from confkv.cli.common import MEMORY_HELP, MODEL_HELP, memory_fractions, removed_flags
     from confkv.eval.ruler_tasks import DEFAULT_TASKS, TASKS
 
     p = sub.add_parser("ruler", help="offline RULER tasks x policies x memory targets (resumable; table + plot)")
@@ -53,7 +53,7 @@ def add_ruler_subcommand(sub: Any) -> None:
 
 
 def run_ruler(args: argparse.Namespace) -> int:
-    from confkv.commands_eval import parse_params
+    from confkv.cli.common import parse_params
     from confkv.eval.ruler import RulerConfig, RulerRecord, run_key, run_ruler_grid, write_ruler
     from confkv.eval.jsonl import load_rows
 

@@ -1,0 +1,5 @@
+"""``python -m confkv.cli``: the ``confkv`` command."""
+
+from confkv.cli.main import main
+
+raise SystemExit(main())

@@ -33,7 +33,7 @@ import torch
 
 from confkv.errors import ModelLoadError
 from confkv.models.files import _from_directory
-from confkv.models.model_cache import _cache_is_valid, _convert_into_cache, _discard, _dtype_name, cache_root
+from confkv.models.model_cache import cache_is_valid, cache_root, convert_into_cache, discard, dtype_name
 from confkv.models.part_packages import SplitFile, find_parts, join_parts
 
 
@@ -198,7 +198,7 @@ def _bundled_cache_dir(key: str, cache_dir: str | os.PathLike[str] | None) -> Pa
     spec = BUNDLED_MODELS[key]
     target = cache_root(cache_dir) / spec.name
     version = _source_version(spec)
-    if _cache_is_valid(target, version, _dtype_name(spec.cache_dtype)):
+    if cache_is_valid(target, version, dtype_name(spec.cache_dtype)):
         return target
     if spec.check_installed is not None:
         spec.check_installed()
@@ -207,7 +207,7 @@ def _bundled_cache_dir(key: str, cache_dir: str | os.PathLike[str] | None) -> Pa
             f"'{key}' ({spec.description}) is not installed and no converted copy is cached at {target}. "
             f"Install it with: {spec.install_hint}"
         )
-    _convert_into_cache(spec, target, version)
+    convert_into_cache(spec, target, version)
     return target
 
 
@@ -221,7 +221,7 @@ def _load_bundled(
         return _from_directory(path, dtype, device)
     except ModelLoadError:
         # Passed validation but does not load (e.g. bytes flipped on disk): rebuild once.
-        _discard(path)
+        discard(path)
         path = _bundled_cache_dir(key, cache_dir)
         return _from_directory(path, dtype, device)
 

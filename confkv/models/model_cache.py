@@ -55,7 +55,7 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
     return marker if isinstance(marker, dict) else None
 
 
-def _cache_is_valid(path: Path, source_version: str | None, dtype: str = "float32") -> bool:
+def cache_is_valid(path: Path, source_version: str | None, dtype: str = "float32") -> bool:
     """True when ``path`` holds a complete conversion of the installed source package.
 
     Checks the marker written last by the conversion, that every file it lists exists
@@ -84,12 +84,12 @@ def _cache_is_valid(path: Path, source_version: str | None, dtype: str = "float3
     return True
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the name kept in the marker)."""
     return str(dtype).removeprefix("torch.")
 
 
-def _discard(path: Path) -> None:
+def discard(path: Path) -> None:
     """Move a directory aside (atomic) and delete it; never raises."""
     if not path.exists():
         return
@@ -116,7 +116,7 @@ def _remove_stale_leftovers(target: Path) -> None:
             pass
 
 
-def _convert_into_cache(spec: BundledModel, target: Path, source_version: str | None) -> None:
+def convert_into_cache(spec: BundledModel, target: Path, source_version: str | None) -> None:
     """Load the GGUF, save a converted copy into a temp dir, then rename it to ``target``."""
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_leftovers(target)
@@ -139,20 +139,20 @@ def _convert_into_cache(spec: BundledModel, target: Path, source_version: str | 
             "source_version": source_version,
             "source_file": gguf_name,
             "source_bytes": gguf_size,
-            "dtype": _dtype_name(spec.cache_dtype),
+            "dtype": dtype_name(spec.cache_dtype),
             "files": _dir_listing(tmp),
         }
         # The marker is written last: a directory without it is never trusted.
         (tmp / _MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True))
-        if _cache_is_valid(target, source_version, _dtype_name(spec.cache_dtype)):
+        if cache_is_valid(target, source_version, dtype_name(spec.cache_dtype)):
             return  # another process finished first; keep its copy
-        _discard(target)
+        discard(target)
         try:
             os.replace(tmp, target)
         except OSError:
             # Lost a race: another process renamed its copy into place between our
             # discard and our rename. Its copy is as good as ours.
-            if not _cache_is_valid(target, source_version, _dtype_name(spec.cache_dtype)):
+            if not cache_is_valid(target, source_version, dtype_name(spec.cache_dtype)):
                 raise
     finally:
         if tmp.exists():

@@ -99,7 +99,7 @@ class GateConfig:
 
     ``smoothing`` (default 0, the paper's per-step gate) gates on an exponential moving
     average of the confidence instead, ``g_t = smoothing * g_{t-1} + (1 - smoothing) * c_t``.
-    Measured on SmolLM2 (README, "The sawtooth"), the raw per-step confidence swings
+    Measured on SmolLM2 (docs/EVALUATION.md, "The sawtooth"), the raw per-step confidence swings
     across ``tau`` almost every step; since evicted tokens never come back, the cache can
     only grow by one token per uncertain step and is cut back at the next confident one,
     so a per-step gate stays close to ``n_high``. Smoothing gives the gate longer

@@ -1,4 +1,4 @@
-"""The budget convention (README, "What a budget counts"), checked on tiny models.
+"""The budget convention (docs/USAGE.md, "What a budget counts"), checked on tiny models.
 
 A budget of N is what a layer holds at the end of each step, so under ``window`` the
 token at position i is predicted from positions ``i - N .. i`` (``0 <= i - j <= N``), and

@@ -1,6 +1,6 @@
 """Cross-check of the streaming loop: ``window``/``streaming`` streaming PPL vs one banded-mask pass.
 
-The budget convention is stated once, in the README ("What a budget counts"): a budget of
+The budget convention is stated once, in docs/USAGE.md ("What a budget counts"): a budget of
 N is what a layer holds at the end of every step, so the next token sees itself and the
 previous N tokens (``0 <= i - j <= N``); StreamingLLM with S sinks sees itself, the
 previous N - S tokens and the first S. One forward pass with that banded causal mask (a
@@ -34,7 +34,7 @@ def banded_mask(n: int, band: int, sinks: int = 0) -> torch.Tensor:
     """[1, 1, n, n] float mask: query i sees key j iff j <= i and (i - j <= band or j < sinks).
 
     ``window`` with budget N is ``band=N``; ``streaming`` with budget N and S sinks is
-    ``band=N - S, sinks=S`` (README, "What a budget counts").
+    ``band=N - S, sinks=S`` (docs/USAGE.md, "What a budget counts").
     """
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
@@ -89,7 +89,7 @@ def render(record: dict) -> str:
         f"Command: `{record['command']}` (commit {record['commit']}).",
         "",
         f"Model `{model}`" + (f" ({described})" if described else "") + f", first {record['tokens']} tokens of "
-        f"`{record['corpus']}`, {record.get('torch_threads', '?')} torch thread(s). Convention (README, \"What a budget "
+        f"`{record['corpus']}`, {record.get('torch_threads', '?')} torch thread(s). Convention (docs/USAGE.md, \"What a budget "
         "counts\"): a budget of N is what a layer holds at the end of every step. Reference: one forward pass on a "
         "fresh model load (SDPA) with a 4D float mask in which token i sees token j iff 0 <= i - j <= N - S or "
         "j < S (S = 0 for `window`); streaming: token-by-token through `ConfKVCache`.",

@@ -11,7 +11,7 @@ from confkv.policies.window import WindowPolicy
 class StreamingPolicy(WindowPolicy):
     """StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention
     Sinks"): keep the first ``sinks`` tokens (4 by default) and the ``budget - sinks``
-    most recent ones, at the end of each step (README, "What a budget counts"): StreamingLLM's
+    most recent ones, at the end of each step (docs/USAGE.md, "What a budget counts"): StreamingLLM's
     ``start_size + recent_size`` in its perplexity loop, which cuts the cache after each forward pass."""
 
     name = "streaming"

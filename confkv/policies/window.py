@@ -15,7 +15,7 @@ class WindowPolicy(FixedBudgetPolicy):
     local attention; the baseline of every KV-eviction paper).
 
     ``budget`` counts the tokens held at the end of each step, so the token fed at the next
-    step attends to itself and the ``budget`` tokens before it (README, "What a budget counts")."""
+    step attends to itself and the ``budget`` tokens before it (docs/USAGE.md, "What a budget counts")."""
 
     name = "window"
     protect: int = 0

@@ -15,7 +15,8 @@ from confkv.eval.ppl import streaming_ppl
 from confkv.tiers.planner import smallest_budget
 from confkv.models import tiny_model, tiny_tokenizer
 from confkv.presets import resolve
-from confkv.tiers.byte_model import KVShape, full_cache_bytes
+from confkv.hf.support import kv_shape
+from confkv.tiers.byte_model import full_cache_bytes
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def check_trace_under_target(model, trace, memory, policy, batch=1, after=0, sto
     from confkv.config import StoreConfig
     from confkv.tiers.planner import floor_tokens as floor_tokens_of, reserve_bytes
 
-    shape = KVShape.of(model)
+    shape = kv_shape(model)
     store = store or StoreConfig()
     floor_tokens = floor_tokens_of(resolve(policy, memory=memory, **params).policy, store)
     reserve = reserve_bytes(shape, store)
@@ -95,8 +96,8 @@ def test_the_byte_model_is_what_the_caches_hold():
         cache = ConfKVCache.for_model(model, "full")
         with torch.no_grad():
             prefill(model, cache, ids, chunk=16)
-        assert cache.kv_bytes() == full_cache_bytes(KVShape.of(model), 60, batch=2)
-    shape = KVShape.of(tiny_model("llama"))
+        assert cache.kv_bytes() == full_cache_bytes(kv_shape(model), 60, batch=2)
+    shape = kv_shape(tiny_model("llama"))
     assert (shape.kv_heads, shape.head_dim, shape.element_size) == (2, 16, 4)
     assert shape.token_bytes == byte_model.fp_token_bytes(2, 16, 4) == quant.fp_bytes_per_token(2, 16, torch.float32)
     assert byte_model.int8_token_bytes(2, 16) == quant.int8_bytes_per_token(2, 16) == 2 * (2 * 16 + 2 * 4)
@@ -229,17 +230,17 @@ def test_query_aware_prefills_without_eviction_then_brings_the_prompt_to_the_tar
     cache.evict = False
     with torch.no_grad():
         logits = prefill(model, cache, ids, chunk=64)
-    assert cache.kv_bytes() == full_cache_bytes(KVShape.of(model), ids.shape[1])  # nothing evicted
+    assert cache.kv_bytes() == full_cache_bytes(kv_shape(model), ids.shape[1])  # nothing evicted
     assert all(step.target_bytes is None for step in cache.trace.steps)
     cache.evict = True
     cache.end_step(logits[:, -1] if logits.ndim == 3 else logits)
     step = cache.trace.steps[-1]
-    assert step.target_bytes == int(0.25 * full_cache_bytes(KVShape.of(model), ids.shape[1]))
+    assert step.target_bytes == int(0.25 * full_cache_bytes(kv_shape(model), ids.shape[1]))
     assert cache.kv_bytes() <= step.target_bytes
     # the protocol does the same, then answers under the target
     outs = run_niah_batch(model, tok, [sample], "tova", {"memory": 0.25, "protect": 4}, "query-aware",
                           store=cache.store_config, chunk=64, max_new_tokens=3)
-    assert outs[0][2] == full_cache_bytes(KVShape.of(model), ids.shape[1])  # the peak: the prefilled prompt
+    assert outs[0][2] == full_cache_bytes(kv_shape(model), ids.shape[1])  # the peak: the prefilled prompt
 
 
 def test_a_shared_prefill_forks_under_the_target_as_separate_runs_do(model):
@@ -281,9 +282,9 @@ def test_a_fork_keeps_the_shared_caches_target_and_storage(model):
         assert fork.target == shared.target and fork.storage == storage
         fork.end_step(logits[:, -1] if logits.ndim == 3 else logits)
         assert fork.kv_bytes() <= fork.trace.steps[-1].target_bytes == int(
-            0.25 * full_cache_bytes(KVShape.of(model), 100))
+            0.25 * full_cache_bytes(kv_shape(model), 100))
         assert sum(fork.trace.steps[-1].rung_tokens) > 0  # what the hot tier let go went down the ladder
-    assert shared.kv_bytes() == full_cache_bytes(KVShape.of(model), 100)  # the shared cache is untouched
+    assert shared.kv_bytes() == full_cache_bytes(kv_shape(model), 100)  # the shared cache is untouched
 
 
 def test_niah_cli_memory_scoped_storage_field_and_removed_flags(tmp_path, capsys):
@@ -325,7 +326,7 @@ def test_ruler_memory_and_its_kv_fractions_alias(tmp_path, capsys):
     rows = load_rows(out / "ruler.jsonl")
     assert sorted((r["policy"], r["kv_fraction"]) for r in rows) == [
         ("full", 1.0), ("kivi-4", 0.125), ("kivi-4", 0.25), ("tova", 0.125), ("tova", 0.25)]
-    full_bytes = full_cache_bytes(KVShape.of(tiny_model("llama")), 1024)  # prompt + answer <= the length
+    full_bytes = full_cache_bytes(kv_shape(tiny_model("llama")), 1024)  # prompt + answer <= the length
     for r in rows:
         if r["policy"] != "full":
             assert r["params"]["memory"] == r["kv_fraction"]
@@ -395,8 +396,8 @@ def test_lmeval_backend_generates_under_the_target():
     prompt = list(range(5, 125))
     out = generate_compressed(lm.model, lm.tokenizer, [prompt], policy="tova", params=lm.policy_params(130),
                               store=lm.store, protocol="query-aware", chunk=8, query_window=8, max_new_tokens=4)
-    assert out[0].peak_kv_bytes_per_seq == full_cache_bytes(KVShape.of(lm.model), len(prompt) - 1) or \
-        out[0].peak_kv_bytes_per_seq <= full_cache_bytes(KVShape.of(lm.model), len(prompt))
+    assert out[0].peak_kv_bytes_per_seq == full_cache_bytes(kv_shape(lm.model), len(prompt) - 1) or \
+        out[0].peak_kv_bytes_per_seq <= full_cache_bytes(kv_shape(lm.model), len(prompt))
 
 
 def test_soak_checks_the_bytes_against_the_target_every_step(tmp_path):
@@ -408,7 +409,7 @@ def test_soak_checks_the_bytes_against_the_target_every_step(tmp_path):
     held, over, share = within_target(np.array([5, 11, 9]), np.array([6, 10, 10]))
     assert not held and over == 1 and share == pytest.approx(1.1)
     assert not within_target(np.array([5, 4]), np.array([6, 0]))[0]  # a step without a target fails the check
-    shape = KVShape.of(tiny_model("llama"))
+    shape = kv_shape(tiny_model("llama"))
     cap = 40 * 2 * shape.token_bytes  # 40 full-precision tokens in each of the 2 layers
     code = main(["--model", "tiny-llama", "--tokens", "120", "--max-kv-bytes", str(cap), "--warmup", "40",
                  "--sample-every", "20", "--param", "page_size=8", "--param", "group_size=8",

@@ -8,8 +8,9 @@ graph "module A imports module B". Choices, written down:
   round a circle is what this test is meant to stop.
 * **Imports under ``if TYPE_CHECKING:`` do not count**: they never run, they only name types.
 * ``from package import name`` is an edge to ``package.name`` when that is a module of ours,
-  otherwise to ``package`` (its ``__init__``). Importing ``a.b.c`` does not add edges to the parent
-  packages ``a`` and ``a.b`` (Python runs their ``__init__`` first, but every submodule shares that).
+  otherwise to ``package`` (its ``__init__``).
+* Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, so it is an edge to those
+  packages too, except to the importer's own packages (they are already running when it runs).
 * Only modules of the package are nodes; third-party and standard-library imports are ignored.
 
 A circle is reported with its modules in order, e.g. ``confkv.x -> confkv.y -> confkv.x``.
@@ -76,7 +77,11 @@ def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
                     source = node.module or ""
                 candidates = [f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
                               for alias in node.names]
-            targets.update(c for c in candidates if c in modules and c != name)
+            for candidate in candidates:
+                parts = candidate.split(".")
+                targets.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
+        own = {".".join(name.split(".")[:end]) for end in range(1, name.count(".") + 2)}
+        targets = {target for target in targets if target in modules and target not in own}
         graph[name] = targets
     return graph
 
@@ -153,3 +158,18 @@ def test_the_walk_finds_a_circle(tmp_path):
     assert graph["pkg.a"] == {"pkg.b"} and graph["pkg.b"] == {"pkg.a"}
     assert graph["pkg.c"] == set() and graph["pkg.d"] == {"pkg.c"}
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+def test_a_package_init_is_part_of_the_circle(tmp_path):
+    """``import pkg.sub.x`` runs ``pkg/sub/__init__.py`` first: a circle through it is found."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from pkg.sub.x import f\n")
+    (package / "sub" / "x.py").write_text("from pkg import y\ndef f():\n    pass\n")
+    (package / "y.py").write_text("from pkg.sub.z import g\n")
+    (package / "sub" / "z.py").write_text("g = 1\n")
+    graph = import_graph(package)
+    assert graph["pkg.y"] == {"pkg.sub", "pkg.sub.z"}
+    assert graph["pkg.sub.x"] == {"pkg.y"}  # its own packages pkg and pkg.sub are not edges
+    assert cycles(graph) == [["pkg.sub", "pkg.sub.x", "pkg.y", "pkg.sub"]]

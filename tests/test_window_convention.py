@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from confkv.eval.ppl import streaming_ppl
-from confkv.tiers.byte_model import KVShape, full_cache_bytes
+from confkv.hf.support import kv_shape
+from confkv.tiers.byte_model import full_cache_bytes
 from confkv.models import tiny_model
 
 TOKENS = 48
@@ -63,7 +64,7 @@ def test_a_budget_is_counted_at_the_end_of_each_step():
     """A window of W holds W full-precision tokens per layer once the text is longer than W: at the end
     of each step exactly the full cache's bytes at min(t + 1, W) tokens (the one byte model)."""
     model = tiny_model("llama")
-    shape = KVShape.of(model)
+    shape = kv_shape(model)
     per_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads of dim 16, fp32
     layers, window, steps = 2, 10, 30
     assert shape.token_bytes == per_token and len(shape.sliding_windows) == layers

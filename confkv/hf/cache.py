@@ -34,7 +34,7 @@ from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.enable import enable, mark_active, take_active_cache  # noqa: F401 - take_active_cache: old path
-from confkv.hf.support import LayerLayout, layer_layout
+from confkv.hf.support import LayerLayout, kv_shape, layer_layout
 from confkv.policies import UNLIMITED, Policy
 from confkv.page_file import PageFile
 from confkv.policies.tee import TeePolicy
@@ -380,4 +380,4 @@ def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, 
                    batch: int = 1) -> int:
     """:func:`floor_bytes` of ``model`` under ``policy`` (one sequence by default)."""
     store = store or StoreConfig()
-    return floor_bytes(KVShape.of(model), layout, floor_tokens(policy, store), store, batch)
+    return floor_bytes(kv_shape(model), layout, floor_tokens(policy, store), store, batch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from confkv.errors import UnsupportedModelError
+from confkv.tiers.byte_model import KVShape
 
 #: model_type -> human name. Each was checked with a tiny random model (tests/test_hf_exactness.py).
 SUPPORTED_MODEL_TYPES = {
@@ -61,3 +62,15 @@ def layer_layout(config) -> LayerLayout:
         layer_types = ["sliding_attention" if use_sliding else "full_attention"] * num_layers
     windows = tuple(window if t == "sliding_attention" else None for t in layer_types[:num_layers])
     return LayerLayout(windows)
+
+
+def kv_shape(model) -> KVShape:
+    """What the byte formulas need to know about ``model`` (:class:`~confkv.tiers.byte_model.KVShape`): its KV
+    heads, head size, element size and each layer's sliding window."""
+    config = text_config(model.config)
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    element_size = next(model.parameters()).element_size()
+    return KVShape(kv_heads, head_dim, element_size, tuple(layer_layout(model.config).sliding_windows))

@@ -17,7 +17,6 @@ their tensors (``nbytes``); tests check the two agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from confkv.lowbit import page_bytes
 
@@ -50,24 +49,12 @@ def channel_scale_bytes(kv_heads: int, head_dim: int) -> int:
 class KVShape:
     """What the byte formulas need to know about a model: its KV heads, head size, element size
     (the dtype of its weights, which its cache holds) and each layer's sliding window (None: a
-    full-attention layer)."""
+    full-attention layer). Read from a transformers model by :func:`confkv.hf.support.kv_shape`."""
 
     kv_heads: int
     head_dim: int
     element_size: int
     sliding_windows: tuple[int | None, ...]
-
-    @classmethod
-    def of(cls, model: Any) -> "KVShape":
-        from confkv.hf.support import layer_layout, text_config  # noqa: PLC0415
-
-        config = text_config(model.config)
-        heads = getattr(config, "num_attention_heads", None) or config.n_head
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        hidden = getattr(config, "hidden_size", None) or config.n_embd
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        element_size = next(model.parameters()).element_size()
-        return cls(kv_heads, head_dim, element_size, tuple(layer_layout(model.config).sliding_windows))
 
     @property
     def token_bytes(self) -> int:

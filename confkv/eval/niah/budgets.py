@@ -66,9 +66,10 @@ def full_kv_bytes(model: Any, tokens: int) -> float:
     """Bytes the full cache holds for one sequence of ``tokens`` tokens (all layers, the model's dtype):
     the reference of a ``--memory`` fraction (:func:`confkv.tiers.byte_model.full_cache_bytes`; a
     sliding-window layer holds at most ``window - 1`` past tokens)."""
-    from confkv.tiers.byte_model import KVShape, full_cache_bytes
+    from confkv.hf.support import kv_shape
+    from confkv.tiers.byte_model import full_cache_bytes
 
-    return float(full_cache_bytes(KVShape.of(model), tokens))
+    return float(full_cache_bytes(kv_shape(model), tokens))
 
 
 def memory_params(name: str, memory: float, extra: dict[str, Any] | None) -> dict[str, Any]:

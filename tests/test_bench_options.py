@@ -218,7 +218,7 @@ def test_bad_dtype_and_quality_tokens_name_the_option():
 def test_weight_int8_dtype_and_the_lean_row():
     """``bfloat16-w8`` quantizes a copy's linear layers (rows ``@bf16w8``); the ``-lean`` row decodes
     through the lean decoder and holds the same KV as its model(...) twin, plus the spare slots of its
-    FP-window buffers (confkv/window_buffer.py: at most move_block + 1 per layer)."""
+    FP-window buffers (confkv/store/window_buffer.py: at most move_block + 1 per layer)."""
     from confkv.hf.weights import Int8Linear
 
     model, tok = tiny_model("llama", seed=3), tiny_tokenizer()

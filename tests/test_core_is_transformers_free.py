@@ -2,7 +2,7 @@ import subprocess
 import sys
 
 CORE = ["confkv", "confkv.config", "confkv.confidence", "confkv.budget", "confkv.policies", "confkv.eviction",
-        "confkv.region", "confkv.store", "confkv.quant", "confkv.attention", "confkv.trace"]
+        "confkv.store.region", "confkv.store", "confkv.quant", "confkv.attention", "confkv.trace"]
 
 
 def test_core_modules_do_not_import_transformers():

@@ -7,7 +7,7 @@ from confkv import StoreConfig, profiling
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from confkv.region import Region
+from confkv.store.region import Region
 
 BUDGET, SLACK = 16, 5
 

@@ -1,4 +1,4 @@
-"""A :class:`confkv.region.Region` on small hand-made slots: what gather, slice, concat and
+"""A :class:`confkv.store.region.Region` on small hand-made slots: what gather, slice, concat and
 select_batch keep, and the bytes it reports, against expectations written out by hand.
 
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
@@ -6,7 +6,7 @@ Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 
 import torch
 
-from confkv.region import Region, concat, select_batch
+from confkv.store.region import Region, concat, select_batch
 
 
 def _int8_region(batch: int = 2, heads: int = 2, length: int = 5, dim: int = 3) -> Region:

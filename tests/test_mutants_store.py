@@ -317,7 +317,7 @@ def test_a_read_out_of_step_with_the_appends_is_refused_with_its_message_and_pen
 def test_a_triton_backend_store_hands_its_cold_pages_over_packed(monkeypatch):
     # the Triton read takes the cold tier's pages still packed (a PagedSegment); the read itself is
     # replaced here by the torch read of the same pages unpacked, so no Triton kernel runs
-    from confkv import store as store_module
+    from confkv.store import read as store_module
     from confkv.attention.paged import PagedSegment
 
     seen = []
@@ -340,7 +340,7 @@ def test_a_triton_backend_store_hands_its_cold_pages_over_packed(monkeypatch):
 
 def test_the_read_gets_the_store_s_block_size(monkeypatch):
     # `block_size` bounds the read's temporary memory: the store's setting, not the read's default
-    from confkv import store as store_module
+    from confkv.store import read as store_module
 
     sizes = []
     real = store_module.attention_read
@@ -377,7 +377,7 @@ def test_promotion_without_attention_is_refused_and_the_page_file_opens_in_offlo
         LayerStore(blind, StoreConfig(move_block=1))
     assert str(refused.value) == ("promote: policy 'quest' reads no attention mass, so no page can earn "
                                   "promotion; use confkv-r or leave promote unset")
-    from confkv import store as store_module
+    from confkv.store import layer as store_module
 
     opened = []
     real = store_module.PageFile

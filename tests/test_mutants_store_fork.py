@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from confkv import store as store_module
+from confkv.store import layer as store_module
 from confkv.config import StoreConfig
 from confkv.policies import make_policy
 from confkv.store import LayerStore

@@ -1,4 +1,4 @@
-"""Moves from the cold tier back to the hot tier (:mod:`confkv.tier_moves`) on hand-made regions:
+"""Moves from the cold tier back to the hot tier (:mod:`confkv.store.tier_moves`) on hand-made regions:
 the promoted region's statistics, dtype and validity, and the merge into position order, against
 values worked out by hand.
 
@@ -11,8 +11,8 @@ from confkv import profiling
 from confkv.cold import ColdTier
 from confkv.config import ColdConfig
 from confkv.policies import make_policy
-from confkv.region import Region
-from confkv.tier_moves import demote_dropped, merge_in_position_order, promoted_region
+from confkv.store.region import Region
+from confkv.store.tier_moves import demote_dropped, merge_in_position_order, promoted_region
 
 
 def _taken(valid: list[bool]) -> dict[str, torch.Tensor]:

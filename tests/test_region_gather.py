@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from confkv import quant
-from confkv.region import Region
+from confkv.store.region import Region
 
 B, H, L, D = 2, 3, 10, 8
 

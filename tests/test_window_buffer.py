@@ -1,4 +1,4 @@
-"""The FP window's preallocated buffer (confkv/window_buffer.py) and the store's in-place decode step
+"""The FP window's preallocated buffer (confkv/store/window_buffer.py) and the store's in-place decode step
 (LayerStore.decode_step): the same state and output as append + attend, its spare bytes counted."""
 
 import pytest
@@ -9,9 +9,9 @@ from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
 from confkv.models import tiny_model
-from confkv.region import Region
+from confkv.store.region import Region
 from confkv.native.decode import DecodePlan
-from confkv.window_buffer import WindowBuffer
+from confkv.store.window_buffer import WindowBuffer
 
 # spare slots (new_empty) and other buffers to be overwritten start as NaN / the lowest integer / True
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")

@@ -380,7 +380,8 @@ def step_breakdown(runner: _Runner, ids: torch.Tensor, steps: int) -> dict[str, 
             total += runner.step(ids[:, runner.fed:runner.fed + 1])
     sections = {name: 1e3 * t / steps for name, t in timers.seconds.items()}
     # the native decode step (the token's write, the read and the statistics update in one C call,
-    # confkv/store_decode.py) is mostly its read: it counts with the attention read, not as overhead
+    # LayerStore._decode_in_place in confkv/store/read.py) is mostly its read: it counts with the
+    # attention read, not as overhead
     overhead = sum(v for k, v in sections.items() if k not in ("attention read", "native decode step"))
     policy_work = sum(v for k, v in sections.items() if k in POLICY_SECTIONS)
     step_ms = 1e3 * total / steps

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from confkv.native.loader import library
-from confkv.region import Region
-from confkv.window_buffer import WindowBuffer
+
+if TYPE_CHECKING:
+    from confkv.store.region import Region
+    from confkv.store.window_buffer import WindowBuffer
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_STATS = 8  # MAX_STATS of kernels.c (c/mass_read.c)

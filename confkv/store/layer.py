@@ -27,19 +27,19 @@ from typing import Callable
 
 import torch
 
-from confkv import profiling, tier_moves
-from confkv.config import ALL_PAGES, StoreConfig
-from confkv.errors import ConfigError
+from confkv import profiling
 from confkv.cold import ColdTier
+from confkv.config import StoreConfig
+from confkv.errors import ConfigError
 from confkv.eviction import protection_mask, select_kept
-from confkv.attention import KVSegment, attention_read, reads_pages
+from confkv.native.decode import DecodePlan
 from confkv.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
-from confkv.region import Region, concat, select_batch
-from confkv.native.decode import DecodePlan
-from confkv.store_decode import decode_in_place, decodes_in_place
-from confkv.window_buffer import WindowBuffer
+from confkv.store import tier_moves
+from confkv.store.read import AttentionRead
+from confkv.store.region import Region, concat, select_batch
+from confkv.store.window_buffer import WindowBuffer
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import Storage
 
@@ -56,8 +56,8 @@ def check_store_fits(policy: Policy, config: StoreConfig) -> None:
             f"does not fit the smallest budget {policy.min_budget()}; lower fp_window or raise the budget")
 
 
-class LayerStore:
-    """The KV store of one attention layer.
+class LayerStore(AttentionRead):
+    """The KV store of one attention layer: its state, what it keeps (here) and its read (:class:`AttentionRead`).
 
     Args:
         policy: the eviction policy (shared by the managed layers of a cache).
@@ -95,7 +95,7 @@ class LayerStore:
         self.cold: ColdTier | None = None
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
         self.window: WindowBuffer | None = None  # the recent region's slots with spare capacity (decode_step)
-        self.decode_plan: DecodePlan | None = None  # the pointers of the native decode step (confkv.store_decode)
+        self.decode_plan: DecodePlan | None = None  # the pointers of the native decode step (_decode_in_place)
         if isinstance(policy, TieredPolicy) and sliding_window is None:
             if policy.cold.promote is not None and not policy.needs_attention:
                 raise ConfigError(f"promote: policy {policy.name!r} reads no attention mass, so no page can earn "
@@ -245,114 +245,6 @@ class LayerStore:
             self.window = None  # the recent region is a fresh copy now
             self.seen_tokens += new
             self.pending = new
-
-    def decode_step(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, *, scaling: float) -> torch.Tensor:
-        """:meth:`append` then :meth:`attend` of one new token per sequence, nothing padded, the same state
-        and output: keys and values [B, Hkv, 1, D], query [B, Hq, 1, D] -> [B, Hq, 1, D].
-
-        The common decode step of an attention-ranked policy on CPU (full-precision dense regions, the
-        native mass read) writes its token into the FP window's preallocated slots and reads at once,
-        as one C call where it can (:mod:`confkv.store_decode`); otherwise the two calls run.
-        """
-        if not decodes_in_place(self, keys, query):
-            self.append(keys, values)
-            return self.attend(query, scaling=scaling)
-        return decode_in_place(self, keys, values, query, scaling)
-
-    def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
-        """Set positions/validity of the pending tokens; return query positions [B, q]."""
-        new = self.pending
-        device = self.recent.keys.device
-        if padding is None:
-            # nothing padded: positions continue from seen_real, validity stays all True
-            query_positions = self.seen_real[:, None] + torch.arange(new, device=device)  # [B, q]
-            self.recent.positions[:, :, -new:] = query_positions[:, None, :]
-            self.seen_real = self.seen_real + new
-            self.pending = 0
-            return query_positions
-        real = padding[:, -new:].to(device=device, dtype=torch.bool)
-        query_positions = self.seen_real[:, None] + real.long().cumsum(-1) - 1  # [B, q]
-        self.recent.positions[:, :, -new:] = query_positions[:, None, :]
-        self.recent.valid[:, -new:] = real
-        self.recent.dense = False
-        self.seen_real = self.seen_real + real.sum(-1)
-        self.pending = 0
-        return query_positions
-
-    def _visible(self, region: Region, query_positions: torch.Tensor, causal: bool) -> torch.Tensor | None:
-        """[B, 1 or Hkv, q or 1, L] bool: which slots each query may attend (None: all of them)."""
-        if region.dense and not causal and self.sliding_window is None:
-            return None
-        visible = region.valid[:, None, None, :]
-        if causal:
-            visible = visible & (region.positions[:, :, None, :] <= query_positions[:, None, :, None])
-        if self.sliding_window is not None:
-            visible = visible & (query_positions[:, None, :, None] - region.positions[:, :, None, :] < self.sliding_window)
-        return visible
-
-    def attend(self, query: torch.Tensor, *, scaling: float, padding: torch.Tensor | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        """Attention of this pass's queries over everything kept, new tokens included.
-
-        Args:
-            query: [B, Hq, q, D] (after RoPE), ``q`` equal to the tokens just appended.
-            scaling: score scale (usually ``D ** -0.5``).
-            padding: [B, >= q] bool, True for real tokens (HF's 2D attention mask; only the
-                last ``q`` columns are used), or None when nothing is padded.
-            softcap: Gemma-2-style score soft-capping, or None.
-        Returns:
-            [B, Hq, q, D] attention output in ``query.dtype``.
-        """
-        new = self.pending
-        if new != query.shape[2]:
-            raise RuntimeError(f"confkv: {query.shape[2]} queries but {new} new keys in this layer; "
-                               "the cache and the attention read are out of step")
-        with profiling.section("positions and masks"):
-            query_positions = self._place_new_tokens(padding)
-            regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
-            segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
-                        for r in regions]
-            need_mass = bool(self.stat_names) and self.policy.needs_attention
-        rotation = None
-        if self.cold is not None:  # every cold token is older than every query: no causal mask
-            paged = reads_pages(query, self.config.read_backend)  # the Triton read takes packed pages
-            # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
-            # rotated back token by token; the few hot keys/values, the query and the output turn instead
-            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation()
-            if rotation is not None:
-                segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
-                            for s in segments]
-            segments += self.cold.segments(query, self._cold_read_pages(), paged=paged,
-                                           rotated=rotation is not None)  # timed inside
-        read_query = query if rotation is None else rotation.forward(query)
-        with profiling.section("attention read"):
-            out, masses = attention_read(read_query, segments, scaling, block_size=self.config.block_size,
-                                         softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
-        if rotation is not None:
-            out = rotation.inverse(out).to(query.dtype)
-        if need_mass:
-            with profiling.section("EMA / stats update"):
-                for region, mass in zip(regions, masses):
-                    self.policy.observe(region.stats, mass, new)
-                if self.cold is not None and len(masses) > len(regions):
-                    self.cold.observe_read(masses[len(regions):])
-                    if self.cold.config.promote is not None and new == 1:
-                        self._promote(masses[-1])
-        return out
-
-    def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
-        if region.is_int8:
-            return KVSegment(region.keys, region.values, visible, key_token_scale=region.key_scale,
-                             key_channel_scale=self.channel_scale, value_token_scale=region.value_scale)
-        return KVSegment(region.keys, region.values, visible)
-
-    def _cold_read_pages(self) -> torch.Tensor:
-        """[B] cold pages this read takes: the policy's choice at the last step, or its first."""
-        if self.cold_read is not None:
-            return self.cold_read
-        if isinstance(self.cold, LadderTier):
-            return torch.full_like(self.seen_real, ALL_PAGES)
-        return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]
 
     def end_step(self, budget: torch.Tensor | None, cold_read: torch.Tensor | None = None) -> None:
         """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction).

@@ -13,7 +13,7 @@ from confkv import profiling
 from confkv.cold import ColdTier
 from confkv.eviction import dropped_slots
 from confkv.policies.base import Policy
-from confkv.region import Region, concat
+from confkv.store.region import Region, concat
 
 
 def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor,

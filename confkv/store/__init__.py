@@ -1,0 +1,13 @@
+"""The KV store of one attention layer (:class:`LayerStore`), by job:
+
+* :mod:`confkv.store.layer`: the store's state, what it keeps at the end of a step (ageing the FP
+  window, INT8, eviction, promotion), its bytes, batch reorders and ``fork``;
+* :mod:`confkv.store.read`: the attention read of a step (``attend``, ``decode_step`` in place);
+* :mod:`confkv.store.region`: a run of KV slots (the older region, the FP window);
+* :mod:`confkv.store.window_buffer`: the FP window's slots with spare capacity;
+* :mod:`confkv.store.tier_moves`: tokens between the hot regions and a cold tier.
+"""
+
+from confkv.store.layer import LayerStore, check_store_fits
+
+__all__ = ["LayerStore", "check_store_fits"]

@@ -1,0 +1,220 @@
+"""The attention read of a layer store's step: :meth:`~AttentionRead.attend` after an ``append`` (any step,
+prefill chunks and padding included) and :meth:`~AttentionRead.decode_step` (one token per sequence, written
+into the FP window's spare slots and read at once where it can).
+
+The read walks the older region, the FP window and, with a cold tier, the pages the policy's read budget
+selects (:mod:`confkv.cold`), and hands the attention mass to the policy's statistics. Its state is the
+store's (:class:`confkv.store.layer.LayerStore`, which is this class plus what the store keeps: see there);
+the two are one class split by job, so each file reads on its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from confkv import native, profiling
+from confkv.attention import KVSegment, attention_read, reads_pages
+from confkv.attention.mass_read import MAX_SCORES, mass_read
+from confkv.config import ALL_PAGES, StoreConfig
+from confkv.native.decode import DecodePlan
+from confkv.store.window_buffer import WindowBuffer
+from confkv.tiers.ladder import LadderTier
+
+if TYPE_CHECKING:
+    from confkv.cold import ColdTier
+    from confkv.policies.base import Policy
+    from confkv.store.region import Region
+    from confkv.tiers.storage import Storage
+
+
+class AttentionRead:
+    """The read half of :class:`~confkv.store.layer.LayerStore`: its attributes are documented there, and the
+    read calls four of its members (``append``, ``is_initialized``, ``physical_length``, ``_promote``)."""
+
+    policy: Policy
+    config: StoreConfig
+    storage: Storage | None
+    sliding_window: int | None
+    int8: bool
+    stat_names: tuple[str, ...]
+    old: Region | None
+    recent: Region | None
+    channel_scale: torch.Tensor | None
+    seen_tokens: int
+    seen_real: torch.Tensor | None
+    pending: int
+    cold: ColdTier | LadderTier | None
+    cold_read: torch.Tensor | None
+    window: WindowBuffer | None
+    decode_plan: DecodePlan | None
+
+    def decode_step(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, *, scaling: float) -> torch.Tensor:
+        """:meth:`append` then :meth:`attend` of one new token per sequence, nothing padded, the same state
+        and output: keys and values [B, Hkv, 1, D], query [B, Hq, 1, D] -> [B, Hq, 1, D].
+
+        The common decode step of an attention-ranked policy on CPU (full-precision dense regions, the
+        native mass read) writes its token into the FP window's preallocated slots and reads at once,
+        as one C call where it can (:meth:`_decode_in_place`); otherwise the two calls run.
+        """
+        if not self.can_decode_in_place(keys, query):
+            self.append(keys, values)
+            return self.attend(query, scaling=scaling)
+        return self._decode_in_place(keys, values, query, scaling)
+
+    def can_decode_in_place(self, keys: torch.Tensor, query: torch.Tensor) -> bool:
+        """Whether this decode step may be taken in place: one initialised, non-pending token of a full-precision
+        store without a cold tier or a sliding window, dense regions, a policy that needs the attention mass, and
+        the conditions under which ``attention_read`` would take the mass read (``auto`` backend, CPU, scores that
+        fit).
+
+        ``attention_read``'s dispatch must stay in step with this test; ``tests/test_window_buffer.py`` compares the
+        two paths' logits and state."""
+        if not self.is_initialized or self.pending or keys.shape[2] != 1 or query.shape[2] != 1:
+            return False
+        if self.cold is not None or self.sliding_window is not None or self.int8 or not self.stat_names:
+            return False
+        if self.storage is not None:  # under a memory target: no spare window slots beyond the planned bytes
+            return False
+        if not (self.old.dense and self.recent.dense and self.policy.needs_attention):
+            return False
+        if self.config.read_backend != "auto" or query.device.type != "cpu" or keys.dtype != self.recent.keys.dtype:
+            return False
+        return query.shape[0] * query.shape[1] * (self.physical_length + 1) <= MAX_SCORES
+
+    def _decode_in_place(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """The in-place decode step (the caller checked :meth:`can_decode_in_place`): the new token written into
+        the FP window's preallocated slots (:class:`WindowBuffer`, made with ``move_block`` + 1 spare slots when
+        the window has none left; its bytes are counted by ``kv_bytes``) and read at once.
+
+        Where the native library takes the layer's tensors, the write, the mass read and, for a policy with a
+        linear statistics update, the update are one C call (:class:`confkv.native.decode.DecodePlan`);
+        otherwise the window's :meth:`~WindowBuffer.append_one`, the mass read and the policy's ``observe`` run
+        in Python. Either way the state and the output equal ``append`` + ``attend``."""
+        window, length = self.window, self.recent.length
+        if window is None or length >= window.capacity or not window.backs(self.recent):
+            self.window = window = WindowBuffer.around(self.recent, length + self.config.move_block + 1)
+        plan = self.decode_plan
+        if plan is None or not plan.serves(window, self.old):
+            plan = self.decode_plan = DecodePlan.build(window, self.old, query.shape[1], self.policy.linear_observe(1))
+        if (plan is not None and query.dtype == keys.dtype and keys.stride(-1) == 1 and values.stride(-1) == 1
+                and self.seen_real.dtype == torch.int64):
+            with profiling.section("native decode step"):
+                out, masses = plan.step(query, keys, values, self.seen_real.contiguous(), length, scaling)
+                self.recent = window.views(length + 1)
+                self.seen_real = self.seen_real + 1
+                self.seen_tokens += 1
+                if masses is not None:
+                    for region, mass in zip((self.old, self.recent), masses):
+                        self.policy.observe(region.stats, mass, 1)
+            return out
+        with profiling.section("append (FP window)"):
+            self.recent = window.append_one(length, keys, values, self.seen_real)
+            self.seen_real = self.seen_real + 1
+            self.seen_tokens += 1
+            regions = [r for r in (self.old, self.recent) if r.length]
+        with profiling.section("attention read"):
+            segments = [KVSegment(r.keys, r.values, None) for r in regions]
+            read = native.mass_read(query, segments, scaling)
+            out, masses = read if read is not None else mass_read(query, segments, scaling)
+        with profiling.section("EMA / stats update"):
+            for region, mass in zip(regions, masses):
+                self.policy.observe(region.stats, mass, 1)
+        return out
+
+    def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
+        """Set positions/validity of the pending tokens; return query positions [B, q]."""
+        new = self.pending
+        device = self.recent.keys.device
+        if padding is None:
+            # nothing padded: positions continue from seen_real, validity stays all True
+            query_positions = self.seen_real[:, None] + torch.arange(new, device=device)  # [B, q]
+            self.recent.positions[:, :, -new:] = query_positions[:, None, :]
+            self.seen_real = self.seen_real + new
+            self.pending = 0
+            return query_positions
+        real = padding[:, -new:].to(device=device, dtype=torch.bool)
+        query_positions = self.seen_real[:, None] + real.long().cumsum(-1) - 1  # [B, q]
+        self.recent.positions[:, :, -new:] = query_positions[:, None, :]
+        self.recent.valid[:, -new:] = real
+        self.recent.dense = False
+        self.seen_real = self.seen_real + real.sum(-1)
+        self.pending = 0
+        return query_positions
+
+    def _visible(self, region: Region, query_positions: torch.Tensor, causal: bool) -> torch.Tensor | None:
+        """[B, 1 or Hkv, q or 1, L] bool: which slots each query may attend (None: all of them)."""
+        if region.dense and not causal and self.sliding_window is None:
+            return None
+        visible = region.valid[:, None, None, :]
+        if causal:
+            visible = visible & (region.positions[:, :, None, :] <= query_positions[:, None, :, None])
+        if self.sliding_window is not None:
+            visible = visible & (query_positions[:, None, :, None] - region.positions[:, :, None, :] < self.sliding_window)
+        return visible
+
+    def attend(self, query: torch.Tensor, *, scaling: float, padding: torch.Tensor | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of this pass's queries over everything kept, new tokens included.
+
+        Args:
+            query: [B, Hq, q, D] (after RoPE), ``q`` equal to the tokens just appended.
+            scaling: score scale (usually ``D ** -0.5``).
+            padding: [B, >= q] bool, True for real tokens (HF's 2D attention mask; only the
+                last ``q`` columns are used), or None when nothing is padded.
+            softcap: Gemma-2-style score soft-capping, or None.
+        Returns:
+            [B, Hq, q, D] attention output in ``query.dtype``.
+        """
+        new = self.pending
+        if new != query.shape[2]:
+            raise RuntimeError(f"confkv: {query.shape[2]} queries but {new} new keys in this layer; "
+                               "the cache and the attention read are out of step")
+        with profiling.section("positions and masks"):
+            query_positions = self._place_new_tokens(padding)
+            regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
+            segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
+                        for r in regions]
+            need_mass = bool(self.stat_names) and self.policy.needs_attention
+        rotation = None
+        if self.cold is not None:  # every cold token is older than every query: no causal mask
+            paged = reads_pages(query, self.config.read_backend)  # the Triton read takes packed pages
+            # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
+            # rotated back token by token; the few hot keys/values, the query and the output turn instead
+            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation()
+            if rotation is not None:
+                segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
+                            for s in segments]
+            segments += self.cold.segments(query, self._cold_read_pages(), paged=paged,
+                                           rotated=rotation is not None)  # timed inside
+        read_query = query if rotation is None else rotation.forward(query)
+        with profiling.section("attention read"):
+            out, masses = attention_read(read_query, segments, scaling, block_size=self.config.block_size,
+                                         softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
+        if rotation is not None:
+            out = rotation.inverse(out).to(query.dtype)
+        if need_mass:
+            with profiling.section("EMA / stats update"):
+                for region, mass in zip(regions, masses):
+                    self.policy.observe(region.stats, mass, new)
+                if self.cold is not None and len(masses) > len(regions):
+                    self.cold.observe_read(masses[len(regions):])
+                    if self.cold.config.promote is not None and new == 1:
+                        self._promote(masses[-1])
+        return out
+
+    def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
+        if region.is_int8:
+            return KVSegment(region.keys, region.values, visible, key_token_scale=region.key_scale,
+                             key_channel_scale=self.channel_scale, value_token_scale=region.value_scale)
+        return KVSegment(region.keys, region.values, visible)
+
+    def _cold_read_pages(self) -> torch.Tensor:
+        """[B] cold pages this read takes: the policy's choice at the last step, or its first."""
+        if self.cold_read is not None:
+            return self.cold_read
+        if isinstance(self.cold, LadderTier):
+            return torch.full_like(self.seen_real, ALL_PAGES)
+        return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]

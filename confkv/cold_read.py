@@ -1,0 +1,207 @@
+"""Reading a layer's cold tier (:class:`confkv.cold.ColdTier`): which pages a read takes, and how.
+
+Per sequence and KV head a read takes the ``k`` pages whose Quest digest bounds ``q . k`` highest for
+the current queries (:meth:`~PageRead.digest_bound`), hands them over still packed for a backend that
+reads pages itself (the Triton paged read) or decoded for the torch read, and adds the attention mass
+they received to each page's heat. The page a read liked best can go back to the hot tier
+(:meth:`~PageRead.take_best_read_page`, promotion).
+
+The pages themselves (their layout, demotion, budget and the moves between rungs of a ladder) are
+:mod:`confkv.cold`'s; :class:`~confkv.cold.ColdTier` is this class plus that one, split by job.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from confkv import profiling
+from confkv.attention import KVSegment
+from confkv.attention.paged import PagedSegment, gather_pages as _gather_pages
+
+if TYPE_CHECKING:
+    from confkv.config import ColdConfig
+    from confkv.tiers.formats import PageFormat
+
+#: page storage a PagedSegment reads, by "unquantized" (bits == 16)
+_STORAGE = {True: ("keys", "values"),
+            False: ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")}
+
+
+class PageRead:
+    """The read half of :class:`~confkv.cold.ColdTier`: its attributes are documented there, and the read
+    uses three of its members (``page_nbytes``, ``_digest_nbytes``, ``_keep_pages``)."""
+
+    config: ColdConfig
+    format: PageFormat | None
+    fold_rotation: bool
+    open: dict[str, Tensor] | None
+    pages: dict[str, Tensor]
+    num_pages: int
+    head_dim: int
+    bytes_read: int
+    reads: int
+    _selected: Tensor | None
+
+    def read_rotation(self):
+        """The format's rotation when this read can fold it into the query and output (pages to read,
+        a format with one, :attr:`fold_rotation` on), else None (see :meth:`segments`' ``rotated``)."""
+        if not self.fold_rotation or self.format is None or not self.num_pages:
+            return None
+        return self.format.read_rotation
+
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False,
+                 rotated: bool = False) -> list[KVSegment | PagedSegment]:
+        """The open page and the ``read_pages[b]`` best pages of each sequence, as read segments.
+
+        Args:
+            query: [B, Hq, Q, D] (after RoPE).
+            read_pages: [B] int64 pages to read per sequence.
+            paged: hand the selected pages over as a :class:`PagedSegment` (still packed, for
+                a backend that reads pages itself: the Triton paged read) instead of
+                gathering and dequantizing them here.
+        Returns:
+            up to two segments: the open page (:class:`KVSegment`, model dtype), then the
+            selected pages: a :class:`KVSegment` dequantized to float32 (invisible where a
+            sequence reads fewer pages), or with ``paged`` the :class:`PagedSegment`. Either
+            way the pages' attention mass is [B, H, K * P], what :meth:`observe` takes.
+            With ``rotated`` (only when :meth:`read_rotation` is not None) both segments are in
+            the rotated basis (the open page rotated, the pages not rotated back): the caller
+            rotates the query and un-rotates the output, so the per-token inverse rotation of
+            every page is skipped (the scores and the output are the same, the rotation being
+            orthogonal).
+        """
+        self._selected = None
+        self.bytes_read = 0
+        self.reads += 1
+        if self.open is None:
+            return []
+        segments: list[KVSegment | PagedSegment] = []
+        rotation = self.read_rotation() if rotated else None
+        if rotated and rotation is None:
+            raise ValueError("cold tier: a rotated read needs a format with a rotation and pages to read")
+        if self.open_length:
+            valid = self.open["valid"]
+            keys, values = self.open["keys"], self.open["values"]
+            if rotation is not None:
+                keys, values = rotation.forward(keys), rotation.forward(values)
+            segments.append(KVSegment(keys, values, None if bool(valid.all()) else valid[:, None, None, :]))
+            self.bytes_read += self.open["keys"].nbytes + self.open["values"].nbytes
+        want = int(read_pages.max()) if read_pages.numel() else 0
+        if self.num_pages and want:
+            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated))
+        return segments
+
+    def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool,
+                      rotated: bool = False) -> KVSegment | PagedSegment:
+        batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
+        device = query.device
+        if int(read_pages.min()) >= count:  # every sequence reads every page: no ranking needed
+            index = torch.arange(count, device=device).expand(batch, heads, count)
+        else:
+            with profiling.section("cold page selection (digest bound + top-k)"):
+                bound = self.digest_bound(query)  # [B, H, N] (digests are of the original keys)
+                # best first: a sequence that reads k pages reads the first k of the width
+                index = bound.topk(width, dim=-1, sorted=True).indices
+            self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
+        self._selected = index
+        self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
+        if not self.format.paged:  # formats other than plain KIVI / 16 bits: the torch decode (any backend)
+            with profiling.section("cold pages (gather + decode)"):
+                return self._decoded_segment(index, read_pages, width, rotated)
+        if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
+            return self._paged(index, read_pages, width)
+        with profiling.section("cold pages (gather + dequantize)"):
+            return self._paged(index, read_pages, width).to_dense()
+
+    def _decoded_segment(self, index: Tensor, read_pages: Tensor, width: int, rotated: bool = False) -> KVSegment:
+        """The read's pages decoded by the format (float32), as a dense :class:`KVSegment` (the
+        reference read for formats the packed readers do not take); ``rotated``: left in the
+        format's rotated basis."""
+        live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
+        if rotated:
+            data = {name: _gather_pages(live[name], index) for name in self.format.storage}
+            keys, values = self.format.decode(data, _gather_pages(live["positions"], index), rotated=True)
+        else:
+            keys, values = self._dequantized(live, index)
+        batch, heads, _ = index.shape
+        shape = (batch, heads, width * self.config.page_size, self.head_dim)
+        visible = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
+                               self.config.group_size, self.head_dim).visible()
+        return KVSegment(keys.reshape(shape), values.reshape(shape), visible)
+
+    def _paged(self, index: Tensor, read_pages: Tensor, width: int) -> PagedSegment:
+        """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B])."""
+        storage = {name: self.pages[name] for name in _STORAGE[self.config.bits == 16]}
+        return PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
+                            self.config.group_size, self.head_dim, **storage)
+
+    def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
+        """Pages ``index`` [B, H, K] of ``live`` decoded by the format: keys, values [B, H, K, P, D]
+        (float32; the model's dtype at 16 bits)."""
+        if self.config.bits == 16:
+            return _gather_pages(live["keys"], index), _gather_pages(live["values"], index)
+        data = {name: _gather_pages(live[name], index) for name in self.format.storage}
+        return self.format.decode(data, _gather_pages(live["positions"], index))
+
+    def digest_bound(self, query: Tensor) -> Tensor:
+        """Quest's upper bound of ``q . k`` per page: [B, Hq, Q, D] -> [B, H, N] float32.
+
+        The largest bound over the query heads of each KV head's group and over the queries.
+        """
+        batch, q_heads, queries, head_dim = query.shape
+        heads = self.pages["heat"].shape[1]
+        grouped = query.float().reshape(batch, heads, (q_heads // heads) * queries, head_dim)
+        low = self.pages["digest_min"][:, :, :self.num_pages].float()
+        high = self.pages["digest_max"][:, :, :self.num_pages].float()
+        bound = grouped.clamp_min(0) @ high.transpose(-1, -2) + grouped.clamp_max(0) @ low.transpose(-1, -2)
+        return bound.amax(dim=2)
+
+    def take_best_read_page(self, mass: Tensor, threshold: float) -> dict[str, Tensor] | None:
+        """Remove and return, in every head, the read page that took the most attention.
+
+        Only when some head's best page took at least ``threshold`` of the attention and every
+        head's chosen page has the same valid slots per sequence (so the hot tier stays dense).
+
+        Args:
+            mass: [B, H, K * P] attention mass of the last read's page segment.
+        Returns:
+            None, or keys/values [B, H, P, D] float32, positions [B, H, P], valid [B, P], and
+            mass [B, H, P] (the attention each taken slot received).
+        """
+        if self._selected is None:
+            return None
+        index = self._selected
+        per_page = mass.reshape(*index.shape, -1).sum(-1)  # [B, H, K]
+        best_mass, best = per_page.max(-1)
+        if not bool((best_mass >= threshold).any()):
+            return None
+        page = _gather_pages(index, best[..., None])  # [B, H, 1] page numbers
+        live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
+        valid = _gather_pages(live["valid"], page)[:, :, 0]  # [B, H, P]
+        if not bool((valid == valid[:, :1]).all()):
+            return None
+        keys, values = self._dequantized(live, page)
+        slot_mass = _gather_pages(mass.reshape(*index.shape, -1), best[..., None])[:, :, 0]
+        taken = {"keys": keys[:, :, 0], "values": values[:, :, 0], "mass": slot_mass.float(),
+                 "positions": _gather_pages(live["positions"], page)[:, :, 0], "valid": valid[:, 0]}
+        others = torch.ones_like(live["heat"], dtype=torch.bool).scatter_(2, page, False)
+        rest = others.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :self.num_pages - 1]
+        self._keep_pages(rest)
+        self._selected = None
+        return taken
+
+    def observe_read(self, masses: list[Tensor]) -> None:
+        """Page heat from the masses of this tier's last :meth:`segments` (open page first, pages last)."""
+        if self._selected is not None and masses:
+            self.observe(masses[-1])
+
+    def observe(self, mass: Tensor) -> None:
+        """Add the attention mass [B, H, K * P] the last read's pages received to their heat."""
+        if self._selected is None:
+            return
+        index = self._selected
+        per_page = mass.reshape(*index.shape, -1).sum(-1)
+        self.pages["heat"].narrow(2, 0, self.num_pages).scatter_add_(2, index, per_page.float())

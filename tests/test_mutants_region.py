@@ -4,6 +4,7 @@ select_batch keep, and the bytes it reports, against expectations written out by
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 """
 
+import pytest
 import torch
 
 from confkv.store.region import Region, concat, select_batch
@@ -26,7 +27,7 @@ def test_empty_region_shapes_and_dtypes():
     assert fp.valid.shape == (2, 0) and fp.valid.dtype == torch.bool
     assert set(fp.stats) == {"ema", "acc"} and fp.stats["ema"].shape == (2, 3, 0)
     assert fp.stats["ema"].dtype == torch.float32
-    assert fp.key_scale is None and fp.value_scale is None and fp.dense and not fp.is_int8 and fp.length == 0
+    assert fp.key_scale is None and fp.value_scale is None and fp.all_valid and not fp.is_int8 and fp.length == 0
     q = Region.empty(2, 3, 4, torch.float16, torch.device("cpu"), (), int8=True)
     assert q.keys.dtype == torch.int8 and q.values.dtype == torch.int8 and q.is_int8
     assert q.key_scale.shape == (2, 3, 0) and q.key_scale.dtype == torch.float32
@@ -37,7 +38,7 @@ def test_gather_moves_int8_bytes_scales_positions_and_stats_per_head():
     region = _int8_region()
     index = torch.tensor([[[4, 0], [1, 3]], [[2, 2], [0, 4]]])  # [B=2, H=2, K=2]
     valid = torch.tensor([[True, True], [True, False]])
-    kept = region.gather(index, valid, dense=False)
+    kept = region.gather(index, valid, all_valid=False)
     for b in range(2):
         for h in range(2):
             for k in range(2):
@@ -49,9 +50,9 @@ def test_gather_moves_int8_bytes_scales_positions_and_stats_per_head():
                 assert kept.key_scale[b, h, k] == code + 0.5
                 assert kept.value_scale[b, h, k] == code + 0.25
                 assert kept.stats["ema"][b, h, k] == torch.tensor(code / 1000, dtype=torch.float32)
-    assert kept.valid is valid and kept.dense is False
-    assert region.gather(index, valid).dense is False  # by default the result is not promised dense (the safe side)
-    assert kept.gather(torch.zeros(2, 2, 1, dtype=torch.int64), valid[:, :1], dense=True).dense is True
+    assert kept.valid is valid and kept.all_valid is False
+    assert region.gather(index, valid).all_valid is False  # by default the result is not promised dense (the safe side)
+    assert kept.gather(torch.zeros(2, 2, 1, dtype=torch.int64), valid[:, :1], all_valid=True).all_valid is True
 
 
 def test_slice_view_and_copy():
@@ -70,9 +71,9 @@ def test_slice_view_and_copy():
         assert getattr(copy, name).untyped_storage().data_ptr() != getattr(region, name).untyped_storage().data_ptr()
     assert copy.stats["ema"].untyped_storage().data_ptr() != region.stats["ema"].untyped_storage().data_ptr()
     assert copy.valid.untyped_storage().data_ptr() != region.valid.untyped_storage().data_ptr()
-    assert region.slice(0, 2).dense is False and region.slice(0, 2, copy=True).dense is False
-    region.dense = True
-    assert region.slice(0, 2).dense is True and region.slice(0, 2, copy=True).dense is True
+    assert region.slice(0, 2).all_valid is False and region.slice(0, 2, copy=True).all_valid is False
+    region.all_valid = True
+    assert region.slice(0, 2).all_valid is True and region.slice(0, 2, copy=True).all_valid is True
 
 
 def test_nbytes_counts_data_and_scales_and_bookkeeping_apart():
@@ -90,7 +91,7 @@ def test_nbytes_counts_data_and_scales_and_bookkeeping_apart():
 def test_concat_appends_along_the_slot_axis():
     first, second = _int8_region(length=2), _int8_region(length=3)
     second.valid[1, 2] = False
-    second.dense = False
+    second.all_valid = False
     both = concat(first, second)
     assert both.length == 5
     assert both.positions[1, 0].tolist() == [100, 101, 100, 101, 102]
@@ -99,12 +100,12 @@ def test_concat_appends_along_the_slot_axis():
     assert both.values[1, 1, :, 0].tolist() == [-110, -111, -110, -111, -112]
     assert both.valid.tolist() == [[True] * 5, [True, True, True, True, False]]
     assert both.stats["ema"].shape == (2, 2, 5)
-    assert both.dense is False
-    first.dense = True
+    assert both.all_valid is False
+    first.all_valid = True
     one = _int8_region(length=1)
-    assert concat(first, one).dense is False  # neither dense flag alone makes the result dense
-    one.dense = True
-    assert concat(first, one).dense is True
+    assert concat(first, one).all_valid is False  # neither dense flag alone makes the result dense
+    one.all_valid = True
+    assert concat(first, one).all_valid is True
     fp = Region(keys=torch.zeros(1, 1, 2, 2), values=torch.zeros(1, 1, 2, 2), positions=torch.zeros(1, 1, 2, dtype=torch.int64),
                 valid=torch.ones(1, 2, dtype=torch.bool))
     assert concat(fp, fp).key_scale is None and concat(fp, fp).value_scale is None
@@ -121,9 +122,9 @@ def test_select_batch_picks_rows_of_every_tensor():
     assert picked.value_scale[:, 0, 1].tolist() == [201.25, 1.25]
     assert picked.stats["ema"][:, 0, 0].tolist() == [torch.tensor(0.2).item(), 0.0]
     assert picked.valid.tolist() == [[True, False], [True, True]]
-    assert select_batch(region, torch.tensor([0])).dense is False
-    region.dense = True
-    assert select_batch(region, torch.tensor([0])).dense is True
+    assert select_batch(region, torch.tensor([0])).all_valid is False
+    region.all_valid = True
+    assert select_batch(region, torch.tensor([0])).all_valid is True
 
 
 def test_select_batch_of_a_full_precision_region_has_no_scales():
@@ -140,3 +141,12 @@ def test_empty_region_lives_on_the_requested_device():
     tensors = [region.keys, region.values, region.positions, region.valid, region.stats["ema"],
                region.key_scale, region.value_scale]
     assert all(t.device == meta for t in tensors)
+
+
+def test_dense_is_the_deprecated_name_of_all_valid():
+    region = Region.empty(1, 1, 2, torch.float32, torch.device("cpu"), (), False)
+    with pytest.warns(DeprecationWarning, match="all_valid"):
+        assert region.dense is True
+    with pytest.warns(DeprecationWarning):
+        region.dense = False
+    assert region.all_valid is False

@@ -39,7 +39,7 @@ def test_padded_tokens_are_not_counted_when_only_the_window_has_padding():
     store = LayerStore(make_policy("full"), StoreConfig(fp_window=8))
     gen = torch.Generator().manual_seed(0)
     _step(store, gen, batch=2, new=3, padding=torch.tensor([[False, True, True], [True, True, True]]))
-    assert store.old.length == 0 and store.old.dense and not store.recent.dense
+    assert store.old.length == 0 and store.old.all_valid and not store.recent.all_valid
     assert store.kept_counts().tolist() == [2, 3]
     assert store.kept_list() == [2, 3]
 
@@ -52,5 +52,5 @@ def test_int8_ageing_of_an_unpadded_store_keeps_it_dense():
     for _ in range(10):
         _step(store, gen, batch=2, new=1)
     assert store.old.keys.dtype == torch.int8 and (store.old.length, store.recent.length) == (8, 2)
-    assert store.old.dense and store.recent.dense
+    assert store.old.all_valid and store.recent.all_valid
     assert store.kept_counts().tolist() == [10, 10]

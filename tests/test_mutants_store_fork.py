@@ -100,6 +100,6 @@ def test_a_fork_keeps_the_regions_dense_flag():
     store = LayerStore(make_policy("h2o", budget=6, protect=2), StoreConfig(move_block=1))
     for seed in range(8):
         _step(store, torch.Generator().manual_seed(seed), budget=6)
-    assert store.old.dense is True and store.recent.dense is True
+    assert store.old.all_valid is True and store.recent.all_valid is True
     twin = store.fork(make_policy("h2o", budget=6, protect=2))
-    assert twin.old.dense is True and twin.recent.dense is True
+    assert twin.old.all_valid is True and twin.recent.all_valid is True

@@ -31,9 +31,9 @@ def test_promoted_region_starts_its_statistics_from_one_decode_step_of_attention
     assert back.stats["ema"].tolist() == [[[0.125, 0.25], [0.375, 0.0]]]
     assert back.keys.dtype == back.values.dtype == torch.bfloat16  # the hot tier's dtype
     assert back.keys[0, 1, 0].tolist() == [6.5] * 3 and back.values[0, 0, 1].tolist() == [-5.0]
-    assert back.positions.tolist() == [[[4, 5], [6, 7]]] and back.dense and back.key_scale is None
+    assert back.positions.tolist() == [[[4, 5], [6, 7]]] and back.all_valid and back.key_scale is None
     partly = promoted_region(_taken([False, True]), policy, policy.stat_names, torch.float32)
-    assert not partly.dense and partly.valid.tolist() == [[False, True]]
+    assert not partly.all_valid and partly.valid.tolist() == [[False, True]]
 
 
 def _region(positions: list, valid: list) -> Region:
@@ -42,7 +42,7 @@ def _region(positions: list, valid: list) -> Region:
     pos = torch.tensor(positions)
     keys = (10 * pos + torch.arange(pos.shape[1])[None, :, None]).float()[..., None]
     return Region(keys=keys, values=-keys, positions=pos, valid=torch.tensor(valid),
-                  stats={"ema": pos.float() + 0.5}, dense=all(all(v) for v in valid))
+                  stats={"ema": pos.float() + 0.5}, all_valid=all(all(v) for v in valid))
 
 
 def test_merge_puts_every_head_in_position_order_with_the_invalid_slots_first():
@@ -52,13 +52,13 @@ def test_merge_puts_every_head_in_position_order_with_the_invalid_slots_first():
     merged = merge_in_position_order(old, back)
     expected = [[[0, 2, 3, 5, 8], [1, 2, 4, 6, 8]], [[9, 0, 2, 3, 4], [9, 0, 1, 2, 3]]]
     assert merged.positions.tolist() == expected
-    assert merged.valid.tolist() == [[True] * 5, [False, True, True, True, True]] and not merged.dense
+    assert merged.valid.tolist() == [[True] * 5, [False, True, True, True, True]] and not merged.all_valid
     heads = torch.arange(2)[None, :, None]
     assert torch.equal(merged.keys[..., 0], (10 * torch.tensor(expected) + heads).float())
     assert torch.equal(merged.values, -merged.keys)
     assert torch.equal(merged.stats["ema"], torch.tensor(expected).float() + 0.5)
     dense = merge_in_position_order(_region([[[3, 7]]], [[True, True]]), _region([[[5, 1]]], [[True, True]]))
-    assert dense.positions.tolist() == [[[1, 3, 5, 7]]] and dense.dense
+    assert dense.positions.tolist() == [[[1, 3, 5, 7]]] and dense.all_valid
     assert dense.valid.tolist() == [[True] * 4]
 
 
@@ -68,7 +68,7 @@ def test_demote_dropped_dequantizes_int8_slots_to_the_hot_dtype_and_times_the_de
     q = torch.tensor([[[[1, 2], [3, 4], [5, 6]], [[-1, -2], [-3, -4], [-5, -6]]]], dtype=torch.int8)
     old = Region(keys=q, values=-q, positions=torch.tensor([[[10, 11, 12], [10, 11, 12]]]),
                  valid=torch.ones(1, 3, dtype=torch.bool), key_scale=torch.full((1, 2, 3), 0.5),
-                 value_scale=torch.full((1, 2, 3), 0.25), dense=True)
+                 value_scale=torch.full((1, 2, 3), 0.25), all_valid=True)
     channel_scale = torch.tensor([[[2.0, 4.0], [1.0, 3.0]]])  # [B, Hkv, D]
     cold = ColdTier(ColdConfig(bits=16, page_size=4, group_size=4, k_high=1, k_low=1))
     timers = profiling.Timers()

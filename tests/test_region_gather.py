@@ -24,7 +24,7 @@ def _int8_region(seed: int) -> tuple[Region, torch.Tensor]:
     positions = torch.arange(L).repeat(B, H, 1) + 100 * torch.arange(B)[:, None, None]
     region = Region(keys=q_keys, values=q_values, positions=positions, valid=torch.ones(B, L, dtype=torch.bool),
                     stats={"ema": torch.rand(B, H, L, generator=g)}, key_scale=key_scale, value_scale=value_scale,
-                    dense=True)
+                    all_valid=True)
     return region, channel
 
 
@@ -37,7 +37,7 @@ def test_int8_gather_moves_scales_with_their_slots(seed):
     index = torch.stack([torch.stack([torch.randperm(L, generator=g)[:keep].sort().values for _ in range(H)])
                          for _ in range(B)])
     valid = torch.ones(B, keep, dtype=torch.bool)
-    kept = region.gather(index, valid, dense=True)
+    kept = region.gather(index, valid, all_valid=True)
     assert kept.is_int8 and kept.length == keep and kept.key_scale is not None and kept.value_scale is not None
     for b in range(B):
         for h in range(H):
@@ -57,4 +57,4 @@ def test_int8_gather_moves_scales_with_their_slots(seed):
                                full_keys.gather(2, picked), rtol=0, atol=0)
     torch.testing.assert_close(quant.dequantize_values(kept.values, kept.value_scale),
                                full_values.gather(2, picked), rtol=0, atol=0)
-    assert torch.equal(kept.valid, valid) and kept.dense
+    assert torch.equal(kept.valid, valid) and kept.all_valid

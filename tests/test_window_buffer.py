@@ -29,7 +29,7 @@ def _region(length: int, seed: int = 0) -> Region:
     gen = torch.Generator().manual_seed(seed)
     return Region(keys=torch.randn(2, 3, length, 8, generator=gen), values=torch.randn(2, 3, length, 8, generator=gen),
                   positions=torch.arange(length).expand(2, 3, length).clone(), valid=torch.ones(2, length, dtype=torch.bool),
-                  stats={"ema": torch.rand(2, 3, length, generator=gen)}, dense=True)
+                  stats={"ema": torch.rand(2, 3, length, generator=gen)}, all_valid=True)
 
 
 def test_a_buffer_holds_the_region_and_appends_in_place():
@@ -37,7 +37,7 @@ def test_a_buffer_holds_the_region_and_appends_in_place():
     buffer = WindowBuffer.around(region, 7)
     assert buffer.capacity == 7 and not buffer.backs(region)  # a copy, not the region's own tensors
     grown = buffer.append_one(5, torch.ones(2, 3, 1, 8), torch.full((2, 3, 1, 8), 2.0), torch.tensor([40, 41]))
-    assert buffer.backs(grown) and grown.length == 6 and grown.dense
+    assert buffer.backs(grown) and grown.length == 6 and grown.all_valid
     assert torch.equal(grown.keys[:, :, :5], region.keys) and torch.equal(grown.stats["ema"][:, :, :5], region.stats["ema"])
     assert torch.equal(grown.keys[:, :, 5], torch.ones(2, 3, 8)) and torch.equal(grown.values[:, :, 5], torch.full((2, 3, 8), 2.0))
     assert grown.positions[:, :, 5].tolist() == [[40] * 3, [41] * 3] and bool(grown.valid[:, 5].all())

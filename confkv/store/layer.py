@@ -127,14 +127,14 @@ class LayerStore(AttentionRead):
         """[B] int64 tokens each sequence currently keeps (padding excluded)."""
         if not self.is_initialized:
             return torch.zeros(0, dtype=torch.int64)
-        if self.old.dense and self.recent.dense:
+        if self.old.all_valid and self.recent.all_valid:
             return torch.full(self.seen_real.shape, self.physical_length, dtype=torch.int64,
                               device=self.seen_real.device)
         return self.old.valid.sum(-1) + self.recent.valid.sum(-1)
 
     def kept_list(self) -> list[int]:
         """:meth:`kept_counts` as Python ints (no tensor op when every slot is valid)."""
-        if self.is_initialized and self.old.dense and self.recent.dense:
+        if self.is_initialized and self.old.all_valid and self.recent.all_valid:
             return [self.physical_length] * self.seen_real.shape[0]
         return self.kept_counts().tolist()
 
@@ -239,7 +239,7 @@ class LayerStore(AttentionRead):
                 positions=torch.zeros((batch, kv_heads, new), dtype=torch.int64, device=keys.device),
                 valid=torch.ones((batch, new), dtype=torch.bool, device=keys.device),
                 stats={name: keys.new_zeros((batch, kv_heads, new), dtype=torch.float32) for name in self.stat_names},
-                dense=True,  # until `_place_new_tokens` sees padding
+                all_valid=True,  # until `_place_new_tokens` sees padding
             )
             self.recent = concat(self.recent, fresh)
             self.window = None  # the recent region is a fresh copy now
@@ -260,7 +260,7 @@ class LayerStore(AttentionRead):
                 budget = torch.full_like(self.seen_real, self.sliding_window - 1)
             if budget is None:
                 over_budget = False
-            elif self.old.dense and self.recent.dense:
+            elif self.old.all_valid and self.recent.all_valid:
                 over_budget = self.physical_length > min(budget.tolist())
             else:
                 over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
@@ -303,12 +303,12 @@ class LayerStore(AttentionRead):
         keys, key_scale = quant.quantize_keys(region.keys, self.channel_scale)
         values, value_scale = quant.quantize_values(region.values)
         return Region(keys=keys, values=values, positions=region.positions, valid=region.valid,
-                      stats=region.stats, key_scale=key_scale, value_scale=value_scale, dense=region.dense)
+                      stats=region.stats, key_scale=key_scale, value_scale=value_scale, all_valid=region.all_valid)
 
     def _evict(self, budget: torch.Tensor | None) -> None:
         with profiling.section("eviction bookkeeping"):
             old = self.old
-            if old.dense and self.recent.dense:
+            if old.all_valid and self.recent.all_valid:
                 # every slot valid: counts are lengths, no holes; nothing to do unless over budget
                 if budget is None or old.length + self.recent.length <= min(budget.tolist()):
                     return
@@ -340,7 +340,7 @@ class LayerStore(AttentionRead):
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
             if self.cold is not None:
                 tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype)
-            self.old = old.gather(index, valid, dense=bool(valid.all()))
+            self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
 
     def _promote(self, page_mass: torch.Tensor) -> None:

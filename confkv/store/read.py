@@ -54,7 +54,7 @@ class AttentionRead:
         """:meth:`append` then :meth:`attend` of one new token per sequence, nothing padded, the same state
         and output: keys and values [B, Hkv, 1, D], query [B, Hq, 1, D] -> [B, Hq, 1, D].
 
-        The common decode step of an attention-ranked policy on CPU (full-precision dense regions, the
+        The common decode step of an attention-ranked policy on CPU (full-precision all-valid regions, the
         native mass read) writes its token into the FP window's preallocated slots and reads at once,
         as one C call where it can (:meth:`_decode_in_place`); otherwise the two calls run.
         """
@@ -65,7 +65,7 @@ class AttentionRead:
 
     def can_decode_in_place(self, keys: torch.Tensor, query: torch.Tensor) -> bool:
         """Whether this decode step may be taken in place: one initialised, non-pending token of a full-precision
-        store without a cold tier or a sliding window, dense regions, a policy that needs the attention mass, and
+        store without a cold tier or a sliding window, all-valid regions, a policy that needs the attention mass, and
         the conditions under which ``attention_read`` would take the mass read (``auto`` backend, CPU, scores that
         fit).
 
@@ -77,7 +77,7 @@ class AttentionRead:
             return False
         if self.storage is not None:  # under a memory target: no spare window slots beyond the planned bytes
             return False
-        if not (self.old.dense and self.recent.dense and self.policy.needs_attention):
+        if not (self.old.all_valid and self.recent.all_valid and self.policy.needs_attention):
             return False
         if self.config.read_backend != "auto" or query.device.type != "cpu" or keys.dtype != self.recent.keys.dtype:
             return False
@@ -139,14 +139,14 @@ class AttentionRead:
         query_positions = self.seen_real[:, None] + real.long().cumsum(-1) - 1  # [B, q]
         self.recent.positions[:, :, -new:] = query_positions[:, None, :]
         self.recent.valid[:, -new:] = real
-        self.recent.dense = False
+        self.recent.all_valid = False
         self.seen_real = self.seen_real + real.sum(-1)
         self.pending = 0
         return query_positions
 
     def _visible(self, region: Region, query_positions: torch.Tensor, causal: bool) -> torch.Tensor | None:
         """[B, 1 or Hkv, q or 1, L] bool: which slots each query may attend (None: all of them)."""
-        if region.dense and not causal and self.sliding_window is None:
+        if region.all_valid and not causal and self.sliding_window is None:
             return None
         visible = region.valid[:, None, None, :]
         if causal:

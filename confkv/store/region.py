@@ -6,6 +6,7 @@ its bytes, its scales, its position and its policy statistics bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +22,9 @@ class Region:
         positions: [B, Hkv, L] int64 logical position of each slot's token.
         valid: [B, L] bool, False for padding and for slots beyond a sequence's count.
         stats: policy statistics, name -> [B, Hkv, L] float32.
-        dense: True only when every slot is known to be valid (``valid.all()``) without
+        all_valid: True only when every slot is known to be valid (``valid.all()``) without
             looking at ``valid``; lets the store skip masks and count tokens as lengths.
-            False is always safe.
+            False is always safe. (Its old name ``dense`` still reads and writes it, deprecated.)
     """
 
     keys: torch.Tensor
@@ -33,7 +34,18 @@ class Region:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
-    dense: bool = False
+    all_valid: bool = False
+
+    @property
+    def dense(self) -> bool:
+        """Deprecated name of :attr:`all_valid` (kept for one release)."""
+        warnings.warn("Region.dense is now Region.all_valid", DeprecationWarning, stacklevel=2)
+        return self.all_valid
+
+    @dense.setter
+    def dense(self, value: bool) -> None:
+        warnings.warn("Region.dense is now Region.all_valid", DeprecationWarning, stacklevel=2)
+        self.all_valid = value
 
     @property
     def length(self) -> int:
@@ -53,7 +65,7 @@ class Region:
             keys=slots(head_dim, dt=storage), values=slots(head_dim, dt=storage),
             positions=slots(dt=torch.int64), valid=torch.empty((batch, 0), dtype=torch.bool, device=device),
             stats={name: slots() for name in stat_names},
-            key_scale=slots() if int8 else None, value_scale=slots() if int8 else None, dense=True,
+            key_scale=slots() if int8 else None, value_scale=slots() if int8 else None, all_valid=True,
         )
 
     def _per_slot(self) -> dict[str, torch.Tensor]:
@@ -63,15 +75,15 @@ class Region:
             tensors["value_scale"] = self.value_scale
         return tensors
 
-    def gather(self, index: torch.Tensor, valid: torch.Tensor, dense: bool = False) -> "Region":
+    def gather(self, index: torch.Tensor, valid: torch.Tensor, all_valid: bool = False) -> "Region":
         """Keep the slots ``index`` [B, Hkv, K] (per head), with new validity ``valid`` [B, K]
-        (``dense``: the caller knows ``valid`` is all True)."""
+        (``all_valid``: the caller knows ``valid`` is all True)."""
         def take(t: torch.Tensor) -> torch.Tensor:
             if t.ndim == 4:
                 return t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
             return t.gather(2, index)
         parts = {name: take(t) for name, t in self._per_slot().items()}
-        return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, dense=dense, **parts)
+        return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, all_valid=all_valid, **parts)
 
     def slice(self, start: int, end: int, copy: bool = False) -> "Region":
         """Slots ``start:end`` (same for every head).
@@ -84,14 +96,14 @@ class Region:
         parts = {name: cut(t) for name, t in self._per_slot().items()}
         valid = self.valid[:, start:end]
         return Region(stats={n: cut(t) for n, t in self.stats.items()},
-                      valid=valid.clone() if copy else valid, dense=self.dense, **parts)
+                      valid=valid.clone() if copy else valid, all_valid=self.all_valid, **parts)
 
     def clone(self, stats: dict[str, torch.Tensor] | None = None) -> "Region":
         """A copy that shares no tensor with this region; ``stats``: other statistics (cloned too) instead of its own."""
         parts = {name: t.clone() for name, t in self._per_slot().items()}
         stats = self.stats if stats is None else stats
         return Region(stats={name: t.clone() for name, t in stats.items()}, valid=self.valid.clone(),
-                      dense=self.dense, **parts)
+                      all_valid=self.all_valid, **parts)
 
     def nbytes(self) -> int:
         """Bytes of the stored keys and values, including per-token scales."""
@@ -114,7 +126,7 @@ def concat(first: Region, second: Region) -> Region:
         positions=cat(first.positions, second.positions), valid=torch.cat([first.valid, second.valid], dim=1),
         stats={n: cat(first.stats[n], second.stats[n]) for n in first.stats},
         key_scale=cat(first.key_scale, second.key_scale), value_scale=cat(first.value_scale, second.value_scale),
-        dense=first.dense and second.dense,
+        all_valid=first.all_valid and second.all_valid,
     )
 
 
@@ -124,4 +136,4 @@ def select_batch(region: Region, index: torch.Tensor) -> Region:
         return None if t is None else t.index_select(0, index.to(t.device))
     return Region(keys=pick(region.keys), values=pick(region.values), positions=pick(region.positions),
                   valid=pick(region.valid), stats={n: pick(t) for n, t in region.stats.items()},
-                  key_scale=pick(region.key_scale), value_scale=pick(region.value_scale), dense=region.dense)
+                  key_scale=pick(region.key_scale), value_scale=pick(region.value_scale), all_valid=region.all_valid)

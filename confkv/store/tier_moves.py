@@ -44,7 +44,7 @@ def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: 
              for name in stat_names}
     policy.observe(stats, taken["mass"], 1)
     return Region(keys=taken["keys"].to(dtype), values=taken["values"].to(dtype), positions=taken["positions"],
-                  valid=taken["valid"], stats=stats, dense=bool(taken["valid"].all()))
+                  valid=taken["valid"], stats=stats, all_valid=bool(taken["valid"].all()))
 
 
 def merge_in_position_order(old: Region, back: Region) -> Region:
@@ -57,4 +57,4 @@ def merge_in_position_order(old: Region, back: Region) -> Region:
     order = key.argsort(dim=-1, stable=True)
     invalid = (~merged.valid).sum(-1)  # [B]
     valid = torch.arange(merged.length, device=invalid.device)[None, :] >= invalid[:, None]
-    return merged.gather(order, valid, dense=bool(valid.all()))
+    return merged.gather(order, valid, all_valid=bool(valid.all()))

@@ -77,7 +77,7 @@ class WindowBuffer:
         """The region of the first ``end`` slots, as views (the one :meth:`backs` recognises from now on)."""
         self.last = Region(keys=self.keys.narrow(2, 0, end), values=self.values.narrow(2, 0, end),
                            positions=self.positions.narrow(2, 0, end), valid=self.valid.narrow(1, 0, end),
-                           stats={name: t.narrow(2, 0, end) for name, t in self.stats.items()}, dense=True)
+                           stats={name: t.narrow(2, 0, end) for name, t in self.stats.items()}, all_valid=True)
         return self.last
 
     def nbytes(self) -> int:

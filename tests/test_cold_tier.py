@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from confkv import lowbit
-from confkv.cold import ColdTier
+from confkv.tiers import lowbit
+from confkv.tiers.cold import ColdTier
 from confkv.config import ALL_PAGES, ColdConfig
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache, generate

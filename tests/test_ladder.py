@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv import lowbit
+from confkv.tiers import lowbit
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import Storage
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from confkv.cold import ColdTier
+from confkv.tiers.cold import ColdTier
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.hf.generate import padding_positions

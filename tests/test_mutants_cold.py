@@ -1,4 +1,4 @@
-"""The cold tier of :mod:`confkv.cold` on tiny tiers whose contents are written out by hand.
+"""The cold tier of :mod:`confkv.tiers.cold` on tiny tiers whose contents are written out by hand.
 
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md): a read page taken
 back (:meth:`ColdTier.take_best_read_page`, dequantized at 16, 8 and 4 bits), the bookkeeping
@@ -13,10 +13,10 @@ import torch
 
 from confkv.attention import KVSegment
 from confkv.attention.paged import PagedSegment
-from confkv.cold import ColdTier
+from confkv.tiers.cold import ColdTier
 from confkv import profiling
 from confkv.config import ALL_PAGES, ColdConfig
-from confkv.page_file import PageFile
+from confkv.tiers.page_file import PageFile
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

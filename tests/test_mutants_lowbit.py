@@ -1,4 +1,4 @@
-"""Bit unpacking of the cold tier's pages (:func:`confkv.lowbit.unpack`) against codes worked out
+"""Bit unpacking of the cold tier's pages (:func:`confkv.tiers.lowbit.unpack`) against codes worked out
 by hand and against a pure-Python reading of the bytes, its dtype, and its device.
 
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
@@ -7,7 +7,7 @@ Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 import pytest
 import torch
 
-from confkv import lowbit
+from confkv.tiers import lowbit
 
 
 def _python_codes(packed: list[int], bits: int, head_dim: int) -> list[int]:

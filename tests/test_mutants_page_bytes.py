@@ -1,11 +1,11 @@
-"""Bytes of one sealed low-bit page (:func:`confkv.lowbit.page_bytes`), worked out by hand.
+"""Bytes of one sealed low-bit page (:func:`confkv.tiers.lowbit.page_bytes`), worked out by hand.
 
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 """
 
 from __future__ import annotations
 
-from confkv import lowbit
+from confkv.tiers import lowbit
 
 
 def test_four_bit_page_by_hand_is_an_exact_integer():

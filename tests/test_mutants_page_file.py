@@ -1,4 +1,4 @@
-"""The offloaded cold tier's page file (:class:`confkv.page_file.PageFile`): tensors it hands out
+"""The offloaded cold tier's page file (:class:`confkv.tiers.page_file.PageFile`): tensors it hands out
 are backed by its file at 64-byte aligned offsets, the file's size is what ``file_bytes`` says,
 a bad directory gives a ConfigError naming ``offload_dir`` and the directory, the unlinked file
 keeps a recognisable name (what ``lsof`` or ``ls -l /proc/PID/fd`` shows an operator looking
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from confkv.errors import ConfigError
-from confkv.page_file import PageFile
+from confkv.tiers.page_file import PageFile
 
 
 def test_close_shuts_the_file_refuses_new_tensors_and_can_be_repeated(tmp_path):

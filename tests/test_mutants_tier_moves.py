@@ -8,7 +8,7 @@ Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 import torch
 
 from confkv import profiling
-from confkv.cold import ColdTier
+from confkv.tiers.cold import ColdTier
 from confkv.config import ColdConfig
 from confkv.policies import make_policy
 from confkv.store.region import Region

@@ -27,8 +27,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv import lowbit
-from confkv.cold import ColdTier
+from confkv.tiers import lowbit
+from confkv.tiers.cold import ColdTier
 from confkv.config import ALL_PAGES, ColdConfig
 from confkv.errors import ConfigError
 from confkv.tiers import codebook, outliers
@@ -157,7 +157,7 @@ def test_encode_decode_stays_within_the_worked_out_bound(name, bits):
 
 
 def test_plain_kivi_pages_are_lowbits_own():
-    """Format "kivi" stores exactly what confkv.lowbit makes (the packed Triton read depends on it)."""
+    """Format "kivi" stores exactly what confkv.tiers.lowbit makes (the packed Triton read depends on it)."""
     keys, values, valid, positions = _pages(0)
     valid[0, 0, 1, 5:] = False
     data = build_format(3, 8, 32, torch.bfloat16, "kivi").encode(keys, values, valid, positions)

@@ -1,7 +1,7 @@
 """Triton paged read == torch gather + dequantize + block-wise read, in Triton's CPU interpreter.
 
 The reference is independent of the kernel: pages are gathered with plain indexing, dequantized
-with :mod:`confkv.lowbit` and read by :func:`blockwise_attention`; the kernel reads the packed
+with :mod:`confkv.tiers.lowbit` and read by :func:`blockwise_attention`; the kernel reads the packed
 storage itself (TRITON_INTERPRET=1, set before triton compiles anything).
 """
 
@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from confkv import lowbit  # noqa: E402
+from confkv.tiers import lowbit  # noqa: E402
 from confkv.attention import KVSegment, attention_read, blockwise_attention  # noqa: E402
 from confkv.attention import triton_pages, triton_read  # noqa: E402
 from confkv.attention.paged import PagedSegment  # noqa: E402
@@ -155,7 +155,7 @@ def test_softcap_two_queries_and_several_splits():
 # ------------------------------------------------------------------ through the store
 
 def _tier(bits, heads=2, dim=DIM, page=8, tokens=44, batch=2, seed=0):
-    from confkv.cold import ColdTier
+    from confkv.tiers.cold import ColdTier
     from confkv.config import ColdConfig
 
     gen = torch.Generator().manual_seed(seed)

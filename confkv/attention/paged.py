@@ -1,8 +1,8 @@
 """A read segment made of selected cold pages, still in their packed storage.
 
-The cold tier (:mod:`confkv.cold`) keeps demoted tokens in fixed-size pages, low-bit and
+The cold tier (:mod:`confkv.tiers.cold`) keeps demoted tokens in fixed-size pages, low-bit and
 KIVI-style (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
-Cache"; packing in :mod:`confkv.lowbit`), and picks per sequence and KV head the ``K``
+Cache"; packing in :mod:`confkv.tiers.lowbit`), and picks per sequence and KV head the ``K``
 pages whose key digest bounds ``q . k`` highest (Tang et al. 2024, "Quest"). A
 :class:`PagedSegment` names those pages without copying them: the Triton paged read
 (:mod:`confkv.attention.triton_pages`) reads the codes straight from the page storage;
@@ -22,7 +22,7 @@ Shapes (``B`` sequences, ``H`` KV heads, ``N`` pages of storage, ``P`` tokens pe
 
 The segment's slots are the ``K * P`` slots of the selected pages in rank order (slot
 ``j * P + t`` is token ``t`` of the rank-``j`` page), so its attention mass is
-[B, H, K * P], the shape :meth:`confkv.cold.ColdTier.observe` takes.
+[B, H, K * P], the shape :meth:`confkv.tiers.cold.ColdTier.observe` takes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from confkv import lowbit
+from confkv.tiers import lowbit
 from confkv.attention.blockwise import KVSegment
 
 

@@ -5,7 +5,7 @@ The cold tier keeps demoted tokens in pages of ``P`` tokens, low-bit in the KIVI
 keys per channel with one float16 (scale, min) per ``G`` tokens and channel, values per
 token with one float16 (scale, min) per ``Gv = min(G, D)`` channels, codes packed
 little-endian so that channel ``d``'s code starts at bit ``d * bits`` of the token's row
-(:mod:`confkv.lowbit`). Each decode step reads, per sequence and KV head, the ``K``
+(:mod:`confkv.tiers.lowbit`). Each decode step reads, per sequence and KV head, the ``K``
 pages whose key digest bounds ``q . k`` highest (Tang et al. 2024, "Quest: Query-Aware
 Sparsity for Efficient Long-Context LLM Inference"); the selection arrives as a
 :class:`~confkv.attention.paged.PagedSegment` (page numbers [B, H, K] plus a per-sequence
@@ -22,7 +22,7 @@ into the same buffers as :mod:`confkv.attention.triton_read`'s dense segments, s
 host merges hot segments and cold pages in ONE log-sum-exp merge. When the mass is
 requested the kernel also stores each slot's final score, normalised by that merge:
 the cold segment's mass is [B, H, K * P], slot ``j * P + t`` = token ``t`` of the
-rank-``j`` page, what :meth:`confkv.cold.ColdTier.observe` and promotion consume.
+rank-``j`` page, what :meth:`confkv.tiers.cold.ColdTier.observe` and promotion consume.
 
 Shapes of :func:`paged_partials`: query rows [B*H, R, D] float32 (R = G_q * Q, already
 scaled), partial buffers part_max / part_sum [B*H, S, R], part_acc [B*H, S, R, D];

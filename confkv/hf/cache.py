@@ -36,7 +36,7 @@ from confkv.hf import attention as attention_glue
 from confkv.hf.enable import enable, mark_active, take_active_cache  # noqa: F401 - take_active_cache: old path
 from confkv.hf.support import LayerLayout, kv_shape, layer_layout
 from confkv.policies import UNLIMITED, Policy
-from confkv.page_file import PageFile
+from confkv.tiers.page_file import PageFile
 from confkv.policies.tee import TeePolicy
 from confkv.policies.tiered import TieredPolicy
 from confkv.store import LayerStore, check_store_fits

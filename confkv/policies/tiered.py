@@ -2,7 +2,7 @@
 
 Not a policy itself. A tiered policy keeps the usual hot set (its ``budget``, ranked as
 its base policy ranks) and demotes what the hot set evicts to a cold tier of low-bit
-pages (:class:`~confkv.config.ColdConfig`, :mod:`confkv.cold`) instead of deleting it.
+pages (:class:`~confkv.config.ColdConfig`, :mod:`confkv.tiers.cold`) instead of deleting it.
 The policy decides how many cold pages each step reads (:meth:`cold_read_pages`); the
 tier decides how they are stored.
 """

@@ -14,7 +14,7 @@ New tokens are appended to ``recent``. At the end of a step (``end_step``):
 2. *eviction*: if a sequence holds more than its budget, ``old`` is compacted by one
    gather to the policy's best slots (``recent`` and the policy's protected and sink
    tokens are kept). With a tiered policy (:class:`~confkv.policies.tiered.TieredPolicy`)
-   the evicted slots are demoted to the layer's cold tier (:mod:`confkv.cold`) instead of
+   the evicted slots are demoted to the layer's cold tier (:mod:`confkv.tiers.cold`) instead of
    deleted, and every attention read adds the cold pages the policy's read budget selects.
 
 The store counts tokens seen (logical, for positions) apart from slots held
@@ -28,12 +28,12 @@ from typing import Callable
 import torch
 
 from confkv import profiling
-from confkv.cold import ColdTier
+from confkv.tiers.cold import ColdTier
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.eviction import protection_mask, select_kept
 from confkv.native.decode import DecodePlan
-from confkv.page_file import PageFile
+from confkv.tiers.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
 from confkv.store import tier_moves

@@ -3,7 +3,7 @@ prefill chunks and padding included) and :meth:`~AttentionRead.decode_step` (one
 into the FP window's spare slots and read at once where it can).
 
 The read walks the older region, the FP window and, with a cold tier, the pages the policy's read budget
-selects (:mod:`confkv.cold`), and hands the attention mass to the policy's statistics. Its state is the
+selects (:mod:`confkv.tiers.cold`), and hands the attention mass to the policy's statistics. Its state is the
 store's (:class:`confkv.store.layer.LayerStore`, which is this class plus what the store keeps: see there);
 the two are one class split by job, so each file reads on its own.
 """
@@ -23,7 +23,7 @@ from confkv.store.window_buffer import WindowBuffer
 from confkv.tiers.ladder import LadderTier
 
 if TYPE_CHECKING:
-    from confkv.cold import ColdTier
+    from confkv.tiers.cold import ColdTier
     from confkv.policies.base import Policy
     from confkv.store.region import Region
     from confkv.tiers.storage import Storage

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from confkv import profiling
-from confkv.cold import ColdTier
+from confkv.tiers.cold import ColdTier
 from confkv.eviction import dropped_slots
 from confkv.policies.base import Policy
 from confkv.store.region import Region, concat

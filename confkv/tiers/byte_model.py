@@ -3,7 +3,7 @@
 Every byte count in confkv comes from these formulas: the memory planner's full-cache
 reference and hot budgets (:mod:`confkv.tiers.planner`), the INT8 store's accounting
 (:mod:`confkv.quant`), the cold tier's sealed pages (:func:`page_bytes`, defined next to the
-page codec in :mod:`confkv.lowbit` and re-exported here), and the evaluation grids' report of
+page codec in :mod:`confkv.tiers.lowbit` and re-exported here), and the evaluation grids' report of
 the full cache's bytes (:func:`full_cache_bytes`). The stores count the bytes they hold from
 their tensors (``nbytes``); tests check the two agree.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from confkv.lowbit import page_bytes
+from confkv.tiers.lowbit import page_bytes
 
 #: bytes of one quantization scale (float32)
 SCALE_BYTES = 4

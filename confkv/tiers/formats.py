@@ -16,7 +16,7 @@ leads with [B, H, N] so pages can be gathered and moved along dim 2 by index. ``
 counts every side byte (scales, minima, outlier values and indices); the Quest digest is the
 tier's, not the format's, and is not included.
 
-Formats (``ColdConfig.format``): ``"kivi"`` (plain KIVI, :mod:`confkv.lowbit`; the only format
+Formats (``ColdConfig.format``): ``"kivi"`` (plain KIVI, :mod:`confkv.tiers.lowbit`; the only format
 the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques below joined by
 ``+`` (order free; ``"hadamard+outliers"`` is ``"kivi+outliers+hadamard"``):
 
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from confkv import lowbit
+from confkv.tiers import lowbit
 from confkv.tiers import codebook as _codebook
 from confkv.tiers import outliers as _outliers
 from confkv.tiers.hadamard import HadamardRotation

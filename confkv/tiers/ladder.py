@@ -1,6 +1,6 @@
 """The cold tier as a ladder of bit widths: pages step down before anything is dropped.
 
-Layout (one layer): one :class:`~confkv.cold.ColdTier` per rung, top rung first::
+Layout (one layer): one :class:`~confkv.tiers.cold.ColdTier` per rung, top rung first::
 
     rung 0 (e.g. 8 bits)  open page [B, H, S, D] model dtype + sealed pages [B, H, N0, ...]
     rung 1 (4 bits)       sealed pages [B, H, N1, ...]
@@ -26,10 +26,11 @@ import math
 import torch
 from torch import Tensor
 
-from confkv import lowbit, profiling
-from confkv.cold import ColdTier
+from confkv import profiling
+from confkv.tiers import lowbit
+from confkv.tiers.cold import ColdTier
 from confkv.config import ALL_PAGES, ColdConfig
-from confkv.page_file import PageFile
+from confkv.tiers.page_file import PageFile
 from confkv.tiers.storage import Storage
 
 

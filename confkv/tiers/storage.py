@@ -18,7 +18,7 @@ from confkv.config import _require, check_pages
 
 #: bit widths a rung may have: 16 = the model's dtype (unquantized), the rest KIVI-style codes
 RUNG_BITS = (16, 8, 4, 3, 2)
-#: what ranks cold pages for stepping down (see :meth:`confkv.cold.ColdTier.page_value`)
+#: what ranks cold pages for stepping down (see :meth:`confkv.tiers.cold.ColdTier.page_value`)
 STEP_DOWN_SIGNALS = ("heat", "confidence", "age")
 #: which rung steps down next (see :mod:`confkv.tiers.ladder`)
 STEP_ORDERS = ("error", "coldest")

@@ -1,4 +1,4 @@
-"""Reading a layer's cold tier (:class:`confkv.cold.ColdTier`): which pages a read takes, and how.
+"""Reading a layer's cold tier (:class:`confkv.tiers.cold.ColdTier`): which pages a read takes, and how.
 
 Per sequence and KV head a read takes the ``k`` pages whose Quest digest bounds ``q . k`` highest for
 the current queries (:meth:`~PageRead.digest_bound`), hands them over still packed for a backend that
@@ -7,7 +7,7 @@ they received to each page's heat. The page a read liked best can go back to the
 (:meth:`~PageRead.take_best_read_page`, promotion).
 
 The pages themselves (their layout, demotion, budget and the moves between rungs of a ladder) are
-:mod:`confkv.cold`'s; :class:`~confkv.cold.ColdTier` is this class plus that one, split by job.
+:mod:`confkv.tiers.cold`'s; :class:`~confkv.tiers.cold.ColdTier` is this class plus that one, split by job.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _STORAGE = {True: ("keys", "values"),
 
 
 class PageRead:
-    """The read half of :class:`~confkv.cold.ColdTier`: its attributes are documented there, and the read
+    """The read half of :class:`~confkv.tiers.cold.ColdTier`: its attributes are documented there, and the read
     uses three of its members (``page_nbytes``, ``_digest_nbytes``, ``_keep_pages``)."""
 
     config: ColdConfig

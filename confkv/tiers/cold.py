@@ -3,7 +3,7 @@
 Layout (per layer; ``B`` sequences, ``H`` KV heads, ``P`` tokens per page, ``N`` pages)::
 
     open page : keys/values [B, H, S, D] model dtype, S < P   read in full every step
-    pages     : codes + float16 scales/minima (KIVI, :mod:`confkv.lowbit`) [B, H, N, P, ...]
+    pages     : codes + float16 scales/minima (KIVI, :mod:`confkv.tiers.lowbit`) [B, H, N, P, ...]
     digest    : per-channel key min / max [B, H, N, D] float16 (Quest)
     positions : [B, H, N, P] int64 original positions;  valid: [B, H, N, P] bool
 
@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from confkv import lowbit
+from confkv.tiers import lowbit
 from confkv.attention.paged import gather_pages as _gather_pages
-from confkv.cold_read import PageRead
+from confkv.tiers.cold_read import PageRead
 from confkv.config import ColdConfig
-from confkv.page_file import PageFile
+from confkv.tiers.page_file import PageFile
 from confkv.tiers.formats import PageFormat, format_for
 
 
@@ -41,7 +41,7 @@ _METADATA = ("positions", "valid", "heat", "sealed_at", "confidence")
 
 class ColdTier(PageRead):
     """Low-bit pages of one layer's demoted tokens (see the module docstring): the pages, their demotion,
-    budget and moves between rungs here; their read (:class:`~confkv.cold_read.PageRead`) in :mod:`confkv.cold_read`.
+    budget and moves between rungs here; their read (:class:`~confkv.tiers.cold_read.PageRead`) in :mod:`confkv.tiers.cold_read`.
 
     Args:
         config: bits, page and group size, page format, read budgets, cold budget, offload.

@@ -18,6 +18,9 @@ MOVED = {
     "confkv.region": "confkv.store.region",
     "confkv.window_buffer": "confkv.store.window_buffer",
     "confkv.tier_moves": "confkv.store.tier_moves",
+    "confkv.cold": "confkv.tiers.cold",
+    "confkv.lowbit": "confkv.tiers.lowbit",
+    "confkv.page_file": "confkv.tiers.page_file",
 }
 
 

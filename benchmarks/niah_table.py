@@ -87,9 +87,17 @@ def depth_table(records: list[dict], lengths: list[int]) -> str:
     return "\n".join(lines)
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a ``niah.json`` (a finished run) or of its ``niah.jsonl`` (the resumable
+    rows, one per line, readable while a grid is still running)."""
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(path.read_text())["records"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("niah_json", type=Path, nargs="+", help="one or more niah.json files (records joined)")
+    parser.add_argument("niah_json", type=Path, nargs="+", help="one or more niah.json / niah.jsonl files (records joined)")
     parser.add_argument("--evicting-from", type=int, default=4096,
                         help="first length where the fixed budget is smaller than the prompt")
     parser.add_argument("--by-depth", type=str, default="",
@@ -97,7 +105,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=None,
                         help="only trials 0 .. N-1 (to set a partial grid beside a complete one)")
     args = parser.parse_args()
-    records = [r for path in args.niah_json for r in json.loads(path.read_text())["records"]
+    records = [r for path in args.niah_json for r in read_records(path)
                if args.trials is None or r["trial"] < args.trials]
     if args.by_depth:
         print(depth_table(records, [int(n) for n in args.by_depth.split(",")]))

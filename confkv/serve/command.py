@@ -18,7 +18,7 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-kv-bytes", type=int, default=None, help="default memory target as a cap in bytes instead")
     p.add_argument("--policy", default=None, help="default policy or preset (default: the preset 'tiered')")
     p.add_argument("--param", action="append", metavar="KEY=VALUE", help="default policy parameter, repeatable")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--chunk", type=int, default=256,
                    help="prompt tokens per prefill forward: a new prompt stalls each running row by at most one "

@@ -179,17 +179,19 @@ class Engine:
                     self.running.append(self.waiting.popleft())
             for job in list(self.running):
                 with self.step_lock:
-                    outcome = self._step(job)
-                    if outcome is not None:
+                    end = self._step(job)
+                    if end is not None:  # the row leaves: accounted before its client hears the end
                         self.running.remove(job)
-                        self._finish(job, outcome)
+                        self._finish(job, end[0])
                     self._update_totals()
+                if end is not None:
+                    job.emit(end[1], end[2])
 
     @torch.no_grad()
-    def _step(self, job: Job) -> str | None:
-        """One forward for ``job``; returns its outcome when the row leaves, else None."""
+    def _step(self, job: Job) -> tuple[str, str, Any] | None:
+        """One forward for ``job``; when the row leaves, returns (outcome, last event, its payload), else None."""
         if job.cancelled:
-            return "cancelled"
+            return "cancelled", "done", "cancelled"
         try:
             if self.step_hook is not None:
                 self.step_hook(job)
@@ -213,8 +215,7 @@ class Engine:
             token = self._sample(job, logits)
         except Exception as error:  # noqa: BLE001 - one request fails, the loop goes on
             message = str(error) or type(error).__name__
-            job.emit("error", f"{type(error).__name__}: {message}" if not isinstance(error, ConfKVError) else message)
-            return "failed"
+            return "failed", "error", message if isinstance(error, ConfKVError) else f"{type(error).__name__}: {message}"
         job.tokens.append(token)
         self.generated_tokens += 1
         self._token_times.append((time.monotonic(), 1))
@@ -222,14 +223,11 @@ class Engine:
             self._token_times.popleft()
         job.emit("token", token)
         if token in job.eos and not job.ignore_eos:
-            job.emit("done", "stop")
-            return "completed"
+            return "completed", "done", "stop"
         if job.stop_check is not None and job.stop_check(job.tokens):
-            job.emit("done", "stop")
-            return "completed"
+            return "completed", "done", "stop"
         if len(job.tokens) >= job.max_tokens:
-            job.emit("done", "length")
-            return "completed"
+            return "completed", "done", "length"
         return None
 
     @staticmethod
@@ -253,8 +251,6 @@ class Engine:
         self.request_peak_count += 1
         self.request_peak_sum += job.peak_kv_bytes
         self.request_peak_max = max(self.request_peak_max, job.peak_kv_bytes)
-        if outcome == "cancelled":
-            job.emit("done", "cancelled")
         close = getattr(job.cache, "close", None)
         if close is not None:
             close()

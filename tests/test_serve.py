@@ -390,3 +390,51 @@ def test_the_serve_subcommand_is_registered(capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "--memory" in out and "127.0.0.1" in out
+
+
+def test_the_load_generator_counts_every_request(tiny):
+    from confkv.eval.serve_load import run_load, summary_lines
+
+    model, tokenizer = tiny
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(34, 250, (int(n),), generator=gen).tolist() for n in (20, 45, 60, 33, 50, 28)]
+    prompts[2][0] = 33  # this one fails after its first token
+    news = [5, 9, 7, 12, 6, 10]
+
+    def hook(job):
+        if job.prompt[0] == 33 and len(job.tokens) == 1:
+            raise RuntimeError("injected fault")
+
+    running = Running(model, tokenizer, memory=0.25, max_batch=3, step_hook=hook)
+    try:
+        result = run_load(f"http://127.0.0.1:{running.port}", prompts, news, clients=3, memory=0.25, timeout=60,
+                          log=lambda line: None)
+    finally:
+        running.stop()
+    assert (result["completed"], result["failed"], result["lost"]) == (5, 1, 0)
+    assert result["generated_tokens"] == sum(news) - news[2] + 1
+    assert result["server_generated_tokens"] == result["generated_tokens"]
+    assert result["ttft_p50_s"] > 0 and result["itl_p99_s"] >= result["itl_p50_s"] > 0
+    assert 0 < result["peak_kv_bytes"] <= result["target_bytes_at_peak"]
+    assert "lost 0" in summary_lines(result)[0]
+
+
+@pytest.mark.filterwarnings("ignore:confkv. NaN logits")
+def test_nan_logits_end_that_request_with_an_error(tiny):
+    model, tokenizer = tiny
+    poisoned = {"on": False}
+
+    def nan_head(module, inputs, output):
+        return torch.full_like(output, float("nan")) if poisoned["on"] else output
+
+    handle = model.get_output_embeddings().register_forward_hook(nan_head)
+    running = Running(model, tokenizer, memory=0.25, max_batch=2,
+                      step_hook=lambda job: poisoned.update(on=job.prompt[0] == ord("?")))
+    try:
+        status, _, body = running.post("/v1/completions", {"prompt": "?" + PROMPT, "max_tokens": 5})
+        assert status == 500 and "NaN logits" in json.loads(body)["error"]["message"]
+        answer = running.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
+        assert answer.choices[0].finish_reason == "length" and len(token_ids(answer.choices[0])) == 5
+    finally:
+        running.stop()
+        handle.remove()

@@ -399,11 +399,14 @@ def test_the_load_generator_counts_every_request(tiny):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(34, 250, (int(n),), generator=gen).tolist() for n in (20, 45, 60, 33, 50, 28)]
     prompts[2][0] = 33  # this one fails after its first token
+    prompts[4][0] = 32  # this one the server drops after 3 tokens: its stream ends without a finish reason
     news = [5, 9, 7, 12, 6, 10]
 
     def hook(job):
         if job.prompt[0] == 33 and len(job.tokens) == 1:
             raise RuntimeError("injected fault")
+        if job.prompt[0] == 32 and len(job.tokens) == 2:
+            job.cancel()
 
     running = Running(model, tokenizer, memory=0.25, max_batch=3, step_hook=hook)
     try:
@@ -411,12 +414,13 @@ def test_the_load_generator_counts_every_request(tiny):
                           log=lambda line: None)
     finally:
         running.stop()
-    assert (result["completed"], result["failed"], result["lost"]) == (5, 1, 0)
-    assert result["generated_tokens"] == sum(news) - news[2] + 1
+    assert (result["completed"], result["failed"], result["lost"]) == (4, 1, 1)
+    # the dropped one: cancelled in the hook before its 3rd token's forward, it leaves at the next step
+    assert result["generated_tokens"] == sum(news) - news[2] + 1 - news[4] + 3
     assert result["server_generated_tokens"] == result["generated_tokens"]
     assert result["ttft_p50_s"] > 0 and result["itl_p99_s"] >= result["itl_p50_s"] > 0
     assert 0 < result["peak_kv_bytes"] <= result["target_bytes_at_peak"]
-    assert "lost 0" in summary_lines(result)[0]
+    assert "completed 4, failed 1, lost 1" in summary_lines(result)[0]
 
 
 @pytest.mark.filterwarnings("ignore:confkv. NaN logits")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,7 +240,7 @@ def create_app(server: Server):
         engine = server.engine
         if engine._stopping:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return {"status": "ok", "running": len(engine.running), "waiting": engine.queue_depth}
+        return {"status": "ok", "running": len(engine.running), "waiting": engine.queue_depth, "pid": os.getpid()}
 
     @app.get("/v1/models")
     async def models():
@@ -388,6 +389,8 @@ def render_metrics(server: Server) -> str:
         for labels, value in samples:
             lines.append(f"{name}{labels} {value}")
 
+    metric("confkv_server_info", "gauge", "the serving process (one per replica under Ray Serve)",
+           [(f'{{model="{server.model_name}",pid="{os.getpid()}"}}', 1)])
     metric("confkv_kv_bytes", "gauge", "KV bytes held now by the running requests' caches, all layers and tiers "
            "(offloaded cold pages included)", [("", engine.kv_bytes_held)])
     metric("confkv_kv_offloaded_bytes", "gauge", "of confkv_kv_bytes, the bytes in offloaded page files",

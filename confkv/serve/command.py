@@ -29,6 +29,12 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--ray", action="store_true",
+                   help='run as a Ray Serve deployment (pip install "ray[serve]==2.60.0"): --replicas copies, '
+                        "each with its own batch, behind Ray Serve\'s router on --host:--port")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas of the model and its engine")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs Ray reserves per replica")
+    p.add_argument("--ray-address", default=None, help="with --ray: a running Ray cluster (default: a local Ray)")
     p.set_defaults(run=run)
     return p
 
@@ -45,12 +51,17 @@ def run(args: argparse.Namespace) -> int:
     from confkv.models import load_model
     from confkv.serve.app import Server, create_app
 
-    memory = None if args.max_kv_bytes is not None else args.memory
+    settings = {"model_name": args.served_name or args.model,
+                "memory": None if args.max_kv_bytes is not None else args.memory,
+                "max_kv_bytes": args.max_kv_bytes, "policy": args.policy, "params": parse_params(args.param),
+                "chunk": args.chunk, "max_batch": args.max_batch, "max_queue": args.max_queue,
+                "default_max_tokens": args.max_tokens}
+    if args.ray:
+        from confkv.serve import ray_serve
+
+        return ray_serve.run(args, settings)
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
-    server = Server(model, tokenizer, model_name=args.served_name or args.model, memory=memory,
-                    max_kv_bytes=args.max_kv_bytes, policy=args.policy, params=parse_params(args.param),
-                    chunk=args.chunk, max_batch=args.max_batch, max_queue=args.max_queue,
-                    default_max_tokens=args.max_tokens)
+    server = Server(model, tokenizer, **settings)
     uvicorn.run(create_app(server), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -179,11 +179,17 @@ class Engine:
                     self.running.append(self.waiting.popleft())
             for job in list(self.running):
                 with self.step_lock:
-                    end = self._step(job)
-                    if end is not None:  # the row leaves: accounted before its client hears the end
-                        self.running.remove(job)
-                        self._finish(job, end[0])
-                    self._update_totals()
+                    try:
+                        end = self._step(job)
+                        if end is not None:  # the row leaves: accounted before its client hears the end
+                            self.running.remove(job)
+                            self._finish(job, end[0])
+                        self._update_totals()
+                    except Exception as error:  # noqa: BLE001 - the loop's own bookkeeping failed: this row ends
+                        end = ("failed", "error", f"internal error: {type(error).__name__}: {error}")
+                        if job in self.running:
+                            self.running.remove(job)
+                            self.outcomes["failed"] += 1
                 if end is not None:
                     job.emit(end[1], end[2])
 

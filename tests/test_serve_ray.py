@@ -40,17 +40,14 @@ def ray_served():
     from ray import serve
 
     root = str(Path(confkv.__file__).resolve().parents[1])  # the workers import this checkout's confkv
-    for attempt in range(3):  # Ray gives its raylet 30 s to start, which a loaded 2-core machine can miss
-        try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
-                     runtime_env={"env_vars": {"PYTHONPATH": root, "OMP_NUM_THREADS": "1"}})
-            break
-        except Exception as error:  # noqa: BLE001
-            ray.shutdown()
-            if "timed out during startup" not in str(error):
-                raise
-            if attempt == 2:
-                pytest.skip(f"a local Ray did not start here (three times): {error}")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": root, "OMP_NUM_THREADS": "1"}})
+    except Exception as error:  # noqa: BLE001 - Ray gives its raylet 30 s to start; a loaded 2-core machine can miss it
+        ray.shutdown()
+        if "timed out during startup" not in str(error):
+            raise
+        pytest.skip(f"a local Ray did not start here: {error}")
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {"model_name": "tiny", "memory": 0.25, "chunk": 16, "max_batch": 4, "max_queue": 8}

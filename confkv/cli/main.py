@@ -10,6 +10,7 @@ Subcommands:
     report one Markdown/HTML page from a results folder.
     bench  per-step decode latency vs context, batched throughput, step breakdown, bandwidth floor.
     ruler  RULER's synthetic tasks (generated offline) x policies x memory targets: table + plot.
+    serve  an OpenAI-compatible server; each request may state its KV memory (docs/SERVING.md).
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     from confkv.cli.ruler import add_ruler_subcommand, run_ruler
 
     add_ruler_subcommand(sub)
+    from confkv.serve.command import register as register_serve
+
+    register_serve(sub)
 
     args = parser.parse_args(argv)
     # the command line as given, for outputs that print the command that wrote them
@@ -167,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_ppl(args, _policy_params(args), _store_config(args))
         if args.command == "ruler":
             return run_ruler(args)
+        if getattr(args, "run", None) is not None:
+            return args.run(args)
         if args.command in EVAL_COMMANDS:
             return EVAL_COMMANDS[args.command](args)
     except ConfKVError as error:

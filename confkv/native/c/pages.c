@@ -32,6 +32,20 @@ static void load_f16_row(const uint16_t *src, int64_t n, float *dst) {
     for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
 }
 
+/* the codes of one byte as floats: 2 bits (4 codes) and 4 bits (2 codes), low bits first (lowbit.pack);
+ * built once, before the first read (confkv_page_read) */
+static float codes2[256][4], codes4[256][2];
+static int code_tables_built;
+
+static void build_code_tables(void) {
+    if (code_tables_built) return;
+    for (int b = 0; b < 256; b++) {
+        for (int c = 0; c < 4; c++) codes2[b][c] = (float)((b >> (2 * c)) & 3);
+        for (int c = 0; c < 2; c++) codes4[b][c] = (float)((b >> (4 * c)) & 15);
+    }
+    code_tables_built = 1;
+}
+
 /* the D codes of one packed row (lowbit.pack: code i of a word sits at bit bits * i of the little-endian word) */
 static void unpack_row(const uint8_t *restrict src, int bits, int64_t D, float *restrict dst) {
     switch (bits) {
@@ -39,19 +53,10 @@ static void unpack_row(const uint8_t *restrict src, int bits, int64_t D, float *
         for (int64_t d = 0; d < D; d++) dst[d] = (float)src[d];
         break;
     case 4:
-        for (int64_t i = 0; i < D / 2; i++) {
-            dst[2 * i] = (float)(src[i] & 15);
-            dst[2 * i + 1] = (float)(src[i] >> 4);
-        }
+        for (int64_t i = 0; i < D / 2; i++) memcpy(dst + 2 * i, codes4[src[i]], 2 * sizeof(float));
         break;
     case 2:
-        for (int64_t i = 0; i < D / 4; i++) {
-            const unsigned b = src[i];
-            dst[4 * i] = (float)(b & 3);
-            dst[4 * i + 1] = (float)((b >> 2) & 3);
-            dst[4 * i + 2] = (float)((b >> 4) & 3);
-            dst[4 * i + 3] = (float)(b >> 6);
-        }
+        for (int64_t i = 0; i < D / 4; i++) memcpy(dst + 4 * i, codes2[src[i]], 4 * sizeof(float));
         break;
     default: /* 3 bits: 8 codes in 3 bytes */
         for (int64_t w = 0; w < D / 8; w++) {
@@ -163,7 +168,12 @@ static void page_values(const page_args *a, const void *const *p, const int64_t 
             load_f16_row(vs + t * groups, groups, scale);
             load_f16_row(vm + t * groups, groups, minimum);
             unpack_row(vc + t * C, bits, D, codes);
-            for (int64_t d = 0; d < D; d++) value[d] = minimum[d / Gv] + codes[d] * scale[d / Gv];
+            for (int64_t g = 0; g < groups; g++) {
+                const float low = minimum[g], step = scale[g];
+                float *restrict v = value + g * Gv;
+                const float *restrict c = codes + g * Gv;
+                for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
+            }
             for (int64_t r = 0; r < R; r++) {
                 const float weight = w[r * total + t];
                 float *o = acc + r * D;
@@ -254,6 +264,7 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
         }
         a.total += m[1];
     }
+    build_code_tables();
     const int64_t units = B * Hkv;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     const int parallel = threads >= 2 && units >= 2 && units * a.R * a.total * D >= mass_min_parallel;

@@ -192,3 +192,19 @@ def test_the_bench_breakdown_prints_the_fallback_counts():
     assert "reads that left the native path over 2 steps" in text
     assert "    60  softcap" in text and "     3  native kernels unavailable" in text
     assert "left the native path over 2 steps: none" in format_breakdown("x", {**breakdown, "left_native": {}})
+
+
+def test_two_threads_give_the_same_bits_as_one():
+    """Big enough for the worker pool: each (sequence, KV head) pair is computed as alone, so bit-equal."""
+    gen = torch.Generator().manual_seed(6)
+    segments = [*_hot(gen), _pages(gen, 8, "all"), _pages(gen, 4, "all"), _pages(gen, 3, "all")]
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_mass = native_pages.page_read(query, segments, DIM ** -0.5)
+        torch.set_num_threads(2)
+        two, two_mass = _compare(query, segments)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))

@@ -51,7 +51,7 @@ BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
 TESTS = ["tests/test_native_contracts.py", "tests/test_native_confidence.py", "tests/test_native_w8a8.py",
          "tests/test_native_gemv.py", "tests/test_native_kernels.py", "tests/test_native_layer.py",
-         "tests/test_window_buffer.py"]
+         "tests/test_window_buffer.py", "tests/test_native_pages.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
@@ -59,6 +59,7 @@ TESTS_FOR = {
     "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/layer.c": ["test_native_contracts", "test_native_layer"],
+    "c/pages.c": ["test_native_pages"],
     "c/pool.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
                  "test_native_layer"],
 }

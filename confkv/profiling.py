@@ -6,6 +6,10 @@ global read, no clock, no allocation). ``with profiling.enabled(timers): ...`` t
 timers on for the block; each section then adds its wall time and one call to ``timers``,
 also when the block raises (the exception propagates unchanged).
 
+Reads that leave the native path (:mod:`confkv.attention.read_plan`) are counted by reason with
+:func:`left_native`: always in :data:`FALLBACKS` (one dict update; :func:`reset_fallbacks` clears
+it), and in the active timers' ``fallbacks`` too, which the bench breakdown prints.
+
 Sections may nest (e.g. the cold tier's demotion inside "compaction gather"): each records
 its own span, so a nested section's time is also inside its parent's.
 """
@@ -13,7 +17,7 @@ its own span, so a nested section's time is also inside its parent's.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -22,6 +26,9 @@ ACTIVE: "Timers | None" = None
 
 clock = time.perf_counter
 
+#: reads that left the native path since the last :func:`reset_fallbacks`, by reason
+FALLBACKS: Counter[str] = Counter()
+
 
 class Timers:
     """Seconds and call counts per section name."""
@@ -29,6 +36,8 @@ class Timers:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        #: reads that left the native path while these timers were active, by reason
+        self.fallbacks: dict[str, int] = defaultdict(int)
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
@@ -89,3 +98,16 @@ def enabled(timers: Timers) -> Iterator[Timers]:
         yield timers
     finally:
         ACTIVE = previous
+
+
+def left_native(reason: str) -> None:
+    """Count one read that left the native path, with its reason (see the module docstring)."""
+    FALLBACKS[reason] += 1
+    timers = ACTIVE
+    if timers is not None:
+        timers.fallbacks[reason] += 1
+
+
+def reset_fallbacks() -> None:
+    """Clear :data:`FALLBACKS`."""
+    FALLBACKS.clear()

@@ -13,7 +13,8 @@
 
 Selected cold pages may come as a :class:`~confkv.attention.paged.PagedSegment`
 (still packed): the Triton backend reads them in its paged kernel
-(:mod:`confkv.attention.triton_pages`); the others gather and dequantize them
+(:mod:`confkv.attention.triton_pages`), the native page read on CPU in C
+(:mod:`confkv.native.pages`); the torch paths gather and dequantize them
 first (:meth:`~confkv.attention.paged.PagedSegment.to_dense`, the reference).
 """
 
@@ -23,27 +24,23 @@ from typing import Sequence
 
 from torch import Tensor
 
-from confkv import native
-from confkv.attention import fused_cpu
-from confkv.attention.mass_read import mass_read, mass_read_eligible
+from confkv import native, profiling
+from confkv.attention import fused_cpu, read_plan
+from confkv.attention.mass_read import mass_read
 from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention
 from confkv.attention.paged import PagedSegment, densify
+from confkv.native import pages as native_pages
 
 __all__ = ["KVSegment", "PagedSegment", "blockwise_attention", "attention_read", "reads_pages", "DEFAULT_BLOCK_SIZE"]
 
-BACKENDS = ("auto", "torch", "fused", "triton")
+BACKENDS = read_plan.BACKENDS
 
 
 def reads_pages(query: Tensor, backend: str) -> bool:
     """True when ``attention_read(query, ..., backend=backend)`` runs the Triton read, which
-    takes a :class:`PagedSegment` without a host-side gather + dequantize."""
-    if backend == "triton":
-        return True
-    if backend != "auto" or not query.is_cuda:
-        return False
-    from confkv.attention import triton_read
-
-    return triton_read.triton_available()
+    takes a :class:`PagedSegment` without a host-side gather + dequantize (the native page read
+    takes them too: :func:`confkv.attention.read_plan.hands_pages` asks both)."""
+    return read_plan.triton_reads(query, backend)
 
 
 def attention_read(
@@ -55,7 +52,8 @@ def attention_read(
     need_mass: bool = True,
     backend: str = "auto",
 ) -> tuple[Tensor, list[Tensor] | None]:
-    """Dispatch the read to a backend; same contract as :func:`blockwise_attention`.
+    """Run the read on the path :func:`confkv.attention.read_plan.plan` names; same contract as
+    :func:`blockwise_attention`.
 
     Args:
         backend: "torch" (the block-wise reference, always available), "fused"
@@ -64,29 +62,35 @@ def attention_read(
             tensors and the ``triton`` package required; raises otherwise), or "auto":
             triton when the query is on CUDA and triton imports, else fused where
             eligible, else (the mass needed) :func:`mass_read` where eligible (in its native
-            version, :func:`confkv.native.mass_read`, when available), else torch.
+            version, :func:`confkv.native.mass_read`, when available), else, with packed pages,
+            the native page read (:func:`confkv.native.pages.page_read`), else torch.
             ``block_size`` only applies to the torch backend.
-            Every backend but triton reads a :class:`PagedSegment` via its ``to_dense``.
+            The torch paths read a :class:`PagedSegment` via its ``to_dense``.
+    A plan that leaves the native path is counted with its reason (:func:`confkv.profiling.left_native`).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not reads_pages(query, backend):
-        segments = densify(list(segments))
-    if backend in ("auto", "fused"):
-        if fused_cpu.fused_read_eligible(query, segments, softcap, need_mass):
-            return fused_cpu.fused_attention(query, segments, scaling), None
-        if backend == "fused":
-            raise ValueError("backend 'fused' needs a CPU query, full-precision segments of its dtype, no mask, "
-                             "no softcap and need_mass=False; use backend='auto' to fall back to the block-wise read")
-    if backend == "auto":
-        from confkv.attention import triton_read
-
-        backend = "triton" if query.is_cuda and triton_read.triton_available() else "torch"
-        if backend == "torch" and need_mass and mass_read_eligible(query, segments, softcap):
-            fast = native.mass_read(query, segments, scaling)  # None when unavailable
-            return fast if fast is not None else mass_read(query, segments, scaling)
-    if backend == "triton":
+    chosen = read_plan.plan(query, segments, softcap, need_mass, backend)
+    if chosen.reason is not None:
+        profiling.left_native(chosen.reason)
+    path = chosen.path
+    if path == "triton":
         from confkv.attention.triton_read import triton_attention
 
         return triton_attention(query, segments, scaling, softcap=softcap, need_mass=need_mass)
+    if path == "native_pages":
+        fast_pages = native_pages.page_read(query, segments, scaling, need_mass)
+        if fast_pages is not None:
+            return fast_pages
+        profiling.left_native("native page read declined")
+        path = "torch"
+    segments = densify(list(segments))  # the torch paths read packed pages gathered and dequantized
+    if path == "fused":
+        return fused_cpu.fused_attention(query, segments, scaling), None
+    if path == "native_mass":
+        fast = native.mass_read(query, segments, scaling)
+        if fast is not None:
+            return fast
+        profiling.left_native("native mass read declined")
+        path = "mass"
+    if path == "mass":
+        return mass_read(query, segments, scaling)
     return blockwise_attention(query, segments, scaling, block_size, softcap=softcap, need_mass=need_mass)

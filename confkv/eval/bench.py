@@ -387,6 +387,8 @@ def step_breakdown(runner: _Runner, ids: torch.Tensor, steps: int) -> dict[str, 
     step_ms = 1e3 * total / steps
     # Model compute: everything that is not an instrumented confkv section.
     sections = {"model compute (rest)": step_ms - sum(sections.values()), **sections}
+    # reads (one per layer and step) that left the native path, by reason (confkv.attention.read_plan)
     return {"step_ms": step_ms, "sections_ms": sections, "calls": dict(timers.calls),
+            "left_native": dict(timers.fallbacks), "steps": steps,
             "policy_work_ms": policy_work, "policy_work_fraction": policy_work / step_ms,
             "cache_overhead_ms": overhead, "cache_overhead_fraction": overhead / step_ms}

@@ -48,6 +48,14 @@ def format_breakdown(name: str, b: dict[str, Any]) -> str:
              f"{100 * b['cache_overhead_fraction']:.1f}%"]
     for section, ms in b["sections_ms"].items():
         lines.append(f"  {section:28s} {ms:8.2f} ms  {100 * ms / b['step_ms']:5.1f}%")
+    left = b.get("left_native") or {}
+    steps = b.get("steps", 0)
+    if left:
+        lines.append(f"  reads that left the native path over {steps} steps (one read per layer and step), by reason:")
+        for reason, count in sorted(left.items(), key=lambda item: -item[1]):
+            lines.append(f"    {count:6d}  {reason}")
+    else:
+        lines.append(f"  reads that left the native path over {steps} steps: none")
     return "\n".join(lines)
 
 

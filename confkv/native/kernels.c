@@ -13,6 +13,7 @@
  */
 #include "c/common.h"     /* headers, dtype codes, bfloat16, row loads / stores, reductions, exp */
 #include "c/mass_read.c"  /* the attention read with attention mass; the store's decode step */
+#include "c/pages.c"      /* the read of dense segments with masks and packed KIVI cold pages */
 #include "c/rows.c"       /* the confidence's terms, RMSNorm, rotary */
 #include "c/gemv.c"       /* the INT8 GEMV's row kernels (W8A16 and W8A8) */
 #include "c/pool.c"       /* the worker pool */

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from confkv import native, profiling
-from confkv.attention import KVSegment, attention_read, reads_pages
+from confkv.attention import KVSegment, attention_read
+from confkv.attention.read_plan import hands_pages
 from confkv.attention.mass_read import MAX_SCORES, mass_read
 from confkv.config import ALL_PAGES, StoreConfig
 from confkv.native.decode import DecodePlan
@@ -180,7 +181,7 @@ class AttentionRead:
             need_mass = bool(self.stat_names) and self.policy.needs_attention
         rotation = None
         if self.cold is not None:  # every cold token is older than every query: no causal mask
-            paged = reads_pages(query, self.config.read_backend)  # the Triton read takes packed pages
+            paged = hands_pages(query, self.config.read_backend)  # the Triton and the native page read take packed pages
             # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
             # rotated back token by token; the few hot keys/values, the query and the output turn instead
             rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation()

@@ -1,0 +1,118 @@
+"""Which backend an attention read takes, decided in one place (issue 32).
+
+:func:`plan` looks at the query, the segments and the settings and names the path:
+
+==================  ===========================================================================
+``triton``          CUDA query with ``triton``: the Triton read (packed pages read in its kernel)
+``fused``           PyTorch's fused CPU kernel (no mask, no mass, full precision, no pages)
+``native_mass``     :func:`confkv.native.mass_read`: mass needed, every slot visible, no pages
+``native_pages``    :func:`confkv.native.pages.page_read`: masks and packed KIVI pages in one C call
+``mass``            :func:`confkv.attention.mass_read.mass_read` (torch), the native library missing
+``torch``           the block-wise torch read, packed pages gathered and dequantized first
+==================  ===========================================================================
+
+Every plan that leaves the native path on CPU (``mass``, ``torch``) carries the reason, and
+:func:`confkv.attention.attention_read` counts it with :func:`confkv.profiling.left_native`, so a
+store that falls to the slow read is seen (``confkv bench --breakdown-steps`` prints the counts).
+:func:`hands_pages` tells a store whether to hand its cold pages over still packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from confkv import native
+from confkv.attention.fused_cpu import fused_read_eligible
+from confkv.attention.mass_read import MAX_SCORES, mass_read_eligible
+from confkv.attention.paged import PagedSegment
+from confkv.native import pages as native_pages
+
+BACKENDS = ("auto", "torch", "fused", "triton")
+#: the paths that are not a fallback
+FAST = ("triton", "fused", "native_mass", "native_pages")
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """A read's path (see the module docstring) and, when it left the native path, why."""
+
+    path: str
+    reason: str | None = None
+
+
+def triton_reads(query: Tensor, backend: str) -> bool:
+    """True when the read runs the Triton kernel (``backend="triton"``, or ``auto`` with a CUDA query and triton)."""
+    if backend == "triton":
+        return True
+    if backend != "auto" or not query.is_cuda:
+        return False
+    from confkv.attention import triton_read
+
+    return triton_read.triton_available()
+
+
+def hands_pages(query: Tensor, backend: str) -> bool:
+    """Whether a cold tier should hand its selected pages over still packed (a :class:`PagedSegment`):
+    the Triton read, or ``auto`` on CPU with the native kernels (the native page read takes them)."""
+    if triton_reads(query, backend):
+        return True
+    return backend == "auto" and query.device.type == "cpu" and native.available()
+
+
+def _dense_reason(query: Tensor, segments: Sequence, softcap: float | None) -> str:
+    """Why a read without packed pages is not a native mass read (it was not eligible)."""
+    if softcap is not None:
+        return "softcap"
+    if any(s.keys_int8 or s.values_int8 for s in segments):
+        return "INT8 segment"
+    if any(s.visible is not None for s in segments):
+        return "masked segment without packed pages"
+    if native_pages.score_entries(query, segments) > MAX_SCORES:
+        return "scores over MAX_SCORES"
+    return "segments the mass read does not take"
+
+
+def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bool, backend: str) -> ReadPlan:
+    """The path of ``attention_read(query, segments, ..., backend=backend)`` (see the module docstring).
+
+    Raises ValueError for an unknown backend, and for ``backend="fused"`` on a read it does not take.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if triton_reads(query, backend):
+        return ReadPlan("triton")
+    has_pages = any(isinstance(s, PagedSegment) for s in segments)
+    if backend in ("auto", "fused") and not has_pages and fused_read_eligible(query, segments, softcap, need_mass):
+        return ReadPlan("fused")
+    if backend == "fused":
+        raise ValueError("backend 'fused' needs a CPU query, full-precision segments of its dtype, no mask, "
+                         "no softcap and need_mass=False; use backend='auto' to fall back to the block-wise read")
+    if backend == "torch":
+        return ReadPlan("torch", "backend 'torch' asked")
+    if query.device.type != "cpu":
+        return ReadPlan("torch", "GPU query without triton")
+    mass_eligible = not has_pages and need_mass and mass_read_eligible(query, segments, softcap)
+    if not native.available():
+        return ReadPlan("mass" if mass_eligible else "torch", "native kernels unavailable")
+    if not has_pages:
+        if mass_eligible:
+            if query.dtype in _NATIVE_DTYPES and all(s.keys.dtype in _NATIVE_DTYPES and s.values.dtype in
+                                                     _NATIVE_DTYPES for s in segments):
+                return ReadPlan("native_mass")
+            return ReadPlan("mass", "dtype the native mass read does not take")
+        if not need_mass:
+            return ReadPlan("torch", "no mass needed, not fused-eligible")
+        return ReadPlan("torch", _dense_reason(query, segments, softcap))
+    if softcap is not None:
+        return ReadPlan("torch", "softcap")
+    why = native_pages.unsupported(query, segments)
+    if why is not None:
+        return ReadPlan("torch", why)
+    if native_pages.score_entries(query, segments) > MAX_SCORES:
+        return ReadPlan("torch", "scores over MAX_SCORES")
+    return ReadPlan("native_pages")

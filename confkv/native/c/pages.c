@@ -1,0 +1,278 @@
+/* The attention read over dense segments (with visibility masks) and packed KIVI cold pages
+ * (confkv_page_read; issue 32). Part of kernels.c.
+ *
+ * A page is read still packed: its key and value codes (2, 3, 4 or 8 bits, packed as confkv/tiers/lowbit.py
+ * packs them) are unpacked and dequantized one token row at a time into a D-float buffer (L1), never as a
+ * whole segment. Keys: per channel, one float16 (scale, minimum) per G tokens; values: per token, one per Gv
+ * channels; x = minimum + code * scale, as lowbit.dequantize_* (addcmul) computes it. */
+
+enum { PR_META = 40, PR_PTRS = 9 };
+enum { SEG_DENSE = 0, SEG_PAGES = 1 };
+
+/* float16 -> float32, exactly (normals, subnormals, zeros, inf, NaN) */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+    uint32_t u;
+    if (exponent == 0x1Fu) {
+        u = sign | 0x7F800000u | (mantissa << 13);
+    } else if (exponent) {
+        u = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    } else if (!mantissa) {
+        u = sign;
+    } else { /* subnormal: mantissa * 2^-24, exact in float32 */
+        const float f = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void load_f16_row(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
+}
+
+/* the codes of one byte as floats: 2 bits (4 codes) and 4 bits (2 codes), low bits first (lowbit.pack);
+ * built once, before the first read (confkv_page_read) */
+static float codes2[256][4], codes4[256][2];
+static int code_tables_built;
+
+static void build_code_tables(void) {
+    if (code_tables_built) return;
+    for (int b = 0; b < 256; b++) {
+        for (int c = 0; c < 4; c++) codes2[b][c] = (float)((b >> (2 * c)) & 3);
+        for (int c = 0; c < 2; c++) codes4[b][c] = (float)((b >> (4 * c)) & 15);
+    }
+    code_tables_built = 1;
+}
+
+/* the D codes of one packed row (lowbit.pack: code i of a word sits at bit bits * i of the little-endian word) */
+static void unpack_row(const uint8_t *restrict src, int bits, int64_t D, float *restrict dst) {
+    switch (bits) {
+    case 8:
+        for (int64_t d = 0; d < D; d++) dst[d] = (float)src[d];
+        break;
+    case 4:
+        for (int64_t i = 0; i < D / 2; i++) memcpy(dst + 2 * i, codes4[src[i]], 2 * sizeof(float));
+        break;
+    case 2:
+        for (int64_t i = 0; i < D / 4; i++) memcpy(dst + 4 * i, codes2[src[i]], 4 * sizeof(float));
+        break;
+    default: /* 3 bits: 8 codes in 3 bytes */
+        for (int64_t w = 0; w < D / 8; w++) {
+            const uint32_t word = (uint32_t)src[3 * w] | (uint32_t)src[3 * w + 1] << 8 | (uint32_t)src[3 * w + 2] << 16;
+            for (int c = 0; c < 8; c++) dst[8 * w + c] = (float)((word >> (3 * c)) & 7u);
+        }
+    }
+}
+
+/* one call's operands (see confkv_page_read) */
+typedef struct {
+    const float *query; /* [B, Hq, Q, D] float32 contiguous */
+    int64_t Hq, Q, D, Hkv, G, R, total;
+    int n_seg;
+    const void *const *ptrs; /* PR_PTRS per segment */
+    const int64_t *meta;     /* PR_META per segment */
+    float scaling;
+    float *out;              /* [B, Hq, Q, D] float32 contiguous */
+    float *const *mass;      /* per segment [B, Hkv, L_s] float32 contiguous, or NULL */
+    float *scratch;
+    int64_t scratch_stride;
+} page_args;
+
+static int64_t page_scratch(const page_args *a) { return a->R * a->D + a->R * a->total + a->R * a->D + 4 * a->D; }
+
+/* scores of a dense segment's L slots for the R rows (qf pre-scaled), masked slots -inf */
+static void dense_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
+                         const float *qf, float *scores, float *row) {
+    const int64_t L = m[1], R = a->R, Q = a->Q, total = a->total;
+    const int kd = (int)m[2];
+    scores_segment(qf, R, a->D, at(p[0], kd, b * m[4] + j * m[5]), kd, m[6], L, 1.0f, scores, total, row);
+    if (!p[2]) return;
+    const uint8_t *vis = (const uint8_t *)p[2] + b * m[10] + j * m[11];
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *v = vis + (r % Q) * m[12];
+        float *s = scores + r * total;
+        for (int64_t l = 0; l < L; l++)
+            if (!v[l * m[13]]) s[l] = -INFINITY;
+    }
+}
+
+static void dense_values(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
+                         const float *probs, float *acc, float *row) {
+    const int vd = (int)m[3];
+    weighted_sum_segment(probs, a->total, a->R, a->D, at(p[1], vd, b * m[7] + j * m[8]), vd, m[9], m[1], acc, row);
+}
+
+/* paged segment meta: [1] L = K * P, [2] K, [3] P, [4] bits, [5] G, [6] Gv, [7] C (packed bytes per row),
+ * [8..9] index strides (b, h), [10] counts stride, [11..13] valid strides (b, h, n),
+ * [14..16] key codes, [17..19] key scale, [20..22] key min, [23..25] value codes, [26..28] value scale,
+ * [29..31] value min strides (b, h, n); within a page every tensor is contiguous.
+ * ptrs: index, counts, valid, key codes, key scale, key min, value codes, value scale, value min. */
+static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k) {
+    const int64_t page = ((const int64_t *)p[0])[b * m[8] + j * m[9] + k];
+    const int64_t count = ((const int64_t *)p[1])[b * m[10]];
+    return k < count ? page : -1;
+}
+
+static void page_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
+                        const float *qf, float *scores, float *buf) {
+    const int64_t K = m[2], P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total;
+    const int bits = (int)m[4];
+    float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t page = page_of(p, m, b, j, k);
+        float *s = scores + k * P;
+        if (page < 0) {
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t t = 0; t < P; t++) s[r * total + t] = -INFINITY;
+            continue;
+        }
+        const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
+        const uint8_t *kc = (const uint8_t *)p[3] + b * m[14] + j * m[15] + page * m[16];
+        const uint16_t *ks = (const uint16_t *)p[4] + b * m[17] + j * m[18] + page * m[19];
+        const uint16_t *km = (const uint16_t *)p[5] + b * m[20] + j * m[21] + page * m[22];
+        int64_t loaded = -1; /* the key group whose scale and minimum are in the buffers */
+        for (int64_t t = 0; t < P; t++) {
+            if (!valid[t]) {
+                for (int64_t r = 0; r < R; r++) s[r * total + t] = -INFINITY;
+                continue;
+            }
+            if (t / G != loaded) {
+                loaded = t / G;
+                load_f16_row(ks + loaded * D, D, scale);
+                load_f16_row(km + loaded * D, D, minimum);
+            }
+            unpack_row(kc + t * C, bits, D, codes);
+            for (int64_t d = 0; d < D; d++) key[d] = minimum[d] + codes[d] * scale[d];
+            for (int64_t r = 0; r < R; r++) s[r * total + t] = dot(qf + r * D, key, D);
+        }
+    }
+}
+
+static void page_values(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
+                        const float *probs, float *acc, float *buf) {
+    const int64_t K = m[2], P = m[3], Gv = m[6], C = m[7], D = a->D, R = a->R, total = a->total, groups = D / Gv;
+    const int bits = (int)m[4];
+    float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *value = buf + 3 * D;
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t page = page_of(p, m, b, j, k);
+        if (page < 0) continue;
+        const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
+        const uint8_t *vc = (const uint8_t *)p[6] + b * m[23] + j * m[24] + page * m[25];
+        const uint16_t *vs = (const uint16_t *)p[7] + b * m[26] + j * m[27] + page * m[28];
+        const uint16_t *vm = (const uint16_t *)p[8] + b * m[29] + j * m[30] + page * m[31];
+        const float *w = probs + k * P;
+        for (int64_t t = 0; t < P; t++) {
+            if (!valid[t]) continue;
+            load_f16_row(vs + t * groups, groups, scale);
+            load_f16_row(vm + t * groups, groups, minimum);
+            unpack_row(vc + t * C, bits, D, codes);
+            for (int64_t g = 0; g < groups; g++) {
+                const float low = minimum[g], step = scale[g];
+                float *restrict v = value + g * Gv;
+                const float *restrict c = codes + g * Gv;
+                for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const float weight = w[r * total + t];
+                float *o = acc + r * D;
+                for (int64_t d = 0; d < D; d++) o[d] = fmaf(weight, value[d], o[d]);
+            }
+        }
+    }
+}
+
+/* the read of query heads j * G .. j * G + G - 1 of sequence b over KV head j: unit = b * Hkv + j */
+static void page_read_unit(const void *ctx, int64_t unit) {
+    const page_args *a = (const page_args *)ctx;
+    const int64_t b = unit / a->Hkv, j = unit % a->Hkv, G = a->G, Q = a->Q, D = a->D, R = a->R, total = a->total;
+    float *qf = a->scratch + unit * a->scratch_stride;
+    float *scores = qf + R * D, *acc = scores + R * total, *buf = acc + R * D;
+    /* row r = g * Q + q holds query head j * G + g, query q; the scaling folded in (as the block-wise read) */
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t q = 0; q < Q; q++) {
+            const float *src = a->query + ((b * a->Hq + j * G + g) * Q + q) * D;
+            for (int64_t d = 0; d < D; d++) qf[(g * Q + q) * D + d] = src[d] * a->scaling;
+        }
+    int64_t offset = 0;
+    for (int s = 0; s < a->n_seg; s++) {
+        const int64_t *m = a->meta + PR_META * s;
+        const void *const *p = a->ptrs + PR_PTRS * s;
+        if (m[0] == SEG_DENSE) dense_scores(a, p, m, b, j, qf, scores + offset, buf);
+        else page_scores(a, p, m, b, j, qf, scores + offset, buf);
+        offset += m[1];
+    }
+    /* one softmax over every segment's slots; a row that sees nothing gets probabilities 0 (the
+     * block-wise read's running max starts at -1e30 and its sum is clamped at the smallest normal) */
+    for (int64_t r = 0; r < R; r++) {
+        float *p = scores + r * total;
+        float top = max_or_nan(p, total);
+        top = top < -1e30f ? -1e30f : top;
+        for (int64_t l = 0; l < total; l++) p[l] = exp_nonpositive(p[l] - top);
+        float norm = sum(p, total);
+        norm = norm < 1.17549435e-38f ? 1.17549435e-38f : norm;
+        const float inv = 1.0f / norm;
+        for (int64_t l = 0; l < total; l++) p[l] *= inv;
+    }
+    for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
+    offset = 0;
+    for (int s = 0; s < a->n_seg; s++) {
+        const int64_t *m = a->meta + PR_META * s, L = m[1];
+        const void *const *p = a->ptrs + PR_PTRS * s;
+        if (a->mass && a->mass[s]) {
+            float *slot_mass = a->mass[s] + (b * a->Hkv + j) * L;
+            for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
+            for (int64_t q = 0; q < Q; q++)
+                for (int64_t l = 0; l < L; l++) {
+                    float group = 0.0f;
+                    for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + offset + l];
+                    slot_mass[l] += group / (float)G;
+                }
+        }
+        if (m[0] == SEG_DENSE) dense_values(a, p, m, b, j, scores + offset, acc, buf);
+        else page_values(a, p, m, b, j, scores + offset, acc, buf);
+        offset += L;
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t q = 0; q < Q; q++)
+            memcpy(a->out + ((b * a->Hq + j * G + g) * Q + q) * D, acc + (g * Q + q) * D, (size_t)D * sizeof(float));
+}
+
+/* Softmax attention with attention mass over the concatenation of n_seg segments, each dense (keys / values
+ * [B, Hkv, L, D] float32 or bfloat16, an optional bool visibility mask broadcast to [B, Hkv, Q, L] by its
+ * strides) or a set of selected packed KIVI pages (confkv.attention.paged.PagedSegment, bits 2, 3, 4, 8):
+ *   query [B, Hq, Q, D] float32 contiguous, Hq = Hkv * G; out the same
+ *   dense meta: [0] 0, [1] L, [2] key dtype, [3] value dtype, [4..6] key strides (b, h, l), [7..9] value
+ *       strides, [10..13] mask strides (b, h, q, l); ptrs: keys, values, mask (NULL: all visible)
+ *   paged meta and ptrs: see page_scores
+ *   mass[s] [B, Hkv, L_s] float32 contiguous (mass NULL: none): the softmax probability of each slot averaged
+ *       over the G query heads of its KV head, summed over the Q queries; 0 where hidden.
+ * Scores (query * scaling) . key, one softmax and the weighted sum in float32. The B * Hkv pairs run on up to
+ * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
+ * bit width or group it does not take. */
+int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
+                     const void *const *ptrs, const int64_t *meta, float scaling, float *out, float *const *mass,
+                     int threads) {
+    page_args a = {query, Hq, Q, D, Hkv, Hq / Hkv, (Hq / Hkv) * Q, 0, n_seg, ptrs, meta, scaling, out, mass, NULL, 0};
+    for (int s = 0; s < n_seg; s++) {
+        const int64_t *m = meta + PR_META * s;
+        if (m[0] == SEG_PAGES) {
+            const int64_t bits = m[4];
+            if ((bits != 2 && bits != 3 && bits != 4 && bits != 8) || m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6])
+                return 2;
+        }
+        a.total += m[1];
+    }
+    build_code_tables();
+    const int64_t units = B * Hkv;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    const int parallel = threads >= 2 && units >= 2 && units * a.R * a.total * D >= mass_min_parallel;
+    a.scratch_stride = parallel ? page_scratch(&a) : 0;
+    a.scratch = malloc(sizeof(float) * (size_t)(parallel ? units * a.scratch_stride : page_scratch(&a)));
+    if (!a.scratch) return 1;
+    if (!parallel || pool_run(page_read_unit, &a, units, threads))
+        for (int64_t unit = 0; unit < units; unit++) page_read_unit(&a, unit);
+    free(a.scratch);
+    return 0;
+}

@@ -1,0 +1,162 @@
+"""The native read of packed cold pages (issue 32): dense segments and KIVI pages in one C call.
+
+:func:`page_read` computes what :func:`confkv.attention.blockwise.blockwise_attention` computes over
+``densify(segments)`` (the torch reference: gather and dequantize every selected page, then the block-wise
+read), but reads each selected page still packed (``kernels.c``'s ``confkv_page_read``): the codes of one
+token row are unpacked and dequantized into a D-float buffer, and every segment's slots go through one
+float32 softmax. Visibility masks (left padding, invalid slots, pages a sequence does not read) are applied
+in the kernel. It returns the same per-slot attention mass ([B, Hkv, L_s] per segment, a page segment's
+slots in rank order), which the cold tier's page heat and the ranking take.
+
+:func:`unsupported` says why a read is not one it takes (None when it is); the read plan
+(:mod:`confkv.attention.read_plan`) asks it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from confkv.native.loader import library
+
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_PTRS, _META = 9, 40  # kernels.c's PR_PTRS, PR_META
+#: bit widths of the packed pages the kernel reads
+BITS = (2, 3, 4, 8)
+
+
+def _is_paged(segment) -> bool:
+    return hasattr(segment, "index") and hasattr(segment, "counts")
+
+
+def unsupported(query: Tensor, segments: Sequence) -> str | None:
+    """Why :func:`page_read` does not take this read, or None when it does (the library not checked)."""
+    if query.device.type != "cpu":
+        return "query not on CPU"
+    if not query.is_floating_point():
+        return "query dtype"
+    for segment in segments:
+        if _is_paged(segment):
+            if segment.bits not in BITS:
+                return f"{segment.bits}-bit pages"
+            if segment.valid.device.type != "cpu":
+                return "pages not on CPU"
+            if segment.head_dim % {2: 4, 3: 8, 4: 2, 8: 1}[segment.bits]:
+                return "head_dim not packable"
+        else:
+            if segment.keys_int8 or segment.values_int8:
+                return "INT8 segment"
+            if not (segment.keys.is_floating_point() and segment.values.is_floating_point()):
+                return "segment dtype"
+            if segment.keys.device.type != "cpu":
+                return "segment not on CPU"
+    return None
+
+
+def _inner_contiguous(t: Tensor, lead: int) -> Tensor:
+    """``t`` itself when its dimensions past the first ``lead`` are contiguous (row-major), else a copy."""
+    expected, step = [], 1
+    for size in reversed(t.shape[lead:]):
+        expected.append(step)
+        step *= size
+    actual = [s for s, n in zip(reversed(t.stride()[lead:]), reversed(t.shape[lead:]))]
+    ok = all(a == e or n == 1 for a, e, n in zip(actual, expected, reversed(t.shape[lead:])))
+    return t if ok else t.contiguous()
+
+
+def _dense(segment, batch: int, kv_heads: int, queries: int, keep: list) -> tuple[list, list]:
+    keys, values = segment.keys, segment.values
+    if keys.dtype not in _CODES:
+        keys = keys.float()
+    if values.dtype not in _CODES:
+        values = values.float()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    values = values if values.stride(-1) == 1 else values.contiguous()
+    length = keys.shape[2]
+    meta = [0, length, _CODES[keys.dtype], _CODES[values.dtype], *keys.stride()[:3], *values.stride()[:3]]
+    mask = 0
+    if segment.visible is not None:
+        visible = segment.visible
+        while visible.dim() < 4:
+            visible = visible.unsqueeze(0)
+        visible = visible.to(torch.bool).expand(batch, kv_heads, queries, length)
+        meta += list(visible.stride())
+        keep.append(visible)
+        mask = visible.data_ptr()
+    else:
+        meta += [0, 0, 0, 0]
+    keep += [keys, values]
+    return [keys.data_ptr(), values.data_ptr(), mask] + [0] * (_PTRS - 3), meta
+
+
+def _paged(segment, keep: list) -> tuple[list, list]:
+    index = segment.index.to(torch.int64).contiguous()
+    counts = segment.counts.to(device="cpu", dtype=torch.int64).contiguous()
+    valid = _inner_contiguous(segment.valid.to(torch.bool), 3)
+    storage = [_inner_contiguous(getattr(segment, name), 3) for name in
+               ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")]
+    if any(t.dtype != torch.float16 for t in storage[1:3] + storage[4:]) or any(
+            t.dtype != torch.uint8 for t in (storage[0], storage[3])):
+        raise ValueError("packed pages: codes must be uint8 and scales / minima float16")
+    width, page = segment.width, segment.page_size
+    meta = [1, width * page, width, page, segment.bits, segment.group_size, min(segment.group_size, segment.head_dim),
+            storage[0].shape[-1], index.stride(0), index.stride(1), counts.stride(0), *valid.stride()[:3]]
+    for t in storage:
+        meta += list(t.stride()[:3])
+    keep += [index, counts, valid, *storage]
+    return [index.data_ptr(), counts.data_ptr(), valid.data_ptr()] + [t.data_ptr() for t in storage], meta
+
+
+def page_read(query: Tensor, segments: Sequence, scaling: float,
+              need_mass: bool = True) -> tuple[Tensor, list[Tensor] | None] | None:
+    """Attention of ``query`` over ``segments`` (:class:`~confkv.attention.KVSegment` s, masks allowed, and
+    :class:`~confkv.attention.paged.PagedSegment` s of 2-8 bits), the contract of ``blockwise_attention``.
+
+    Args:
+        query: [B, Hq, Q, D] on CPU (converted to float32), Hq = Hkv * G.
+        segments: dense segments (float keys / values; float32 and bfloat16 read as they are, other float
+            dtypes converted to float32) and packed page segments.
+        scaling: score multiplier.
+    Returns:
+        (out [B, Hq, Q, D] in ``query.dtype``, one mass [B, Hkv, L_s] float32 per segment or None), or None
+        when the library is unavailable or the read is not one it takes (:func:`unsupported`).
+    """
+    lib = library()
+    if lib is None or unsupported(query, segments) is not None or not segments:
+        return None
+    batch, q_heads, queries, head_dim = query.shape
+    kv_heads = segments[0].kv_heads if _is_paged(segments[0]) else segments[0].keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
+    keep: list[Tensor] = []
+    pointers: list[int] = []
+    meta: list[int] = []
+    lengths = []
+    for segment in segments:
+        ptrs, info = _paged(segment, keep) if _is_paged(segment) else _dense(segment, batch, kv_heads, queries, keep)
+        pointers += ptrs
+        meta += info + [0] * (_META - len(info))
+        lengths.append(info[1])
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty(batch, q_heads, queries, head_dim, dtype=torch.float32)
+    mass = [torch.empty(batch, kv_heads, n, dtype=torch.float32) for n in lengths] if need_mass else None
+    count = len(segments)
+    mass_ptrs = (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]) if need_mass else None
+    status = lib.confkv_page_read(q.data_ptr(), batch, q_heads, queries, head_dim, kv_heads, count,
+                                  (ctypes.c_void_p * len(pointers))(*pointers), (ctypes.c_int64 * len(meta))(*meta),
+                                  float(scaling), out.data_ptr(), mass_ptrs, torch.get_num_threads())
+    if status == 1:
+        raise MemoryError("confkv native page read: out of memory for the scores")
+    if status:
+        raise ValueError("confkv native page read: a page segment's bits or group size is not one it takes")
+    return out.to(query.dtype), mass
+
+
+def score_entries(query: Tensor, segments: Sequence) -> int:
+    """B * Hq * Q * (slots of every segment): the float32 scores the read holds at once."""
+    total = sum(s.length for s in segments)
+    return math.prod(query.shape[:3]) * total

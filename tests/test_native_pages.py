@@ -1,0 +1,210 @@
+"""The native read of packed KIVI cold pages (issue 32): confkv/native/c/pages.c, confkv/native/pages.py,
+the read plan (confkv/attention/read_plan.py) and its fallback counts.
+
+The reference is the torch read the store ran before: gather and dequantize every selected page
+(``PagedSegment.to_dense``), then the block-wise online-softmax read. Both sum in float32, in different
+orders (the C read: one softmax over every slot, dot products of one token row at a time; torch: bmm
+and its online rescaling), so they agree to float32 rounding, not bit for bit: outputs to
+``atol=2e-6, rtol=1e-5`` (values are O(1)), masses to ``atol=1e-6`` (masses are <= 1). The measured
+differences are about 3e-7 and 5e-8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv import profiling
+from confkv.attention import KVSegment, attention_read, read_plan
+from confkv.attention.blockwise import blockwise_attention
+from confkv.attention.paged import PagedSegment, densify
+from confkv.native import pages as native_pages
+from confkv.native.loader import available, disabled
+from confkv.tiers import lowbit
+
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable")
+
+OUT_TOL = dict(atol=2e-6, rtol=1e-5)
+MASS_TOL = dict(atol=1e-6, rtol=0.0)
+BATCH, KV_HEADS, DIM, PAGE, GROUP, PAGES = 3, 2, 32, 8, 4, 5
+
+
+def _pages(gen: torch.Generator, bits: int, reads: str) -> PagedSegment:
+    """Five pages per sequence and KV head, about a fifth of the slots invalid; the selection by ``reads``:
+    "none" (every sequence reads 0 of 3 ranks), "some" (3, 1 and 0 ranks, one rank -1), "all" (every page),
+    "empty" (a width of 0)."""
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, PAGE, DIM, generator=gen) * 2 + 0.5
+    values = torch.randn(BATCH, KV_HEADS, PAGES, PAGE, DIM, generator=gen)
+    valid = torch.rand(BATCH, KV_HEADS, PAGES, PAGE, generator=gen) > 0.2
+    qk = lowbit.quantize_keys(keys, valid, bits, GROUP)
+    qv = lowbit.quantize_values(values, bits, GROUP)
+    if reads == "all":
+        index = torch.stack([torch.randperm(PAGES, generator=gen) for _ in range(BATCH * KV_HEADS)])
+        index, counts = index.reshape(BATCH, KV_HEADS, PAGES), torch.full((BATCH,), PAGES)
+    elif reads == "empty":
+        index, counts = torch.zeros(BATCH, KV_HEADS, 0, dtype=torch.int64), torch.zeros(BATCH, dtype=torch.int64)
+    else:
+        index = torch.stack([torch.randperm(PAGES, generator=gen)[:3] for _ in range(BATCH * KV_HEADS)])
+        index = index.reshape(BATCH, KV_HEADS, 3)
+        index[0, 1, 1] = -1  # no page at this rank
+        counts = torch.tensor([3, 1, 0]) if reads == "some" else torch.zeros(BATCH, dtype=torch.int64)
+    return PagedSegment(index, counts, valid, bits, GROUP, DIM, key_codes=qk.codes, key_scale=qk.scale,
+                        key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
+
+
+def _hot(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> list[KVSegment]:
+    """A hot tier with left padding (sequence 1 padded 2 slots, sequence 2 padded 5 of 7) and an open page
+    with invalid slots, like a left-padded batch's store."""
+    hot_len, open_len = 7, 6
+    padding = torch.arange(hot_len)[None, :] >= torch.tensor([0, 2, 5])[:, None]  # [B, L]: True = a real token
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, hot_len, DIM, generator=gen).to(dtype),
+                    torch.randn(BATCH, KV_HEADS, hot_len, DIM, generator=gen).to(dtype), padding[:, None, None, :])
+    open_valid = torch.rand(BATCH, open_len, generator=gen) > 0.3
+    open_page = KVSegment(torch.randn(BATCH, KV_HEADS, open_len, DIM, generator=gen).to(dtype),
+                          torch.randn(BATCH, KV_HEADS, open_len, DIM, generator=gen).to(dtype), open_valid[:, None, None, :])
+    return [hot, open_page]
+
+
+def _compare(query, segments, scaling=DIM ** -0.5):
+    out, mass = native_pages.page_read(query, segments, scaling)
+    ref, ref_mass = blockwise_attention(query, densify(list(segments)), scaling)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
+    assert len(mass) == len(ref_mass)
+    for got, want in zip(mass, ref_mass):
+        torch.testing.assert_close(got, want, **MASS_TOL)
+    return out, mass
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("reads", ["empty", "none", "some", "all"])
+def test_the_native_page_read_equals_the_torch_read(bits, group, reads):
+    gen = torch.Generator().manual_seed(bits * 100 + group * 10 + len(reads))
+    segments = [*_hot(gen), _pages(gen, bits, reads)]
+    query = torch.randn(BATCH, KV_HEADS * group, 1, DIM, generator=gen)
+    _, mass = _compare(query, segments)
+    pages = segments[-1]
+    if reads in ("none", "empty"):
+        assert float(mass[-1].abs().sum()) == 0.0
+    else:  # every read slot took some mass, every slot not read none
+        seen = pages.visible()[:, :, 0]
+        assert bool((mass[-1][seen] > 0).all()) and float(mass[-1][~seen].abs().sum()) == 0.0
+
+
+def test_pages_alone_several_bit_widths_and_a_bfloat16_hot_tier():
+    """A ladder's read: the open page and the hot tier in bfloat16, then rungs of 8, 4 and 3 bits."""
+    gen = torch.Generator().manual_seed(7)
+    segments = [*_hot(gen, torch.bfloat16), _pages(gen, 8, "all"), _pages(gen, 4, "some"), _pages(gen, 3, "all")]
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen).to(torch.bfloat16)
+    out, mass = native_pages.page_read(query, segments, DIM ** -0.5)
+    ref, ref_mass = blockwise_attention(query, densify(segments), DIM ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=0)  # one bfloat16 rounding apart
+    for got, want in zip(mass, ref_mass):
+        torch.testing.assert_close(got, want, **MASS_TOL)
+
+
+def test_a_row_that_sees_nothing_reads_zero():
+    gen = torch.Generator().manual_seed(3)
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, 4, DIM, generator=gen), torch.randn(BATCH, KV_HEADS, 4, DIM, generator=gen),
+                    torch.zeros(BATCH, 1, 1, 4, dtype=torch.bool))
+    out, mass = _compare(torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen), [hot, _pages(gen, 4, "none")])
+    assert float(out.abs().sum()) == 0.0 and all(float(m.abs().sum()) == 0.0 for m in mass)
+
+
+def test_the_plan_names_the_path_and_why_it_left_the_native_one():
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
+    segments = [*_hot(gen), _pages(gen, 4, "some")]
+    assert read_plan.plan(query, segments, None, True, "auto") == read_plan.ReadPlan("native_pages")
+    assert read_plan.plan(query, segments, None, False, "auto") == read_plan.ReadPlan("native_pages")
+    assert read_plan.plan(query, segments, 30.0, True, "auto") == read_plan.ReadPlan("torch", "softcap")
+    assert read_plan.plan(query, segments, None, True, "torch").reason == "backend 'torch' asked"
+    sixteen = PagedSegment(segments[-1].index, segments[-1].counts, segments[-1].valid, 16, GROUP, DIM,
+                           keys=torch.zeros(BATCH, KV_HEADS, PAGES, PAGE, DIM),
+                           values=torch.zeros(BATCH, KV_HEADS, PAGES, PAGE, DIM))
+    assert read_plan.plan(query, [*segments[:2], sixteen], None, True, "auto") == read_plan.ReadPlan("torch", "16-bit pages")
+    with disabled():
+        assert read_plan.plan(query, segments, None, True, "auto") == read_plan.ReadPlan("torch", "native kernels unavailable")
+        assert not read_plan.hands_pages(query, "auto")
+    assert read_plan.hands_pages(query, "auto") and not read_plan.hands_pages(query, "torch")
+
+
+def test_a_read_that_leaves_the_native_path_is_counted_with_its_reason():
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
+    segments = [*_hot(gen), _pages(gen, 2, "all")]
+    timers = profiling.Timers()
+    profiling.reset_fallbacks()
+    with profiling.enabled(timers):
+        fast, _ = attention_read(query, segments, DIM ** -0.5)  # native: not counted
+        assert dict(timers.fallbacks) == {}
+        slow, _ = attention_read(query, segments, DIM ** -0.5, softcap=1e6)  # a soft cap: the torch read
+        with disabled():
+            attention_read(query, segments, DIM ** -0.5)
+    assert dict(timers.fallbacks) == {"softcap": 1, "native kernels unavailable": 1}
+    assert profiling.FALLBACKS == timers.fallbacks
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)  # tanh(s / 1e6) * 1e6 ~ s
+
+
+def _generate(model, ids, mask):
+    from confkv.hf import ConfKVCache
+
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False)
+    return out[:, ids.shape[1]:]
+
+
+def test_greedy_tokens_of_the_memory_preset_are_the_same_with_the_native_read_on_and_off(monkeypatch):
+    """A tiny Llama (GQA 3), batch 3 with left padding, 300 tokens at memory=0.25: the ladder holds pages, the
+    decode steps read them natively (every one of them: no fallback counted), and the tokens match the torch read."""
+    from confkv.models.tiny import tiny_model
+
+    model = tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (3, 300), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    mask[2, :40] = 0
+    reads = []
+    real = native_pages.page_read
+    monkeypatch.setattr(native_pages, "page_read", lambda *a, **k: reads.append(1) or real(*a, **k))
+    timers = profiling.Timers()
+    with profiling.enabled(timers):
+        native_tokens = _generate(model, ids, mask)
+    layers = model.config.num_hidden_layers
+    assert len(reads) == 9 * layers  # the 9 decode steps after the prefill, every layer
+    assert set(timers.fallbacks) <= {"masked segment without packed pages"}  # the prefill (no pages yet)
+    timers = profiling.Timers()
+    with disabled(), profiling.enabled(timers):
+        torch_tokens = _generate(model, ids, mask)
+    assert len(reads) == 9 * layers
+    assert timers.fallbacks["native kernels unavailable"] >= 9 * layers  # the store left the native path: counted
+    assert torch.equal(native_tokens, torch_tokens)
+
+
+def test_the_bench_breakdown_prints_the_fallback_counts():
+    from confkv.eval.bench_output import format_breakdown
+
+    breakdown = {"step_ms": 10.0, "sections_ms": {"attention read": 5.0}, "policy_work_ms": 1.0,
+                 "policy_work_fraction": 0.1, "cache_overhead_ms": 2.0, "cache_overhead_fraction": 0.2,
+                 "left_native": {"softcap": 60, "native kernels unavailable": 3}, "steps": 2}
+    text = format_breakdown("tiered", breakdown)
+    assert "reads that left the native path over 2 steps" in text
+    assert "    60  softcap" in text and "     3  native kernels unavailable" in text
+    assert "left the native path over 2 steps: none" in format_breakdown("x", {**breakdown, "left_native": {}})
+
+
+def test_two_threads_give_the_same_bits_as_one():
+    """Big enough for the worker pool: each (sequence, KV head) pair is computed as alone, so bit-equal."""
+    gen = torch.Generator().manual_seed(6)
+    segments = [*_hot(gen), _pages(gen, 8, "all"), _pages(gen, 4, "all"), _pages(gen, 3, "all")]
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_mass = native_pages.page_read(query, segments, DIM ** -0.5)
+        torch.set_num_threads(2)
+        two, two_mass = _compare(query, segments)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))

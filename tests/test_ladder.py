@@ -122,3 +122,45 @@ def test_the_step_order_picks_the_rung(order, stepped_rung):
     tier.fit(tier.kv_bytes() - 1, torch.float32)
     after = [r.num_pages for r in tier.rungs]
     assert after[stepped_rung] == 0 and after[stepped_rung + 1] == before[stepped_rung + 1] + 1
+
+
+def _open_only(count: int, **storage) -> LadderTier:
+    """A ladder whose only tokens are ``count`` (< P) in the open page, positions 100, 101, ..."""
+    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, **storage))
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(B, H, count, D, generator=gen)
+    positions = (100 + torch.arange(count)).expand(B, H, count).clone()
+    tier.demote(keys, keys.flip(-1), positions, torch.ones(B, count, dtype=torch.bool))
+    assert tier.top.open_length == count and tier.top.num_pages == 0
+    return tier
+
+
+SLOT_BYTES = 2 * B * H * D * 4  # one open slot (keys and values, every sequence and head) in float32
+
+
+def test_an_open_page_over_its_budget_is_sealed_early_and_stepped_down_not_dropped():
+    count = P - 1
+    assert count * SLOT_BYTES > _page_bytes(2)  # worth sealing: its tokens cost more than a bottom page
+    tier = _open_only(count)
+    tier.fit(_page_bytes(2), torch.float32)
+    bottom = tier.rungs[2]
+    assert [r.num_pages for r in tier.rungs] == [0, 0, 1] and tier.top.open_length == 0
+    assert tier.kv_bytes() == _page_bytes(2)
+    valid = bottom.pages["valid"][:, :, 0]  # [B, H, P]: the page's empty slot stays invalid
+    assert valid[..., :count].all() and not valid[..., count:].any()
+    assert bottom.pages["positions"][:, :, 0, :count].eq(100 + torch.arange(count)).all()
+    assert int(tier.token_count().sum()) == B * count
+
+
+@pytest.mark.parametrize("seal_early", [True, False])
+def test_a_cheap_open_page_loses_only_its_oldest_slots(seal_early):
+    """One open token costs less than a bottom page (sealing would not save bytes): it is dropped, not sealed;
+    with seal_early=False any open page is trimmed: only as many of its oldest slots go as the budget needs."""
+    count = 1 if seal_early else P - 1
+    tier = _open_only(count, seal_early=seal_early)
+    if seal_early:
+        assert count * SLOT_BYTES <= _page_bytes(2)
+    tier.fit((count - 1) * SLOT_BYTES, torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [0, 0, 0] and tier.top.open_length == count - 1
+    assert tier.top.open["positions"].eq(100 + torch.arange(1, count)).all()  # the oldest one went
+    assert tier.kv_bytes() == (count - 1) * SLOT_BYTES

@@ -298,10 +298,28 @@ class ColdTier(PageRead):
         encoded = self._encode(taken["keys"], taken["values"], taken["valid"], taken["positions"])
         self._append_pages({**meta, **encoded}, count)
 
-    def drop_open(self) -> None:
-        """Delete the open page's tokens (when even no sealed page leaves room for them)."""
+    def drop_open(self, count: int | None = None) -> None:
+        """Delete the open page's ``count`` oldest slots (all when None): when even no sealed page leaves
+        room for them."""
         if self.open is not None:
-            self.open = {name: (t[..., :0] if name == "valid" else t[:, :, :0]).clone() for name, t in self.open.items()}
+            start = self.open_length if count is None else min(count, self.open_length)
+            self.open = _left_align({name: (t[..., start:] if name == "valid" else t[:, :, start:]).clone()
+                                     for name, t in self.open.items()})
+
+    def seal_open(self) -> None:
+        """Seal the open page now, its empty slots invalid (a partial page costs a whole page's bytes)."""
+        if not self.open_length:
+            return
+        page, filled = self.config.page_size, self.open_length
+        padded = {}
+        for name, tensor in self.open.items():
+            if name == "valid":
+                padded[name] = torch.cat([tensor, tensor.new_zeros(tensor.shape[0], page - filled)], dim=1)
+            else:
+                spare = tensor.new_zeros(tensor.shape[:2] + (page - filled,) + tensor.shape[3:])
+                padded[name] = torch.cat([tensor, spare], dim=2)
+        self.drop_open()
+        self._seal(padded, 1)
 
     # -- batch -----------------------------------------------------------------------------------
     def select_batch(self, index: Tensor) -> None:

@@ -13,8 +13,9 @@ of each KV head on one of the rungs above the bottom is re-quantized one rung do
 al. 2024, "No Token Left Behind"); which rung gives it is ``Storage.step_order``: by default the
 one where that page's value times the growth of the quantization error per byte freed is least,
 so that a cheap step (8 -> 4 bits) is taken on a warm page before a costly one (3 -> 2) on a cold
-page. Only when every page is at the bottom are the least valuable bottom pages dropped, and only
-when no page is left is the open page dropped. Every page of every rung is
+page. Only when every page is at the bottom are the least valuable bottom pages dropped. When no page is
+left, an open page that costs more than a bottom page is sealed early (a partial page, then stepped
+down); a smaller one loses its oldest slots, as few as the budget needs. Every page of every rung is
 read at every step (reading all pages beat every top-k at equal bytes; results/tiered).
 Each head keeps the same number of pages on each rung, so a rung stays one dense tensor.
 """
@@ -151,12 +152,23 @@ class LadderTier:
                     count = min(bottom.num_pages, math.ceil(excess / self._batch_page_bytes(len(self.rungs) - 1)))
                     bottom.drop_pages(_coldest(bottom, signal, count))
                 elif self.top.open_length:
-                    self.top.drop_open()
+                    self._fit_open(excess)
                 elif any(rung.open is not None for rung in self.rungs):
                     for rung in self.rungs:  # empty rungs still count a format's per-layer state (codebooks)
                         rung.open = None  # counted as nothing; the next demotion or page starts it again
                 else:
                     return
+
+    def _fit_open(self, excess: int) -> None:
+        """No sealed page is left and the open page is over: seal it as a partial page when its tokens
+        cost more than a bottom-rung page (the loop then steps it down), else drop its oldest slots."""
+        top = self.top
+        batch, heads, length, head_dim = top.open["keys"].shape
+        slot_bytes = 2 * batch * heads * head_dim * top.open["keys"].element_size()
+        if length * slot_bytes > self._batch_page_bytes(len(self.rungs) - 1) and self.storage.seal_early:
+            top.seal_open()
+        else:
+            top.drop_open(math.ceil(excess / slot_bytes))
 
     def _step_cost(self, rung: int, signal: str) -> float:
         """The price of stepping rung ``rung``'s least valuable page one rung down (the lowest goes first).

@@ -50,6 +50,10 @@ class Storage:
             joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
             page's values kept apart in 16 bits by the ``outliers`` technique. Checked by
             :class:`~confkv.config.ColdConfig` when the rungs are built.
+        seal_early: when the cache is over its target with no sealed page left, seal the open page as
+            a partial page (then step it down) if its tokens cost more than a bottom-rung page; False:
+            drop its oldest tokens instead (early in a run under ``memory=``, the open page is most of
+            the target; results/memory/README.md).
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -63,6 +67,7 @@ class Storage:
     step_order: str = "error"
     format: str = "kivi"
     outlier_fraction: float = 0.01
+    seal_early: bool = True
     offload: bool = False
     offload_dir: str | None = None
 
@@ -88,6 +93,7 @@ class Storage:
         from confkv.config import ColdConfig  # noqa: PLC0415 - one place checks a page format
 
         ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction)
+        _require(isinstance(self.seal_early, bool), "seal_early", f"must be True or False, got {self.seal_early!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:

@@ -3,7 +3,7 @@
 A streaming run under a memory target is the same run, step for step, as a shorter one over its
 first tokens (the target depends only on the current length), so one run of N tokens gives the
 perplexity of every prefix: the table shows each prefix length the run covers. Rows: one per
-file (policy, target); the full-KV file of the same corpus and dtype is the reference. Usage::
+file (policy, target; the file's name where two files ran the same setting); the full-KV file of the same corpus and dtype is the reference. Usage::
 
     .venv/bin/python benchmarks/memory_ppl_table.py results/memory/ppl/*.json
 """
@@ -66,6 +66,9 @@ def tables(runs: list[dict]) -> str:
             share = "" if full is None else f"{max(r['kv']) / max(full['kv'][:len(r['kv'])]):.1%}"
             name = r["policy"] + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(r["params"].items())) + ")"
                                   if r["params"] else "")
+            twins = [o for o in group if (o["policy"], o["params"], o["target"]) == (r["policy"], r["params"], r["target"])]
+            if len(twins) > 1:  # the same setting run on different code: the file tells them apart
+                name += f" [{Path(r['path']).stem}]"
             out.append(f"| {name} | {r['target']} | " + " | ".join(cells) + f" | {share} |")
         out.append("")
     return "\n".join(out)

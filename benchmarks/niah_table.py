@@ -95,6 +95,20 @@ def read_records(path: Path) -> list[dict]:
     return json.loads(path.read_text())["records"]
 
 
+def mark_earlier_presets(records: list[dict]) -> list[dict]:
+    """Records of a preset computed under other defaults than today's get the policy
+    ``"<name> (earlier preset)"``, so that they never count as today's preset."""
+    from confkv.presets import preset_signature  # noqa: PLC0415
+
+    out = []
+    for r in records:
+        now = preset_signature(r["policy"])
+        if now is not None and r.get("preset") != now:
+            r = {**r, "policy": f"{r['policy']} (earlier preset)"}
+        out.append(r)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("niah_json", type=Path, nargs="+", help="one or more niah.json / niah.jsonl files (records joined)")
@@ -105,8 +119,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=None,
                         help="only trials 0 .. N-1 (to set a partial grid beside a complete one)")
     args = parser.parse_args()
-    records = [r for path in args.niah_json for r in read_records(path)
-               if args.trials is None or r["trial"] < args.trials]
+    records = mark_earlier_presets([r for path in args.niah_json for r in read_records(path)
+                                    if args.trials is None or r["trial"] < args.trials])
     if args.by_depth:
         print(depth_table(records, [int(n) for n in args.by_depth.split(",")]))
     else:

@@ -47,6 +47,15 @@ DEFAULT_PRESET = "tiered"
 STORAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Storage))
 
 
+def preset_signature(name: str) -> str | None:
+    """The preset ``name``'s ranking policy, parameters and storage as one string (None for a name that
+    is not a preset). Results keyed by it are not resumed under a preset whose defaults changed."""
+    preset = PRESETS.get(name)
+    if preset is None:
+        return None
+    return f"{preset.policy} {sorted(preset.params.items())} {preset.storage!r}"
+
+
 def split_storage_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """``params`` -> (policy parameters, :class:`Storage` fields)."""
     storage = {k: tuple(v) if k == "ladder" and isinstance(v, list) else v  # a ladder from JSON is a list

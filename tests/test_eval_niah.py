@@ -280,3 +280,28 @@ def test_lengths_past_the_model_positions_are_refused_before_any_work(tmp_path):
     check_niah_positions(tiny_model("gpt2"), (1020,), 4)  # fits exactly: no error
     with pytest.warns(UserWarning, match="RoPE extrapolation"):
         check_niah_positions(tiny_model("llama"), (1022,), 4)
+
+
+def test_records_of_a_preset_whose_defaults_changed_are_recomputed(tmp_path, monkeypatch):
+    """The run key holds the command's parameters, not a preset's storage: each record carries the preset's
+    signature, so a preset whose defaults changed is computed again (full KV's records are resumed)."""
+    import dataclasses
+
+    from confkv import presets
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = tmp_path / "niah.jsonl"
+    config = _small_config(lengths=(120,), trials=1, policies=("full", "tiered"), protocols=("streaming",))
+    first = run_niah_grid(model, tok, config, progress=False, resume_path=path)
+    assert {r.preset for r in first.records if r.policy == "tiered"} == {presets.preset_signature("tiered")}
+    assert {r.preset for r in first.records if r.policy == "full"} == {None}
+    again = run_niah_grid(model, tok, config, progress=False, resume_path=path)
+    assert len(load_records(path)) == len(first.records)  # same preset: nothing recomputed
+    changed = dataclasses.replace(presets.PRESETS["tiered"], storage=dataclasses.replace(
+        presets.PRESETS["tiered"].storage, seal_early=False))
+    monkeypatch.setitem(presets.PRESETS, "tiered", changed)
+    third = run_niah_grid(model, tok, config, progress=False, resume_path=path)
+    tiered = sum(r.policy == "tiered" for r in first.records)
+    assert tiered and len(load_records(path)) == len(first.records) + tiered  # only the preset's rows again
+    assert len(third.records) == len(again.records)  # the stale rows are not part of the result
+    assert {r.preset for r in third.records if r.policy == "tiered"} == {presets.preset_signature("tiered")}

@@ -31,6 +31,9 @@ class NiahRecord:
     protocol_version: int = 1  # PROTOCOL_VERSIONS[protocol] when it was computed
     # of the peak, the bytes in RAM (less with an offloaded cold tier); None in records written before it existed
     peak_resident_bytes_per_seq: float | None = None
+    # confkv.presets.preset_signature(policy) when it was computed: a preset whose defaults changed
+    # since is computed again, not resumed (None: not a preset, or a record written before it existed)
+    preset: str | None = None
 
 
 @dataclass
@@ -92,7 +95,7 @@ class NiahResult:
 def record_key(record: "NiahRecord | dict[str, Any]") -> tuple:
     """What identifies one NIAH generation (resuming skips keys already on disk)."""
     r = asdict(record) if isinstance(record, NiahRecord) else record
-    return (r["run"], r["policy"], r["protocol"], r["length"], float(r["depth"]), r["trial"])
+    return (r["run"], r["policy"], r["protocol"], r["length"], float(r["depth"]), r["trial"], r.get("preset"))
 
 
 def load_records(path: str | Path) -> list[dict[str, Any]]:
@@ -110,7 +113,7 @@ def write_niah(result: NiahResult, out_dir: str | Path) -> list[Path]:
     json_path.write_text(json.dumps(result.to_dict(), indent=1))
     fields = ["policy", "protocol", "length", "depth", "trial", "actual_depth", "answer", "generated", "correct",
               "kept_at_answer", "peak_kv_bytes_per_seq", "peak_resident_bytes_per_seq", "seconds_per_seq",
-              "computed_in", "protocol_version", "params"]
+              "computed_in", "protocol_version", "params", "preset"]
     with open(csv_path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()

@@ -36,6 +36,7 @@ from confkv.eval.niah.config import PROTOCOL_VERSIONS, NiahConfig, _store_for, p
 from confkv.eval.niah.protocols import run_niah_batch, run_query_aware_shared
 from confkv.eval.niah.records import NiahRecord, NiahResult, load_records, record_key
 from confkv.models import model_max_positions
+from confkv.presets import preset_signature
 from confkv.progress import progress as show_progress
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
             return (row["policy"] in specs and row["protocol"] in config.protocols
                     and row.get("protocol_version", 1) == PROTOCOL_VERSIONS[row["protocol"]]
                     and row["length"] in config.lengths
-                    and float(row["depth"]) in [float(d) for d in config.depths] and config.first_trial <= row["trial"] < config.first_trial + config.trials)
+                    and float(row["depth"]) in [float(d) for d in config.depths] and config.first_trial <= row["trial"] < config.first_trial + config.trials
+                    and row.get("preset") == preset_signature(parse_spec(row["policy"])[0]))  # not a changed preset's
 
         for row in load_records(resume_path):
             if row.get("run") == run and in_grid(row) and record_key(row) not in done:
@@ -151,7 +153,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
                 units.extend((length, protocol, group, parts[index]) for group in _groups(specs, protocol, config))
     work = []
     for length, protocol, group, part in units:
-        todo = [spec for spec in group if any((run, spec, proto, length, float(s.depth), s.trial) not in done
+        todo = [spec for spec in group if any((run, spec, proto, length, float(s.depth), s.trial,
+                                               preset_signature(parse_spec(spec)[0])) not in done
                                               for proto in _reported_under(spec, protocol, config) for s in part)]
         if todo:
             work.append(NiahUnit(length=length, protocol=protocol, specs=tuple(todo), samples=tuple(part),
@@ -230,7 +233,7 @@ def run_niah_unit(model: Any, tokenizer: Any, unit: NiahUnit) -> list[dict[str, 
                     params=unit.params[spec], kept_at_answer=kept, peak_kv_bytes_per_seq=peak,
                     peak_resident_bytes_per_seq=resident,
                     seconds_per_seq=per_seq, run=unit.run, computed_in=unit.protocol,
-                    protocol_version=PROTOCOL_VERSIONS[proto])))
+                    protocol_version=PROTOCOL_VERSIONS[proto], preset=preset_signature(parse_spec(spec)[0]))))
     return rows
 
 

@@ -268,7 +268,7 @@ def test_a_ladder_that_is_not_strictly_decreasing_is_refused(ladder):
 
 def test_bad_storage_values_name_their_field():
     for field, value in (("hot_share", 0.0), ("hot_share", 1.2), ("page_size", 0), ("group_size", 48),
-                         ("step_down_by", "luck"), ("hot_tokens", 0)):
+                         ("step_down_by", "luck"), ("hot_tokens", 0), ("seal_early", "yes")):
         with pytest.raises(ConfigError, match=rf"^{field}: "):
             Storage(**{field: value})
     with pytest.raises(ConfigError, match=r"^memory: give exactly one"):

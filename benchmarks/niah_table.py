@@ -30,7 +30,7 @@ def length_label(tokens: int) -> str:
 def in_label_order(policies: set[str]) -> list[str]:
     """``policies`` in the order of ``LABELS`` (unknown names last)."""
     order = list(LABELS)
-    return sorted(policies, key=lambda p: order.index(p) if p in order else len(order))
+    return sorted(policies, key=lambda p: (order.index(p) if p in order else len(order), p))  # unknown: by name
 
 
 def header(columns: list[str]) -> list[str]:

@@ -42,3 +42,13 @@ def test_depth_table_counts_per_depth():
 
 def test_length_labels():
     assert [niah_table.length_label(n) for n in (1024, 8192, 32000)] == ["1K", "8K", "32,000"]
+
+
+def test_records_of_an_earlier_preset_are_labelled_apart_and_unknown_names_sort_by_name():
+    from confkv.presets import preset_signature
+
+    today = {**_record("tiered", 4096, 0.0, True), "preset": preset_signature("tiered")}
+    before = _record("tiered", 4096, 0.5, False)  # written before records carried the signature
+    marked = niah_table.mark_earlier_presets([today, before, _record("full", 4096, 0.0, True)])
+    assert [r["policy"] for r in marked] == ["tiered", "tiered (earlier preset)", "full"]
+    assert niah_table.in_label_order({"zeta", "tiered", "full", "alpha"}) == ["full", "alpha", "tiered", "zeta"]

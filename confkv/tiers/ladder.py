@@ -29,6 +29,7 @@ from torch import Tensor
 
 from confkv import profiling
 from confkv.tiers import lowbit
+from confkv.tiers.byte_model import fp_token_bytes
 from confkv.tiers.cold import ColdTier
 from confkv.config import ALL_PAGES, ColdConfig
 from confkv.tiers.page_file import PageFile
@@ -164,7 +165,7 @@ class LadderTier:
         cost more than a bottom-rung page (the loop then steps it down), else drop its oldest slots."""
         top = self.top
         batch, heads, length, head_dim = top.open["keys"].shape
-        slot_bytes = 2 * batch * heads * head_dim * top.open["keys"].element_size()
+        slot_bytes = batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size())
         if length * slot_bytes > self._batch_page_bytes(len(self.rungs) - 1) and self.storage.seal_early:
             top.seal_open()
         else:

@@ -1,7 +1,7 @@
 """The ``"confkv"`` attention implementation registered with transformers.
 
-``ConfKVLayer.update`` hands its :class:`~confkv.store.LayerStore` to
-:func:`handoff`; the model then calls :func:`confkv_attention`, which reads over the
+``ConfKVLayer.update`` returns the keys with its :class:`~confkv.store.LayerStore` attached
+(:func:`keys_for_attention`); the model passes them to :func:`confkv_attention`, which reads over the
 store (INT8 region, FP window and the new tokens) and records the queries' attention
 mass for the policy. No eager attention, no [B, H, q, L] weights returned to the model.
 
@@ -14,26 +14,22 @@ padding mask, so a model switched to ``"confkv"`` still runs everywhere.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 
 from confkv.store import LayerStore
 
 ATTENTION_NAME = "confkv"
-_local = threading.local()
+_STORE_ATTRIBUTE = "confkv_store"
 
 
-def handoff(store: LayerStore) -> None:
-    """Called by the cache layer right before the model's attention call."""
-    _local.store = store
-
-
-def _take() -> LayerStore | None:
-    store = getattr(_local, "store", None)
-    _local.store = None
-    return store
+def keys_for_attention(store: LayerStore) -> torch.Tensor:
+    """The keys ``ConfKVLayer.update`` returns: a fresh view of the store's new keys [B, Hkv, q, D] that carries
+    ``store``, so the attention call that receives them reads over it (no state outside the call)."""
+    keys = store.recent.keys
+    keys = keys.view(keys.shape)
+    setattr(keys, _STORE_ATTRIBUTE, store)
+    return keys
 
 
 def confkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -44,7 +40,7 @@ def confkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
-    store = _take()
+    store = getattr(key, _STORE_ATTRIBUTE, None)
     if store is not None:
         out = store.attend(query, scaling=scaling, padding=padding, softcap=softcap)
     else:

@@ -11,17 +11,20 @@ Contract with transformers (METHOD.md, "Integration traps"):
 - ``get_seq_length`` / ``get_query_offset`` report the *logical* number of tokens fed
   (positions keep growing); ``get_mask_sizes`` reports the *physical* slots held. The
   attention read itself masks from the positions the store tracks.
-- The end of every forward pass (the LM head's output) triggers ``end_step``:
-  confidence from the raw logits of the last position, budgets from the policy,
-  ageing and eviction in every layer, one trace record.
+- Every forward pass ends with ``end_step(logits)``: confidence from the last position's
+  logits, budgets from the policy, ageing and eviction in every layer, one trace record.
+  confkv's own loops call it themselves (:meth:`steps_by_hand`); after a pass they do not
+  drive (transformers' ``generate``), the model's forward hook calls it (:mod:`confkv.hf.enable`).
 - ``crop`` (assisted decoding, prompt-lookup) assumes the cache is a prefix: refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,7 +36,7 @@ from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
-from confkv.hf.enable import enable, mark_active, take_active_cache  # noqa: F401 - take_active_cache: old path
+from confkv.hf.enable import enable
 from confkv.hf.support import LayerLayout, kv_shape, layer_layout
 from confkv.policies import UNLIMITED, Policy
 from confkv.tiers.page_file import PageFile
@@ -78,11 +81,10 @@ class ConfKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         self.store.append(key_states, value_states)
-        attention_glue.handoff(self.store)
         owner = self._owner()
         if owner is not None:
-            owner._mark_active()
-        return self.store.recent.keys, self.store.recent.values
+            owner.pass_open = True
+        return attention_glue.keys_for_attention(self.store), self.store.recent.values
 
     def get_seq_length(self) -> int:
         return self.store.seen_tokens
@@ -127,8 +129,6 @@ class ConfKVCache(Cache):
         layout: which layers are global (managed by the policy) and which slide.
         policy: a :class:`~confkv.policies.Policy` (see :func:`~confkv.policies.make_policy`).
         store: storage settings (INT8, FP window, prefill chunk, block size).
-        final_logit_softcapping: the model's final logit soft-cap, applied before the
-            confidence (Gemma), or None.
         trace_limit: keep only the newest ``trace_limit`` trace records (None: every
             step); peak and mean KV bytes still cover the whole run. For endless streams.
         target: a memory target (:class:`~confkv.tiers.storage.MemoryTarget`) the cache holds at
@@ -141,13 +141,12 @@ class ConfKVCache(Cache):
     """
 
     def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
-                 final_logit_softcapping: float | None = None, trace_limit: int | None = None,
+                 trace_limit: int | None = None,
                  rope=None, *, target: MemoryTarget | None = None, storage: Storage | None = None) -> None:
         self.rope = rope
         self.policy = policy
         self.store_config = store or StoreConfig()
         self.layout = layout
-        self.final_logit_softcapping = final_logit_softcapping
         if storage is not None and target is None:
             raise ConfigError("storage: a storage holds a memory target; give memory= (a fraction of the full "
                               "cache's bytes) or max_kv_bytes= with it")
@@ -171,7 +170,10 @@ class ConfKVCache(Cache):
         self.evict = True  # set False to defer eviction (e.g. query-aware prefill)
         gate = getattr(policy, "gate", None)
         self.confidence_config: ConfidenceConfig = gate.confidence if gate is not None else ConfidenceConfig()
-        self._active = False
+        #: True between the first cache write of a forward pass and its ``end_step``
+        self.pass_open = False
+        #: True while the caller closes every step itself (:meth:`steps_by_hand`): the model's hook then stays out
+        self.closes_own_steps = False
         self.floor_tokens = floor_tokens(policy, self.store_config) if target is not None else 0
         self._policy_at: dict[int, Policy] = {}
         self.last_plan: StepPlan | None = None
@@ -200,14 +202,13 @@ class ConfKVCache(Cache):
         layout = layer_layout(model.config)
         spec = resolve(policy, memory=memory, max_kv_bytes=max_kv_bytes, storage=storage, **policy_params)
         built, target, storage = spec.policy, spec.target, spec.storage
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         from confkv.tiers.prerope import Rope  # noqa: PLC0415
 
         if max_kv_bytes is not None:
             check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store))
         enable(model)
-        return cls(layout, built, store, final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
-                   trace_limit=trace_limit, rope=Rope.from_model(model), target=target, storage=storage)
+        return cls(layout, built, store, trace_limit=trace_limit, rope=Rope.from_model(model), target=target,
+                   storage=storage)
 
     def fork(self, member: int) -> "ConfKVCache":
         """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
@@ -223,8 +224,7 @@ class ConfKVCache(Cache):
         if not 0 <= member < len(self.policy.members):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
-        twin = ConfKVCache(self.layout, policy, self.store_config, self.final_logit_softcapping,
-                           trace_limit=self.trace.max_steps, rope=self.rope, target=self.target, storage=self.storage)
+        twin = ConfKVCache(self.layout, policy, self.store_config, trace_limit=self.trace.max_steps, rope=self.rope, target=self.target, storage=self.storage)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))
@@ -249,20 +249,25 @@ class ConfKVCache(Cache):
         check_store_fits(self.policy, self.store_config)
 
     # -- the step --------------------------------------------------------------------------------
-    def _mark_active(self) -> None:
-        self._active = True
-        mark_active(self)
+    @contextlib.contextmanager
+    def steps_by_hand(self) -> Iterator["ConfKVCache"]:
+        """``with cache.steps_by_hand(): out = model(..., cache=cache); cache.end_step(out.logits[:, -1])``:
+        inside, the model's forward hook leaves this cache's steps to the caller."""
+        before = self.closes_own_steps
+        self.closes_own_steps = True
+        try:
+            yield self
+        finally:
+            self.closes_own_steps = before
 
     def end_step(self, logits: torch.Tensor) -> None:
         """Close one forward pass: confidence, budgets, ageing/eviction, trace.
 
         Args:
-            logits: [B, V] raw logits of each sequence's last position.
+            logits: [B, V] each sequence's last-position logits as the model returns them (after
+                Gemma's final soft-cap, where the model has one).
         """
-        self._active = False
-        if self.final_logit_softcapping is not None:
-            cap = self.final_logit_softcapping
-            logits = torch.tanh(logits / cap) * cap
+        self.pass_open = False
         stores = [layer.store for layer in self.layers]
         if any(s.pending for s in stores):
             raise UnsupportedModelError(
@@ -271,11 +276,14 @@ class ConfKVCache(Cache):
                 "or call confkv.hf.enable(model) first.")
         with profiling.section("confidence"):
             conf = confidence_of(logits.detach(), self.confidence_config)
-        with profiling.section("budget gate"):
-            budgets = self.controller.step(conf)
-            budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
-        cold_read = self.policy.cold_read_pages(self.controller.gated) if isinstance(self.policy, TieredPolicy) else None
-        if self.target is not None and self.evict:
+        tiered = isinstance(self.policy, TieredPolicy)
+        on_target = self.target is not None and self.evict
+        if not on_target or tiered:  # under a target the plan sets the budgets: the gate would run for nothing
+            with profiling.section("budget gate"):
+                budgets = self.controller.step(conf)
+                budget_of = {layer_idx: budgets[:, j] for j, layer_idx in enumerate(self.managed)}
+        cold_read = self.policy.cold_read_pages(self.controller.gated) if tiered else None
+        if on_target:
             budgets = self._end_step_on_target(stores, conf, cold_read)
         else:
             self.last_plan = None

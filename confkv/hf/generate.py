@@ -72,9 +72,11 @@ def prefill(model: torch.nn.Module, cache: ConfKVCache, input_ids: torch.Tensor,
         if full_mask is not None:
             kwargs["attention_mask"] = full_mask[:, : start + end]
             kwargs["position_ids"] = padding_positions(full_mask[:, : start + end])[:, start + begin:start + end]
-        out = model(input_ids=input_ids[:, begin:end], cache=cache, use_cache=True, logits_to_keep=1,
-                    **kwargs)
+        with cache.steps_by_hand():
+            out = model(input_ids=input_ids[:, begin:end], cache=cache, use_cache=True, logits_to_keep=1,
+                        **kwargs)
         logits = out.logits[:, -1, :]
+        cache.end_step(logits)
     assert cache.get_seq_length() == total
     return logits
 

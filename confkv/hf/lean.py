@@ -8,8 +8,9 @@ layer's modules once and runs the same operations in the same order: embedding, 
 RMSNorm -> q/k/v projections -> rotary embedding -> the confkv store (append, then the store's
 read: the same call the ``"confkv"`` attention implementation makes) -> o projection ->
 residual -> RMSNorm -> gated MLP -> residual; final RMSNorm and the LM head on the last
-position. The LM head's forward hook (:func:`confkv.hf.enable`) closes the cache's step as in
-a normal forward, so budgets, eviction and the trace are unchanged. The logits equal the
+position. The decoder then closes the cache's step itself (``cache.end_step(logits)``), as the
+model's forward hook (:mod:`confkv.hf.enable`) does after a normal forward, so budgets, eviction
+and the trace are unchanged. The logits equal the
 model's own forward with the same cache (tests/test_lean_decoder.py).
 
 Where the native CPU kernels are available (:mod:`confkv.native`; ``CONFKV_NATIVE=0`` switches
@@ -130,8 +131,8 @@ class LeanDecoder:
         """Feed ``input_ids`` [B, q] (appended to ``cache``); returns the last position's logits [B, V].
 
         ``attention_mask`` [B, cached + q] (1 = real token) as ``model(...)`` takes it, for
-        left-padded batches; positions then follow it as in ``generate``. The step is closed
-        (confidence, budgets, eviction, trace) by the LM head's hook.
+        left-padded batches; positions then follow it as in ``generate``. The step is closed here
+        (``cache.end_step``: confidence, budgets, eviction, trace).
         """
         if not isinstance(cache, ConfKVCache):
             raise TypeError(f"the lean decoder runs over a ConfKVCache, got {type(cache).__name__}")
@@ -144,7 +145,6 @@ class LeanDecoder:
             positions = padding_positions(attention_mask)[:, seen:]
         else:
             positions = torch.arange(seen, seen + length, device=input_ids.device)[None].expand(batch, -1)
-        cache._mark_active()  # the LM head's hook closes this cache's step, as after model(...)
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions)  # [B, q, D]
         fused = self._fused_layers(hidden)
@@ -157,7 +157,9 @@ class LeanDecoder:
                                               attention_mask)
             normed = _norm(layer.post_norm, hidden)
             hidden = hidden + layer.down_proj(layer.act(layer.gate_proj(normed)) * layer.up_proj(normed))
-        return self.lm_head(_norm(self.norm, hidden[:, -1:]))[:, -1]
+        logits = self.lm_head(_norm(self.norm, hidden[:, -1:]))[:, -1]
+        cache.end_step(logits)
+        return logits
 
     # -- the fused native layer (INT8 projections) --------------------------------------------------
     @staticmethod

@@ -8,7 +8,7 @@ from typing import Any
 
 def register(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to the ``confkv`` command's subparsers; the parsed args carry ``run``."""
-    from confkv.commands_eval import MODEL_HELP
+    from confkv.cli.evaluate import MODEL_HELP
 
     p = subparsers.add_parser("serve", help="an OpenAI-compatible server; each request may state its KV memory")
     p.add_argument("--model", default="smollm2", help=MODEL_HELP)

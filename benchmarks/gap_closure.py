@@ -3,9 +3,9 @@
 For every perplexity result with a reference window W (the memory of a W-token
 full-precision sliding window): PPL, PPL drop vs ``window`` at W, and the share of the
 window-to-full and StreamingLLM-to-full perplexity gaps it closes
-(:func:`confkv.eval.sweep.gap_closed`: 100% = full KV, 0% = no better than the baseline).
+(:func:`confkv.eval.quality.sweep.gap_closed`: 100% = full KV, 0% = no better than the baseline).
 
-Sources: ``results/policies_512.json`` (confkv/eval/policy_table.py; its ``label`` names the
+Sources: ``results/policies_512.json`` (confkv/eval/quality/policy_table.py; its ``label`` names the
 row) and every sweep JSONL given (``confkv sweep``). Usage (writes results/gap_closure.md)::
 
     .venv/bin/python benchmarks/gap_closure.py --policy-table results/policies_512.json \\
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from confkv.eval.sweep import gap_closed, load_rows  # noqa: E402
+from confkv.eval.quality.sweep import gap_closed, load_rows  # noqa: E402
 
 
 def rows_from_policy_table(path: Path) -> list[dict]:

@@ -1,7 +1,7 @@
 """One streaming-perplexity run of a cold-tier page format on a bf16 model, written as JSON.
 
 `confkv ppl` has no dtype flag; this loads the model in the dtype asked and calls
-:func:`confkv.eval.ppl.streaming_ppl` with the policy's parameters, so every row of
+:func:`confkv.eval.quality.ppl.streaming_ppl` with the policy's parameters, so every row of
 results/lowbit/ is one command of this script::
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lowbit_ppl.py --policy kivi --param bits=3 \
@@ -42,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from confkv.data import corpus_tokens
-    from confkv.eval.ppl import streaming_ppl
+    from confkv.eval.quality.ppl import streaming_ppl
     from confkv.models import load_model
 
     params = dict(p.split("=", 1) for p in args.param)

@@ -4,9 +4,9 @@ import pickle
 
 import pytest
 
-from confkv.agent import WebEnv, make_world, parse_action
-from confkv.agent.actions import Action
-from confkv.agent.page import Element, Page
+from confkv.eval.agent import WebEnv, make_world, parse_action
+from confkv.eval.agent.actions import Action
+from confkv.eval.agent.page import Element, Page
 
 SCRIPT = ["click [12]", "scroll down", "click [14]", "type [5] \"nimbus\"", "go back", "click [3]", "scroll down",
           "click [13]", "click [2]", "type [5] \"arden\""]
@@ -94,8 +94,8 @@ def test_agent_modules_do_not_import_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, confkv.agent, confkv.agent.expert, confkv.agent.prompt\n"
+    code = ("import sys, confkv.eval.agent, confkv.eval.agent.expert, confkv.eval.agent.prompt\n"
             "print('transformers' in sys.modules)\n"
-            "import confkv.agent.grid, confkv.agent.harness\nprint('transformers' in sys.modules)")
+            "import confkv.eval.agent.grid, confkv.eval.agent.harness\nprint('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from confkv.agent import build_tasks, make_world
-from confkv.agent import harness
-from confkv.agent.expert import run_plan
-from confkv.agent.env import WebEnv
-from confkv.agent.grid import AgentConfig, run_agent_grid, summarize, summary_lines
-from confkv.agent.prompt import ChatFormat
+from confkv.eval.agent import build_tasks, make_world
+from confkv.eval.agent import harness
+from confkv.eval.agent.expert import run_plan
+from confkv.eval.agent.env import WebEnv
+from confkv.eval.agent.grid import AgentConfig, run_agent_grid, summarize, summary_lines
+from confkv.eval.agent.prompt import ChatFormat
 from confkv.config import StoreConfig
 from confkv.eval.jsonl import load_rows
 from confkv.hf import ConfKVCache, prefill
@@ -113,7 +113,7 @@ def test_grid_both_protocols_under_a_memory_target_and_resume(model, tok, tmp_pa
 
     def boom(*args, **kwargs):
         raise AssertionError("a finished episode was run again")
-    monkeypatch.setattr("confkv.agent.grid.run_episode", boom)
+    monkeypatch.setattr("confkv.eval.agent.grid.run_episode", boom)
     again = run_agent_grid(model, tok, config, path, progress=False)
     assert len(again) == 6 and len(load_rows(path)) == 6
     with open(path, "a") as handle:
@@ -132,7 +132,7 @@ def test_bad_config_names_the_field(kwargs, field):
 
 
 def test_unknown_task_names_the_field():
-    from confkv.agent.grid import select_tasks
+    from confkv.eval.agent.grid import select_tasks
 
     with pytest.raises(ValueError, match="tasks: unknown 'shop-9'"):
         select_tasks(AgentConfig(tasks=("shop-9",)))

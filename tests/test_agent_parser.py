@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from confkv.agent.actions import Action, format_action, parse_action
+from confkv.eval.agent.actions import Action, format_action, parse_action
 
 
 @pytest.mark.parametrize("raw, expected", [

@@ -1,6 +1,6 @@
-"""The agent report's views (confkv.agent.report), on records written by hand."""
+"""The agent report's views (confkv.eval.agent.report), on records written by hand."""
 
-from confkv.agent.report import agent_markdown, lost_values, teacher_forced_views, value_recall
+from confkv.eval.agent.report import agent_markdown, lost_values, teacher_forced_views, value_recall
 
 
 def _record(policy, compression, task, template, steps):

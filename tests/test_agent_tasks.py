@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from confkv.agent import WebEnv, build_tasks, make_world
-from confkv.agent.actions import Action
-from confkv.agent.expert import run_plan
+from confkv.eval.agent import WebEnv, build_tasks, make_world
+from confkv.eval.agent.actions import Action
+from confkv.eval.agent.expert import run_plan
 
 WORLD = make_world(0)
 TASKS = build_tasks(WORLD)

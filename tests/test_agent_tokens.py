@@ -2,10 +2,10 @@
 
 import pytest
 
-from confkv.agent import WebEnv, build_tasks, make_world
-from confkv.agent.expert import run_plan
-from confkv.agent.harness import encode, expert_history_tokens
-from confkv.agent.prompt import ChatFormat
+from confkv.eval.agent import WebEnv, build_tasks, make_world
+from confkv.eval.agent.expert import run_plan
+from confkv.eval.agent.harness import encode, expert_history_tokens
+from confkv.eval.agent.prompt import ChatFormat
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from confkv.eval.step_trace import files_of_one_decode_step
+from confkv.eval.bench.step_trace import files_of_one_decode_step
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"
 
@@ -16,7 +16,7 @@ def _listed_files() -> list[str]:
 
 def test_the_hand_trace_lists_the_files_the_step_enters_in_order():
     entered = [name for name, _ in files_of_one_decode_step()]
-    assert _listed_files() == entered, "update docs/ARCHITECTURE.md from `python -m confkv.eval.step_trace`"
+    assert _listed_files() == entered, "update docs/ARCHITECTURE.md from `python -m confkv.eval.bench.step_trace`"
 
 
 def test_the_doc_states_the_count_it_lists():

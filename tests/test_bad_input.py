@@ -119,7 +119,7 @@ ROWS = [
      lambda: generate(_model(), _ids(0), _window_cache(_model()), max_new_tokens=2), ValueError,
      r"an empty prompt cannot be continued"),
     ("one-token-ppl", "streaming_ppl(m, ids[:, :1])",
-     lambda: __import__("confkv.eval.ppl", fromlist=["x"]).streaming_ppl(_model(), _ids(1), progress=False),
+     lambda: __import__("confkv.eval.quality.ppl", fromlist=["x"]).streaming_ppl(_model(), _ids(1), progress=False),
      ValueError, r"must be \[1, N\] with N >= 2"),
     ("zero-tokens-corpus", "corpus_tokens(tok, 'pydoc-topics', 0)",
      lambda: __import__("confkv.data", fromlist=["x"]).corpus_tokens(tiny_tokenizer(), "pydoc-topics", 0),
@@ -140,7 +140,7 @@ ROWS = [
      lambda: prefill(_model("gpt2"), _window_cache(_model("gpt2")), _ids(1030)),
      PromptTooLongError, r"a sequence of 1030 tokens exceeds the model's 1024 positions"),
     ("too-long-ppl", "streaming_ppl(gpt2, 1030 tokens)",
-     lambda: __import__("confkv.eval.ppl", fromlist=["x"]).streaming_ppl(_model("gpt2"), _ids(1030), progress=False),
+     lambda: __import__("confkv.eval.quality.ppl", fromlist=["x"]).streaming_ppl(_model("gpt2"), _ids(1030), progress=False),
      PromptTooLongError, r"a sequence of 1030 tokens exceeds the model's 1024 positions; shorten it"),
     ("too-long-niah", "check_niah_positions(gpt2, lengths=(1024,), max_new_tokens=10)",
      lambda: __import__("confkv.eval.niah", fromlist=["x"]).check_niah_positions(_model("gpt2"), (1024,), 10),
@@ -356,7 +356,7 @@ def test_unwritable_results_fail_fast(model_dir, tmp_path, capsys, command):
 
 
 def test_unwritable_sweep_output_api(tmp_path):
-    from confkv.eval.sweep import SweepConfig, run_sweep
+    from confkv.eval.quality.sweep import SweepConfig, run_sweep
     from confkv.outputs import OutputPathError
 
     regular = tmp_path / "somefile.txt"
@@ -386,7 +386,7 @@ class _InterruptAfter:
 
 
 def test_streaming_ppl_interrupt_keeps_partial():
-    from confkv.eval.ppl import RunInterrupted, streaming_ppl
+    from confkv.eval.quality.ppl import RunInterrupted, streaming_ppl
 
     model = tiny_model("llama", seed=7)
     patch = _InterruptAfter(model, 12)
@@ -426,7 +426,7 @@ def test_ppl_cli_ctrl_c_writes_valid_partial_json(model_dir, tmp_path, capsys):
 
 
 def _sweep_config(**overrides):
-    from confkv.eval.sweep import SweepConfig
+    from confkv.eval.quality.sweep import SweepConfig
 
     base = dict(policies=("full", "window", "streaming", "confkv"), memory=(0.5,), tokens=30,
                 model="tiny", policy_params={"*": {"protect": 2}, "full": {}})
@@ -434,13 +434,13 @@ def _sweep_config(**overrides):
 
 
 def _keys(path):
-    from confkv.eval.sweep import load_rows, row_key
+    from confkv.eval.quality.sweep import load_rows, row_key
 
     return [row_key(r) for r in load_rows(path)]
 
 
 def test_sweep_killed_and_resumed_no_lost_or_duplicated_rows(tmp_path):
-    from confkv.eval.sweep import load_rows, run_sweep
+    from confkv.eval.quality.sweep import load_rows, run_sweep
 
     model, tok = tiny_model("llama", seed=7), tiny_tokenizer()
     config = _sweep_config()

@@ -10,9 +10,9 @@ import torch
 from confkv import cli
 from confkv.config import StoreConfig
 from confkv.data import corpus_tokens, load_corpus
-from confkv.eval import bench
-from confkv.eval.bench_llamacpp import SKIP_MESSAGE, LlamaCppRunner, describe_exit
-from confkv.eval.ppl import streaming_ppl
+from confkv.eval.bench import run as bench
+from confkv.eval.bench.llamacpp import SKIP_MESSAGE, LlamaCppRunner, describe_exit
+from confkv.eval.quality.ppl import streaming_ppl
 from confkv.models import tiny_model, tiny_tokenizer
 
 SMALL = dict(budget=96, slack=0, steps=2, repeats=2, warmup=1, chunk=32, batches=[], breakdown_steps=0)
@@ -192,7 +192,7 @@ def test_exit_codes_are_described():
 def test_cli_defaults_two_threads_float32_and_a_2048_token_quality_check(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.update(kw) or {"peak_rss_bytes": 0, "load": {}})
-    monkeypatch.setattr("confkv.eval.bench_output.write_outputs", lambda *a: None)
+    monkeypatch.setattr("confkv.eval.bench.output.write_outputs", lambda *a: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.update(threads=n))
     assert cli.main(["bench", "--out", str(tmp_path)]) == 0
     assert seen["threads"] == 2 and seen["dtypes"] == ["float32"] and seen["quality_tokens"] == 2048
@@ -260,7 +260,7 @@ def test_weight_int8_dtype_and_the_lean_row():
 def test_w8a8_dtype_quantizes_the_activations_too():
     """``bfloat16-w8a8``: INT8 weights whose inputs are quantised to int8 blocks (rows ``@bf16w8a8``), its own
     perplexity beside the others."""
-    from confkv.eval.bench_dtypes import models_by_dtype, parse_dtypes, row_label
+    from confkv.eval.bench.dtypes import models_by_dtype, parse_dtypes, row_label
     from confkv.hf.weights import Int8Linear
 
     assert parse_dtypes(["bfloat16-w8a8", "float32"]) == ["bfloat16-w8a8", "float32"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from confkv.eval.bench import POLICY_SECTIONS, run_bench
+from confkv.eval.bench.run import POLICY_SECTIONS, run_bench
 from confkv.models import tiny_model, tiny_tokenizer
 
 

@@ -2,7 +2,7 @@
 
 ``results/reference/guard.json`` holds, per case, the token ids, the configuration and the
 recorded perplexities (and the exact command that recorded them:
-``python -m confkv.eval.guard``). A refactor that changes quality fails here, loudly. If the
+``python -m confkv.eval.quality.guard``). A refactor that changes quality fails here, loudly. If the
 change is intended, re-record with the command in the file and say so in the commit.
 
 The tiny cases (default suite) use a tiny random Llama: a deterministic fingerprint with a
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from confkv.eval.guard import CASES, compare, load_case_model, run_case
+from confkv.eval.quality.guard import CASES, compare, load_case_model, run_case
 
 REFERENCE = Path(__file__).resolve().parents[1] / "results" / "reference" / "guard.json"
 

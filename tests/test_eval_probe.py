@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from confkv.eval.probe import (bootstrap_ci, pearson, plot_probe, probe_confidence_kl, reference_evicted_logits,
+from confkv.eval.quality.probe import (bootstrap_ci, pearson, plot_probe, probe_confidence_kl, reference_evicted_logits,
                                spearman)
 from confkv.models import tiny_model
 
@@ -100,7 +100,7 @@ def test_keep_recent_reading_matches_literal_eviction(arch):
 
 
 def test_kl_by_confidence_quintile():
-    from confkv.eval.probe import quintile_table
+    from confkv.eval.quality.probe import quintile_table
 
     conf = np.arange(10, dtype=float) / 10  # 0.0 .. 0.9
     kl = np.array([5, 1, 4, 4, 3, 3, 2, 2, 100, 0], dtype=float)

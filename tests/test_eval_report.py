@@ -5,10 +5,10 @@ import json
 import torch
 
 from confkv.eval.niah import NiahConfig, plot_niah, run_niah_grid, write_niah
-from confkv.eval.ppl import streaming_ppl
-from confkv.eval.probe import plot_probe, probe_confidence_kl
-from confkv.eval.report import build_report, markdown_to_html
-from confkv.eval.sweep import append_row
+from confkv.eval.quality.ppl import streaming_ppl
+from confkv.eval.quality.probe import plot_probe, probe_confidence_kl
+from confkv.eval.report.page import build_report, markdown_to_html
+from confkv.eval.quality.sweep import append_row
 from confkv.models import tiny_model, tiny_tokenizer
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from confkv.errors import ConfigError
-from confkv.eval.sweep import SweepConfig, append_row, load_rows, plan_sweep, row_key, run_sweep
+from confkv.eval.quality.sweep import SweepConfig, append_row, load_rows, plan_sweep, row_key, run_sweep
 from confkv.models import tiny_model, tiny_tokenizer
 
 
@@ -63,7 +63,7 @@ def test_append_row_is_one_line(tmp_path):
 
 
 def test_gap_closure_fractions():
-    from confkv.eval.sweep import gap_closed, gap_table
+    from confkv.eval.quality.sweep import gap_closed, gap_table
 
     base = {"model": "m", "corpus": "c", "tokens": 10, "offset": 0}
     rows = [dict(base, policy="full", ppl=10.0, memory=None),
@@ -106,5 +106,5 @@ def test_sweeps_of_other_texts_and_dtypes_keep_their_own_trace_files(model, tmp_
     for row in rows:  # each row points at its own trace, whose summary is that row's
         summary = json.loads(open(row["trace_file"]).read())["summary"]
         assert summary["corpus"] == row["corpus"] and summary["ppl"] == row["ppl"]
-    from confkv.eval.sweep import _trace_name
+    from confkv.eval.quality.sweep import _trace_name
     assert _trace_name(rows[0], SweepConfig(**base, dtype="bfloat16")) == "bfloat16_window_int8-0_mem-0.5_memory0.5.json"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from confkv.errors import ConfigError
-from confkv.eval.ppl import streaming_ppl
+from confkv.eval.quality.ppl import streaming_ppl
 from confkv.tiers.planner import smallest_budget
 from confkv.models import tiny_model, tiny_tokenizer
 from confkv.presets import resolve
@@ -118,7 +118,7 @@ def test_the_byte_model_is_what_the_caches_hold():
 # --------------------------------------------------------------------------- sweep
 
 def test_sweep_runs_every_policy_at_every_memory_and_resumes(model, tmp_path):
-    from confkv.eval.sweep import SweepConfig, load_rows, row_key, run_sweep
+    from confkv.eval.quality.sweep import SweepConfig, load_rows, row_key, run_sweep
 
     tok = tiny_tokenizer()
     config = SweepConfig(policies=("full", "window", "tiered"), memory=(0.5, 0.25), tokens=160, model="tiny",
@@ -140,7 +140,7 @@ def test_sweep_runs_every_policy_at_every_memory_and_resumes(model, tmp_path):
         if row["policy"] == "tiered":
             assert row["params"]["ladder"] == [8, 4] and len(row["final_rung_tokens"]) == 2
     # the traces the runs wrote: every step under its target, the target memory x the full cache's bytes
-    from confkv.eval.plots import trace_from_dict
+    from confkv.eval.report.plots import trace_from_dict
 
     for row in rows[1:]:
         data = json.loads(open(row["trace_file"]).read())
@@ -185,7 +185,7 @@ def test_sweep_bad_memory_values_and_removed_flags_name_the_flag(argv, named, tm
 
 
 def test_sweep_a_bad_storage_field_or_a_policy_that_cannot_run_under_a_target_is_named():
-    from confkv.eval.sweep import SweepConfig, plan_sweep
+    from confkv.eval.quality.sweep import SweepConfig, plan_sweep
 
     with pytest.raises(ConfigError, match=r"--param tiered: .*ladder"):
         plan_sweep(SweepConfig(policies=("tiered",), policy_params={"tiered": {"ladder": [8, 5]}}))
@@ -342,7 +342,7 @@ def test_ruler_memory_and_its_kv_fractions_alias(tmp_path, capsys):
 
 
 def test_agent_grid_under_memory_targets(tmp_path, capsys):
-    from confkv.agent.grid import AgentConfig, run_agent_grid, summarize
+    from confkv.eval.agent.grid import AgentConfig, run_agent_grid, summarize
     from confkv.cli import main
 
     model, tok = tiny_model("llama", max_position_embeddings=8192), tiny_tokenizer()
@@ -403,7 +403,7 @@ def test_lmeval_backend_generates_under_the_target():
 def test_soak_checks_the_bytes_against_the_target_every_step(tmp_path):
     import numpy as np
 
-    from confkv.eval.soak import main, within_target
+    from confkv.eval.quality.soak import main, within_target
 
     assert within_target(np.array([5, 10, 9]), np.array([6, 10, 10])) == (True, 0, 1.0)
     held, over, share = within_target(np.array([5, 11, 9]), np.array([6, 10, 10]))

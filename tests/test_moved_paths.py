@@ -8,23 +8,14 @@ import warnings
 
 import pytest
 
-MOVED = {
-    "confkv.commands_eval": "confkv.cli.evaluate",
-    "confkv.commands_agent": "confkv.cli.agent",
-    "confkv.commands_ppl": "confkv.cli.ppl",
-    "confkv.commands_ruler": "confkv.cli.ruler",
-    "confkv.demo": "confkv.cli.demo",
-    "confkv.textplot": "confkv.cli.textplot",
-    "confkv.region": "confkv.store.region",
-    "confkv.window_buffer": "confkv.store.window_buffer",
-    "confkv.tier_moves": "confkv.store.tier_moves",
-    "confkv.cold": "confkv.tiers.cold",
-    "confkv.lowbit": "confkv.tiers.lowbit",
-    "confkv.page_file": "confkv.tiers.page_file",
-}
+from confkv._moved import MOVED
+
+#: a module under each moved package, reached through the old package's path
+UNDER_MOVED_PACKAGES = {"confkv.agent.world": "confkv.eval.agent.world",
+                        "confkv.agent.sites.shop": "confkv.eval.agent.sites.shop"}
 
 
-@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+@pytest.mark.parametrize("old, new", sorted({**MOVED, **UNDER_MOVED_PACKAGES}.items()))
 def test_an_old_path_is_the_new_module(old, new):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -78,3 +69,34 @@ def test_the_store_s_old_functions_still_run():
                            new.decode_step(keys, values, query, scaling=0.5))
     twin = fork_store(old, make_policy("h2o", budget=8, protect=2))
     assert twin is not old and twin.kept_list() == old.kept_list()
+
+
+def test_an_old_path_warns_where_the_module_went():
+    for name in [n for n in sys.modules if n == "confkv.eval.plots"]:
+        del sys.modules[name]
+    with pytest.warns(DeprecationWarning, match="confkv.eval.plots moved to confkv.eval.report.plots"):
+        importlib.import_module("confkv.eval.plots")
+
+
+def test_the_old_modules_now_packages_still_give_their_names():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from confkv.eval.bench import run_bench
+        from confkv.eval.report import build_report
+        from confkv.eval.ruler import RulerConfig
+    from confkv.eval.bench.run import run_bench as new_run_bench
+    from confkv.eval.report.page import build_report as new_build_report
+    from confkv.eval.ruler.grid import RulerConfig as NewRulerConfig
+
+    assert (run_bench, build_report, RulerConfig) == (new_run_bench, new_build_report, NewRulerConfig)
+    import confkv.eval.ruler
+
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        confkv.eval.ruler.nothing_here  # noqa: B018
+
+
+def test_python_m_on_an_old_path_runs_the_new_module():
+    done = subprocess.run([sys.executable, "-W", "default::DeprecationWarning", "-m", "confkv.eval.stream", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "max-kv-bytes" in done.stdout and "moved to confkv.eval.quality.stream" in done.stderr

@@ -183,7 +183,7 @@ def test_greedy_tokens_of_the_memory_preset_are_the_same_with_the_native_read_on
 
 
 def test_the_bench_breakdown_prints_the_fallback_counts():
-    from confkv.eval.bench_output import format_breakdown
+    from confkv.eval.bench.output import format_breakdown
 
     breakdown = {"step_ms": 10.0, "sections_ms": {"attention read": 5.0}, "policy_work_ms": 1.0,
                  "policy_work_fraction": 0.1, "cache_overhead_ms": 2.0, "cache_overhead_fraction": 0.2,

@@ -7,7 +7,7 @@ import pytest
 
 from confkv.cli import main
 from confkv.eval.niah import plot_niah
-from confkv.eval.plots import plot_ppl_at_memory, plot_trace, plt
+from confkv.eval.report.plots import plot_ppl_at_memory, plot_trace, plt
 from confkv.policies import UNLIMITED
 
 from test_unlimited_display import trace_with_budgets

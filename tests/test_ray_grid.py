@@ -25,7 +25,7 @@ from confkv.errors import ConfKVError  # noqa: E402
 from confkv.eval.jsonl import load_rows  # noqa: E402
 from confkv.eval.niah import NiahConfig, record_key, run_niah_grid  # noqa: E402
 from confkv.eval.niah import runner as niah_runner  # noqa: E402
-from confkv.eval.ray_grid import ModelSpec, RayOptions, check_reachable, connect  # noqa: E402
+from confkv.eval.ray.grid import ModelSpec, RayOptions, check_reachable, connect  # noqa: E402
 from confkv.models import tiny_model, tiny_tokenizer  # noqa: E402
 
 #: fields that hold wall-clock times: the only ones allowed to differ between in-process and Ray
@@ -151,7 +151,7 @@ def test_unreachable_address_is_a_quick_clear_error(local_ray, monkeypatch):
 def test_cli_niah_with_ray_writes_the_grid(tmp_path, local_ray, monkeypatch):
     """The pool is started before the driver loads its model, and that one pool runs the grid."""
     from confkv.cli import main
-    from confkv.eval import ray_grid
+    from confkv.eval.ray import grid as ray_grid
 
     entered, events = [], []
     real_enter, real_load = ray_grid.RayGrid.__enter__, ray_grid.ModelSpec.__call__
@@ -178,7 +178,7 @@ def _without_timing(row):
 
 
 def test_sweep_on_ray_gives_the_in_process_rows(tmp_path, local_ray, tiny):
-    from confkv.eval.sweep import SweepConfig, row_key, run_sweep
+    from confkv.eval.quality.sweep import SweepConfig, row_key, run_sweep
 
     model, tok = tiny
     # full first, then the others (a second batch on the pool)
@@ -220,7 +220,7 @@ class _SlowFull:
     """``run_agent_unit`` that takes 3 s longer for ``full``: the other episodes would finish first."""
 
     def __call__(self, model, tokenizer, unit):
-        from confkv.agent.grid import run_agent_unit
+        from confkv.eval.agent.grid import run_agent_unit
 
         if unit.spec == "full":
             time.sleep(3)
@@ -228,8 +228,8 @@ class _SlowFull:
 
 
 def test_agent_on_ray_gives_the_in_process_records(tmp_path, local_ray, monkeypatch):
-    from confkv.agent import grid
-    from confkv.agent.grid import AgentConfig, run_agent_grid
+    from confkv.eval.agent import grid
+    from confkv.eval.agent.grid import AgentConfig, run_agent_grid
 
     model, tok = _LongTiny()()
     config = AgentConfig(policies=("full", "window"), tasks=("cart_total-0",), memory=(1 / 3,), max_steps=2,
@@ -282,7 +282,7 @@ class _Flaky:
 
 
 def test_failed_units_are_retried_then_reported(tmp_path, local_ray):
-    from confkv.eval.ray_grid import WorkUnit, run_units
+    from confkv.eval.ray.grid import WorkUnit, run_units
 
     landed = []
     units = [WorkUnit(name, name) for name in ("a", "once", "always", "b")]

@@ -23,7 +23,7 @@ def test_without_ray_flag_ray_is_not_imported(tmp_path):
 
 def test_speedup_report_states_the_machine_ceiling_from_the_records():
     """Two sequences side by side that each take 20% longer cap any 2-way split at 2 / 1.2 = 1.67x."""
-    from confkv.eval.ray_speedup import contention_lines
+    from confkv.eval.ray.speedup import contention_lines
 
     result = {"busy_seconds_in_process": 100.0, "busy_seconds_ray": 120.0, "wall_ratio": 1.5,
               "wall_seconds_in_process": 110.0, "wall_seconds_ray": 73.3, "wall_seconds_two_processes": 66.0}

@@ -13,8 +13,8 @@ import pytest
 exceptions = pytest.importorskip("ray.exceptions")
 
 from confkv.errors import ConfKVError  # noqa: E402
-from confkv.eval import ray_grid  # noqa: E402
-from confkv.eval.ray_grid import RayGrid, RayOptions, WorkUnit  # noqa: E402
+from confkv.eval.ray import grid as ray_grid  # noqa: E402
+from confkv.eval.ray.grid import RayGrid, RayOptions, WorkUnit  # noqa: E402
 
 
 class _Ref:

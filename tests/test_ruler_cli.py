@@ -7,7 +7,7 @@ import json
 import pytest
 
 from confkv.cli import main
-from confkv.eval.ruler import RulerConfig, ruler_table, run_ruler_grid, summarize
+from confkv.eval.ruler.grid import RulerConfig, ruler_table, run_ruler_grid, summarize
 from confkv.errors import ConfigError
 
 ARGS = ["ruler", "--model", "tiny-llama", "--lengths", "1024", "--tasks", "fwe", "--policies",

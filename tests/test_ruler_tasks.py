@@ -7,8 +7,8 @@ import re
 import pytest
 
 from confkv.errors import ConfigError
-from confkv.eval.ruler_score import postprocess_pred, ruler_score, string_match_all, string_match_part
-from confkv.eval.ruler_tasks import TASKS, make_ruler_sample
+from confkv.eval.ruler.score import postprocess_pred, ruler_score, string_match_all, string_match_part
+from confkv.eval.ruler.tasks import TASKS, make_ruler_sample
 from confkv.models import tiny_tokenizer
 
 # the byte tokenizer counts characters: the smallest length each task fits in

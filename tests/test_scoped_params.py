@@ -4,7 +4,7 @@ import pytest
 
 from confkv.errors import ConfigError
 from confkv.eval.niah.budgets import _policy_extra, check_scoped_params, memory_params
-from confkv.eval.ruler import RulerConfig
+from confkv.eval.ruler.grid import RulerConfig
 from confkv.models import tiny_model
 
 
@@ -47,9 +47,9 @@ def test_a_grid_gives_each_policy_its_own_parameters_under_the_target():
 
 def test_the_model_dtype_is_part_of_a_grids_run_key():
     """A bfloat16 run never resumes into a float32 run's records (nor the other way round)."""
-    from confkv.agent.grid import AgentConfig
-    from confkv.agent.grid import run_key as agent_key
-    from confkv.eval.ruler import run_key as ruler_key
+    from confkv.eval.agent.grid import AgentConfig
+    from confkv.eval.agent.grid import run_key as agent_key
+    from confkv.eval.ruler.grid import run_key as ruler_key
 
     assert ruler_key(RulerConfig(), "smollm2") != ruler_key(RulerConfig(dtype="bfloat16"), "smollm2")
     assert '"dtype": "bfloat16"' in ruler_key(RulerConfig(dtype="bfloat16"), "smollm2")

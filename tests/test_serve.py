@@ -20,7 +20,7 @@ from confkv.config import StoreConfig  # noqa: E402
 from confkv.hf import ConfKVCache, generate  # noqa: E402
 from confkv.models import tiny_model, tiny_tokenizer  # noqa: E402
 from confkv.serve.app import Server, create_app  # noqa: E402
-from confkv.serve.command import serve_in_thread  # noqa: E402
+from confkv.cli.serve import serve_in_thread  # noqa: E402
 
 CHUNK = 16
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -393,7 +393,7 @@ def test_the_serve_subcommand_is_registered(capsys):
 
 
 def test_the_load_generator_counts_every_request(tiny):
-    from confkv.eval.serve_load import run_load, summary_lines
+    from confkv.eval.bench.serve_load import run_load, summary_lines
 
     model, tokenizer = tiny
     gen = torch.Generator().manual_seed(0)

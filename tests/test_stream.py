@@ -1,8 +1,8 @@
-"""The endless-stream run (confkv/eval/stream.py) on a tiny model: the cap held at every step, the plot written."""
+"""The endless-stream run (confkv/eval/quality/stream.py) on a tiny model: the cap held at every step, the plot written."""
 
 import pytest
 
-from confkv.eval.stream import plot_stream, run_stream
+from confkv.eval.quality.stream import plot_stream, run_stream
 from confkv.models import tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

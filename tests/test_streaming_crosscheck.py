@@ -1,6 +1,6 @@
 """Real-model cross-check of the streaming loop against one banded-mask forward pass.
 
-The 2,048-token version (N=512) is recorded by ``python -m confkv.eval.streaming_crosscheck`` in
+The 2,048-token version (N=512) is recorded by ``python -m confkv.eval.quality.streaming_crosscheck`` in
 ``results/streaming_crosscheck.md``; here the same check runs on fewer tokens (still
 N=512, so the window really slides) to stay around a minute per policy on 2 CPU cores.
 """
@@ -12,7 +12,7 @@ TOKENS, BUDGET = 768, 512
 
 
 def _crosscheck_module():
-    from confkv.eval import streaming_crosscheck as module
+    from confkv.eval.quality import streaming_crosscheck as module
     return module
 
 

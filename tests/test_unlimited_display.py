@@ -5,7 +5,7 @@ import json
 import torch
 
 from confkv.display import budget_from_json, budget_text, budget_to_json, budgets_text, is_unlimited
-from confkv.eval.plots import trace_from_dict
+from confkv.eval.report.plots import trace_from_dict
 from confkv.policies import UNLIMITED
 from confkv.trace import MemoryTrace, StepRecord
 

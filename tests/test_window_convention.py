@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from confkv.eval.ppl import streaming_ppl
+from confkv.eval.quality.ppl import streaming_ppl
 from confkv.hf.support import kv_shape
 from confkv.tiers.byte_model import full_cache_bytes
 from confkv.models import tiny_model
@@ -53,7 +53,7 @@ def test_streaming_loop_equals_the_stated_band(arch, policy, budget, sinks):
 
 
 def test_benchmark_band_is_the_stated_one():
-    from confkv.eval import streaming_crosscheck as module
+    from confkv.eval.quality import streaming_crosscheck as module
     for budget, sinks in ((9, 0), (9, 2), (5, 4)):
         # the benchmark passes band = budget - sinks (see crosscheck())
         assert torch.equal(module.banded_mask(20, band=budget - sinks, sinks=sinks),

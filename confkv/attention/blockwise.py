@@ -44,7 +44,7 @@ from torch import Tensor
 _MAX_START = -1e30
 # Default block: an int8 block converted to float32 (Hkv * 1024 * D * 4 bytes,
 # 768 KiB at SmolLM2's shape) stays in a 2 MiB L2 while the bmm reads it;
-# larger blocks only save a few ops per block (python -m confkv.eval.bench_attention).
+# larger blocks only save a few ops per block (python -m confkv.eval.bench.attention).
 DEFAULT_BLOCK_SIZE = 1024
 # Automatic tile cap, in score entries (B * Hkv * G*Q * tile floats): 16 MiB.
 _TILE_SCORE_BUDGET = 1 << 22

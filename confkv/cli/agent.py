@@ -1,4 +1,4 @@
-"""``confkv agent``: the agent workload grid (thin CLI over :mod:`confkv.agent.grid`)."""
+"""``confkv agent``: the agent workload grid (thin CLI over :mod:`confkv.eval.agent.grid`)."""
 
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ def add_agent_subcommand(sub: Any, model_args: Any, strs: Any, floats: Any) -> N
     agent.add_argument("--fresh", action="store_true", help="move <out-dir>/agent.jsonl aside first")
     agent.add_argument("--collect-only", action="store_true", help="run nothing: summarize the records on disk")
     agent.add_argument("--out-dir", type=Path, default=Path("results/agent"))
-    from confkv.eval.ray_grid import add_ray_arguments
+    from confkv.eval.ray.grid import add_ray_arguments
 
     add_ray_arguments(agent)
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    from confkv.agent.grid import DEFAULT_POLICIES, AgentConfig, run_agent_grid, summarize, summary_lines
+    from confkv.eval.agent.grid import DEFAULT_POLICIES, AgentConfig, run_agent_grid, summarize, summary_lines
     from confkv.cli.common import parse_params, set_threads, write_json
-    from confkv.eval.ray_grid import ModelSpec, ray_options
+    from confkv.eval.ray.grid import ModelSpec, ray_options
     from confkv.outputs import check_writable
 
     check_writable(args.out_dir, folder=True, what="--out-dir")
@@ -73,7 +73,7 @@ def run_agent(args: argparse.Namespace) -> int:
     write_json(args.out_dir / "agent_summary.json", {"model": args.model, "config": vars(config), "summary": rows})
     for line in summary_lines(rows):
         print(line)
-    from confkv.agent.report import write_agent_report
+    from confkv.eval.agent.report import write_agent_report
 
     written = write_agent_report(rows, records, args.out_dir, command=args.command_line)
     print(f"wrote {path}, {args.out_dir / 'agent_summary.json'}, " + ", ".join(str(p) for p in written))

@@ -13,7 +13,7 @@ from confkv.cli.common import (MEMORY_HELP, MODEL_HELP, floats, ints, memory_fra
 
 def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register the evaluation subcommands on ``sub`` (an argparse subparsers object)."""
-    from confkv.eval.ray_grid import add_ray_arguments
+    from confkv.eval.ray.grid import add_ray_arguments
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--model", default="smollm2", help=MODEL_HELP)
@@ -115,7 +115,7 @@ def run_probe(args: argparse.Namespace) -> int:
     import csv
 
     from confkv.data import corpus_tokens
-    from confkv.eval.probe import plot_probe, probe_confidence_kl
+    from confkv.eval.quality.probe import plot_probe, probe_confidence_kl
     from confkv.models import load_model
     from confkv.outputs import check_writable
 
@@ -169,7 +169,7 @@ def _replot_niah(out_dir: Path) -> int:
 
 def run_niah(args: argparse.Namespace) -> int:
     from confkv.eval.niah import NiahConfig, plot_niah, run_niah_grid, write_niah
-    from confkv.eval.ray_grid import ModelSpec, ray_options
+    from confkv.eval.ray.grid import ModelSpec, ray_options
     from confkv.outputs import check_writable
 
     if args.replot:
@@ -180,7 +180,7 @@ def run_niah(args: argparse.Namespace) -> int:
     spec = ModelSpec(args.model, args.dtype)
     if ray is not None and not args.collect_only:  # Ray and the workers' model loads start while this one loads
         from confkv.eval.niah.runner import run_niah_unit
-        from confkv.eval.ray_grid import prestart
+        from confkv.eval.ray.grid import prestart
 
         prestart(ray, spec, run_niah_unit)
     model, tokenizer = spec()
@@ -205,7 +205,7 @@ def run_niah(args: argparse.Namespace) -> int:
         return 130
     finally:
         if ray is not None:
-            from confkv.eval.ray_grid import release_prestarted
+            from confkv.eval.ray.grid import release_prestarted
 
             release_prestarted()
     paths = write_niah(result, args.out_dir)
@@ -218,8 +218,8 @@ def run_niah(args: argparse.Namespace) -> int:
 
 def run_sweep_cmd(args: argparse.Namespace) -> int:
     from confkv.config import StoreConfig
-    from confkv.eval.ray_grid import ray_options
-    from confkv.eval.sweep import SweepConfig, plan_sweep, run_sweep
+    from confkv.eval.ray.grid import ray_options
+    from confkv.eval.quality.sweep import SweepConfig, plan_sweep, run_sweep
     from confkv.outputs import check_writable
 
     if not args.dry_run:
@@ -245,7 +245,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
         rows = run_sweep(config, args.out, progress=not args.no_progress, traces_dir=args.traces_dir,
                          ray=ray_options(args))
     except KeyboardInterrupt:
-        from confkv.eval.sweep import load_rows
+        from confkv.eval.quality.sweep import load_rows
 
         print(f"interrupted (Ctrl-C): {len(load_rows(args.out))} complete rows in {args.out}; the run in progress "
               "was not written. Rerun the same command to resume.", file=sys.stderr)
@@ -260,7 +260,7 @@ def run_sweep_cmd(args: argparse.Namespace) -> int:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from confkv.eval.report import build_report
+    from confkv.eval.report.page import build_report
     from confkv.outputs import check_writable
 
     check_writable(args.out or args.results / "REPORT.md", what="--out")

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ppl.add_argument("--plot", type=Path, default=None, help="write the kept-tokens / KV-bytes / confidence plot here")
     ppl.add_argument("--no-progress", action="store_true",
                      help="no progress output (default: a bar on a terminal, a few plain lines otherwise)")
-    from confkv.eval.ray_grid import add_ray_arguments
+    from confkv.eval.ray.grid import add_ray_arguments
 
     add_ray_arguments(ppl)
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from confkv.cli.ruler import add_ruler_subcommand, run_ruler
 
     add_ruler_subcommand(sub)
-    from confkv.serve.command import register as register_serve
+    from confkv.cli.serve import register as register_serve
 
     register_serve(sub)
 
@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:14s} {defaults}")
             return 0
         if args.command == "bench":
-            from confkv.eval import bench as bench_mod
-            from confkv.eval.bench_output import write_outputs
+            from confkv.eval.bench import run as bench_mod
+            from confkv.eval.bench.output import write_outputs
 
             lines: list[str] = []
             def log(line: str) -> None:

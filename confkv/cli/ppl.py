@@ -13,8 +13,8 @@ from confkv.cli.textplot import sparkline
 
 
 def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig) -> int:
-    from confkv.eval.ppl import PplUnit, RunInterrupted, run_ppl_unit
-    from confkv.eval.ray_grid import ModelSpec, WorkUnit, ray_options, run_units
+    from confkv.eval.quality.ppl import PplUnit, RunInterrupted, run_ppl_unit
+    from confkv.eval.ray.grid import ModelSpec, WorkUnit, ray_options, run_units
     from confkv.outputs import check_writable
     from confkv.policies import make_policy
     from confkv.store import check_store_fits
@@ -71,7 +71,7 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
         tmp.replace(args.out)
         print(f"wrote {args.out}{' (partial: interrupted)' if result.interrupted else ''}")
     if args.plot:
-        from confkv.eval.plots import plot_trace
+        from confkv.eval.report.plots import plot_trace
 
         plot_trace(trace, args.plot, title=f"{args.policy or 'tiered'} on {args.corpus}")
         print(f"wrote {args.plot}")

@@ -1,4 +1,4 @@
-"""``confkv ruler``: thin CLI over :mod:`confkv.eval.ruler` (offline RULER tasks x policies x memory targets)."""
+"""``confkv ruler``: thin CLI over :mod:`confkv.eval.ruler.grid` (offline RULER tasks x policies x memory targets)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _csv(kind: type) -> Any:
 
 def add_ruler_subcommand(sub: Any) -> None:
     from confkv.cli.common import MEMORY_HELP, MODEL_HELP, memory_fractions, removed_flags
-    from confkv.eval.ruler_tasks import DEFAULT_TASKS, TASKS
+    from confkv.eval.ruler.tasks import DEFAULT_TASKS, TASKS
 
     p = sub.add_parser("ruler", help="offline RULER tasks x policies x memory targets (resumable; table + plot)")
     p.add_argument("--model", default="smollm2", help=MODEL_HELP + "; 'tiny-<arch>': a tiny random test model")
@@ -47,14 +47,14 @@ def add_ruler_subcommand(sub: Any) -> None:
     p.add_argument("--collect-only", action="store_true", help="run nothing: table + plot from <out-dir>/ruler.jsonl")
     p.add_argument("--fresh", action="store_true", help="ignore the records already in <out-dir>/ruler.jsonl")
     p.add_argument("--out-dir", type=Path, default=Path("results/ruler"))
-    from confkv.eval.ray_grid import add_ray_arguments
+    from confkv.eval.ray.grid import add_ray_arguments
 
     add_ray_arguments(p)
 
 
 def run_ruler(args: argparse.Namespace) -> int:
     from confkv.cli.common import parse_params
-    from confkv.eval.ruler import RulerConfig, RulerRecord, run_key, run_ruler_grid, write_ruler
+    from confkv.eval.ruler.grid import RulerConfig, RulerRecord, run_key, run_ruler_grid, write_ruler
     from confkv.eval.jsonl import load_rows
 
     if args.threads:
@@ -81,7 +81,7 @@ def run_ruler(args: argparse.Namespace) -> int:
                               f"{args.dtype}, --param, --protocol, --chunk, --seed and --fp-window must be "
                               f"those of the run that wrote them)")
     else:
-        from confkv.eval.ray_grid import ModelSpec, ray_options
+        from confkv.eval.ray.grid import ModelSpec, ray_options
 
         ray = ray_options(args)
         spec = ModelSpec(args.model, args.dtype)  # tiny-<arch>: a tiny random test model

@@ -1,6 +1,6 @@
 """Append-only JSONL files that survive a kill: one complete line per row, fsynced.
 
-Used by the resumable sweeps (:mod:`confkv.eval.sweep`, :mod:`confkv.eval.niah`): a run
+Used by the resumable sweeps (:mod:`confkv.eval.quality.sweep`, :mod:`confkv.eval.niah`): a run
 appends its rows when they are complete; a kill in the middle of a write leaves at most
 one torn last line, which :func:`load_rows` cuts off, so no row is lost or duplicated.
 """

@@ -2,7 +2,7 @@
 
 - :mod:`~confkv.serve.engine`: the scheduler (one loop, one cache per row, round-robin steps).
 - :mod:`~confkv.serve.app`: the FastAPI app (completions, chat, SSE, models, health, metrics).
-- :mod:`~confkv.serve.command`: the ``serve`` subcommand (uvicorn).
+- :mod:`~confkv.cli.serve`: the ``serve`` subcommand (uvicorn).
 
 Needs the optional extra: ``pip install "confkv[serve]"``.
 """

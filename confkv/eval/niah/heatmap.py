@@ -14,7 +14,7 @@ def plot_niah(result: NiahResult | dict[str, Any], path: str | Path) -> Path:
     Each panel: needle depth (y) x context length (x), accuracy as colour and number; its
     title gives the protocol and the policy's accuracy over the panel. One colour bar.
     """
-    from confkv.eval.plots import plt
+    from confkv.eval.report.plots import plt
 
     data = result.to_dict() if isinstance(result, NiahResult) else result
     config = data["config"]

@@ -16,7 +16,7 @@ The depths x trials of one context length run as one batch (``batch`` caps its s
 
 Units: one batch x one protocol x one group of policies (:class:`NiahUnit`), run by
 :func:`run_niah_unit` in this process or, with ``ray`` (``confkv niah --ray``), on Ray
-actors (:mod:`confkv.eval.ray_grid`); the records are the same apart from ``seconds_per_seq``.
+actors (:mod:`confkv.eval.ray.grid`); the records are the same apart from ``seconds_per_seq``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from confkv.progress import progress as show_progress
 
 if TYPE_CHECKING:
     from confkv.config import StoreConfig
-    from confkv.eval.ray_grid import RayOptions
+    from confkv.eval.ray.grid import RayOptions
 
 
 def run_key(config: NiahConfig, model_name: str) -> str:
@@ -99,8 +99,8 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
             (fsynced), and records of the same run already there are not recomputed, so
             an interrupted grid resumes where it stopped.
         compute: False: only collect the records already in ``resume_path`` (a partial grid).
-        ray: run the units on Ray (:mod:`confkv.eval.ray_grid`); ``loader`` (e.g. a
-            :class:`~confkv.eval.ray_grid.ModelSpec`) loads the same model in each actor.
+        ray: run the units on Ray (:mod:`confkv.eval.ray.grid`); ``loader`` (e.g. a
+            :class:`~confkv.eval.ray.grid.ModelSpec`) loads the same model in each actor.
             The records are those of the in-process loop except ``seconds_per_seq``.
     """
     if ray is not None and loader is None:
@@ -175,7 +175,7 @@ def run_niah_grid(model: Any, tokenizer: Any, config: NiahConfig, *, progress: b
         for unit in show_progress(work, desc="niah", enabled=progress, leave=True):
             land(run_niah_unit(model, tokenizer, unit))
     else:
-        from confkv.eval.ray_grid import WorkUnit, run_units
+        from confkv.eval.ray.grid import WorkUnit, run_units
 
         cost = [unit.length * len(unit.specs) * len(unit.samples) for unit in work]  # the longest go first
         run_units([WorkUnit(unit.key, unit, cost=c) for unit, c in zip(work, cost)], run_niah_unit, loader, ray,

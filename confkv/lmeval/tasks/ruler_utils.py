@@ -1,7 +1,7 @@
 """Datasets and scoring of confkv's offline RULER tasks for ``lm_eval --include_path`` (see README.md here).
 
-Samples come from :func:`confkv.eval.ruler_tasks.make_ruler_sample` (generated locally,
-deterministic); scores are RULER's (:mod:`confkv.eval.ruler_score`), reported per length
+Samples come from :func:`confkv.eval.ruler.tasks.make_ruler_sample` (generated locally,
+deterministic); scores are RULER's (:mod:`confkv.eval.ruler.score`), reported per length
 under the metric named by the length (``"4096"``, ``"8192"``), as lm-eval's ``ruler`` does.
 
 Metadata (``--metadata '{...}'``, merged with ``--model_args``): ``max_seq_lengths`` (default
@@ -16,8 +16,8 @@ from typing import Any
 
 import datasets
 
-from confkv.eval.ruler_score import ruler_score
-from confkv.eval.ruler_tasks import TASKS, make_ruler_sample
+from confkv.eval.ruler.score import ruler_score
+from confkv.eval.ruler.tasks import TASKS, make_ruler_sample
 
 LENGTH_METRICS = (4096, 8192)
 

@@ -1,1 +1,0 @@
-"""One page builder per site: ``build(world, state, path) -> Page`` (see :mod:`confkv.agent.env`)."""

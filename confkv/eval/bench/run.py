@@ -1,0 +1,394 @@
+"""``confkv bench``: per-step decode latency, batched throughput and a step breakdown.
+
+A benchmark, never a timed test. Everything is measured in ONE process, with the
+configurations interleaved (A, B, C, A, B, C, ...) so that a loaded machine slows all
+of them alike; results are reported as medians, spreads (p10-p90) and ratios to
+transformers' ``DynamicCache``.
+
+Protocol
+--------
+* Every configuration owns one cache that grows through the contexts in ascending
+  order: the prompt (a real text, ``pydoc-topics`` by default) is fed in chunks up to
+  the next context ``C`` (``confkv.hf.prefill`` for confkv caches, chunked forward
+  passes for the transformers caches), then ``warmup`` + ``repeats x steps`` decode
+  steps are timed, interleaved across configurations. Decode steps feed the text's
+  next tokens (teacher forcing), so every configuration sees the same tokens.
+* ``DynamicCache`` and ``QuantizedCache`` run with ``attn_implementation="sdpa"``;
+  confkv caches with ``"confkv"`` (set before each configuration's turn).
+* dtypes (``--dtype float32 bfloat16``): every configuration runs once per dtype, with the
+  model loaded in that dtype, all of them interleaved in the same loop; rows of a dtype
+  other than float32 are labelled ``name@bf16`` and compared with that dtype's
+  ``DynamicCache`` (:mod:`confkv.eval.bench.dtypes`). Before the grid, a perplexity check
+  per dtype (streaming, policy ``full``, the text's first ``quality_tokens`` tokens) with its
+  ratio to float32's.
+* llama.cpp peer row (optional ``llama_cpp``; :mod:`confkv.eval.bench.llamacpp`): the same
+  GGUF, threads and contexts, its steps interleaved with the other rows' steps; every row
+  also carries its ratio to it (``x llama`` = llama.cpp time / this time).
+* Throughput at batch B (after the latency grid): each configuration's cache at the
+  last context is grown in place from the previous batch size with
+  ``batch_repeat_interleave`` and row ``b`` is fed the text ``8 * b`` tokens further on,
+  so the rows (and confkv's per-sequence budgets) diverge; tokens/s = B / step time.
+  (transformers' ``QuantizedCache`` cannot repeat its quantized part: reported as such.)
+* Floor: memory bandwidth from a large tensor copy measured in the same run; each
+  configuration's floor is (weight bytes + KV bytes read) / bandwidth (llama.cpp: the GGUF
+  file's bytes + its float16 KV).
+* Breakdown: :mod:`confkv.profiling` timers around the policy's functions, for a
+  few steps of the ``confkv`` configuration at the last context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from confkv import profiling
+from confkv.native import loader as native_loader
+from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
+from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
+                                        gguf_source, kv_bytes_per_token_f16)
+from confkv.eval.bench.loops import _latency_grid, _throughput
+from confkv.eval.bench.machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
+from confkv.eval.bench.output import format_breakdown
+
+
+@dataclass
+class BenchConfig:
+    """One cache configuration of the benchmark."""
+
+    name: str
+    kind: str  # "dynamic", "quantized" or "confkv"
+    policy: str = "full"
+    params: dict[str, Any] = field(default_factory=dict)
+    store: dict[str, Any] = field(default_factory=dict)
+    note: str = ""
+    lean: bool = False  # decode steps through confkv.hf.lean.LeanDecoder instead of model(...)
+    native: bool = True  # False: decode steps with confkv.native's kernels off (the torch code; A/B rows)
+
+
+def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)) -> list[BenchConfig]:
+    """The comparison grid: transformers caches, confkv full, fixed-budget baselines, CONF-KV, and the memory
+    preset (``tiered@<percent>``: the cache holding ``memory`` of the full cache's bytes at every step)."""
+    half = budget // 2
+    gate = {"n_high": budget - half // 2, "n_low": budget + half // 2, "tau": 0.5}
+    int8 = {"kv_int8": True, "fp_window": min(128, budget // 4)}
+    configs = [
+        BenchConfig("dynamic", "dynamic", note="transformers DynamicCache, sdpa"),
+        BenchConfig("quantized", "quantized", note="transformers QuantizedCache (quanto int4), sdpa"),
+        BenchConfig("full", "confkv", "full", note="confkv store, no eviction (our overhead)"),
+        BenchConfig("full-blockwise", "confkv", "full", store={"read_backend": "torch"},
+                    note="the same with the block-wise read instead of the fused CPU kernel (before/after)"),
+        BenchConfig(f"window", "confkv", "window", {"budget": budget}),
+        BenchConfig(f"streaming", "confkv", "streaming", {"budget": budget}),
+        BenchConfig(f"h2o", "confkv", "h2o", {"budget": budget}),
+        BenchConfig("confkv", "confkv", "confkv", dict(gate), note=f"n_high/n_low around {budget}"),
+        BenchConfig("confkv-int8", "confkv", "confkv", dict(gate), dict(int8)),
+    ]
+    if slack:
+        configs += [
+            BenchConfig(f"window+slack{slack}", "confkv", "window", {"budget": budget}, {"evict_slack": slack}),
+            BenchConfig(f"confkv+slack{slack}", "confkv", "confkv", dict(gate), {"evict_slack": slack}),
+            BenchConfig(f"confkv-int8+slack{slack}", "confkv", "confkv", dict(gate),
+                        {**int8, "evict_slack": slack}),
+            BenchConfig(f"confkv+slack{slack}-lean", "confkv", "confkv", dict(gate), {"evict_slack": slack},
+                        note="the same, decode steps through the lean decoder (Llama family)", lean=True),
+            BenchConfig(f"confkv+slack{slack}-lean-torch", "confkv", "confkv", dict(gate), {"evict_slack": slack},
+                        note="the lean row with confkv.native's kernels off (read, RMSNorm, rotary in torch)",
+                        lean=True, native=False),
+        ]
+    configs += [BenchConfig(f"tiered@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction},
+                            note=f"the memory preset at {fraction:g} of the full cache's bytes") for fraction in memory]
+    # the tiered store at the same hot budget: 2-bit cold pages, 4 / 16 pages read when confident / not
+    tiered = {"budget": budget, "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16}
+    configs += [BenchConfig("confkv-r", "confkv", "confkv-r", dict(tiered), note="hot budget + 2-bit cold tier")]
+    if slack:
+        configs += [
+            BenchConfig(f"confkv-r+slack{slack}", "confkv", "confkv-r", dict(tiered), {"evict_slack": slack}),
+            BenchConfig(f"confkv-r-offload+slack{slack}", "confkv", "confkv-r", {**tiered, "offload": True},
+                        {"evict_slack": slack}, note="cold pages in a memory-mapped file"),
+        ]
+    return configs
+
+
+class _Runner:
+    """One configuration's model state and cache."""
+
+    def __init__(self, config: BenchConfig, model: Any, dtype: str = "float32") -> None:
+        self.config = config
+        self.model = model
+        self.dtype = dtype
+        self.label = row_label(config.name, dtype)
+        self.cache: Any = None
+        self.error: str | None = None
+        self.fed = 0
+        self.decoder: Any = None  # LeanDecoder for lean configurations, built on first use
+
+    def attn(self) -> None:
+        wanted = "confkv" if self.config.kind == "confkv" else "sdpa"
+        if wanted == "confkv":
+            from confkv.hf import enable
+
+            enable(self.model)  # registers the attention (idempotent)
+        if self.model.config._attn_implementation != wanted:
+            self.model.set_attn_implementation(wanted)
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache, QuantizedCache
+
+        from confkv.config import StoreConfig
+        from confkv.hf import ConfKVCache
+
+        kind = self.config.kind
+        if kind == "dynamic":
+            return DynamicCache()
+        if kind == "quantized":
+            return QuantizedCache("quanto", self.model.config, nbits=4)
+        cache = ConfKVCache.for_model(self.model, self.config.policy, store=StoreConfig(**self.config.store),
+                                      **self.config.params)
+        return cache
+
+    @torch.no_grad()
+    def feed_to(self, ids: torch.Tensor, target: int, chunk: int) -> None:
+        """Prefill up to ``target`` tokens of ``ids`` [1, N]."""
+        from confkv.hf.generate import prefill
+
+        self.attn()
+        if self.cache is None:
+            self.cache = self.new_cache()
+        if target <= self.fed:
+            return
+        if self.config.kind == "confkv":
+            prefill(self.model, self.cache, ids[:, self.fed:target], chunk=chunk)
+        else:
+            for begin in range(self.fed, target, chunk):
+                end = min(begin + chunk, target)
+                self.model(input_ids=ids[:, begin:end], cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.fed = target
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> float:
+        """One decode step with ``tokens`` [B, 1]; returns seconds."""
+        self.attn()
+        if self.config.lean and self.decoder is None:
+            from confkv.hf.lean import LeanDecoder
+
+            self.decoder = LeanDecoder(self.model)
+        with contextlib.nullcontext() if self.config.native else native_loader.disabled():
+            start = time.perf_counter()
+            if self.decoder is not None:
+                self.decoder(tokens, self.cache)
+            else:
+                self.model(input_ids=tokens, cache=self.cache, use_cache=True, logits_to_keep=1)
+            elapsed = time.perf_counter() - start
+        self.fed += 1
+        return elapsed
+
+    def next_step(self, ids: torch.Tensor) -> float:
+        """One decode step of the text's next token (``ids`` [1, N]); returns seconds."""
+        return self.step(ids[:, self.fed:self.fed + 1])
+
+    def kv_bytes(self) -> int:
+        cache = self.cache
+        if cache is None:
+            return 0
+        if hasattr(cache, "kv_bytes"):
+            return int(cache.kv_bytes())
+        total = 0
+        for layer in cache.layers:
+            for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+                t = getattr(layer, name, None)
+                total += _tensor_bytes(t)
+        return total
+
+    def kept_tokens(self) -> float:
+        cache = self.cache
+        if hasattr(cache, "kept_counts"):
+            return float(cache.kept_counts().float().mean())
+        return float(cache.get_seq_length())
+
+
+def _tensor_bytes(t: Any) -> int:
+    """Bytes of a tensor, including quanto's quantized tensors (data + scales)."""
+    if t is None:
+        return 0
+    if isinstance(t, torch.Tensor) and type(t) is torch.Tensor:
+        return t.numel() * t.element_size()
+    total = 0
+    for attr in ("_data", "_scale", "_shift"):
+        inner = getattr(t, attr, None)
+        if isinstance(inner, torch.Tensor):
+            total += _tensor_bytes(inner)
+    if total == 0 and isinstance(t, torch.Tensor):
+        total = t.numel() * t.element_size()
+    return total
+
+
+def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int = 1024, slack: int = 64,
+              steps: int = 4, repeats: int = 3, warmup: int = 2, chunk: int = 1024, batches: list[int] | None = None,
+              batch_steps: int = 3, breakdown_steps: int = 8, configs: list[str] | None = None,
+              corpus: str = "pydoc-topics", dtypes: list[str] | None = None, quality_tokens: int = 0,
+              llamacpp: bool = True, gguf: str | Path | None = None, log: Callable[[str], None] = print,
+              model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
+              llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,)) -> dict[str, Any]:
+    """Run the benchmark; returns a JSON-ready dict (see the module docstring).
+
+    Args:
+        dtypes: ``--dtype`` names (``"float32"``, ``"bfloat16"``; default float32): the grid runs
+            once per dtype, interleaved, with the model in that dtype (rows labelled, see
+            :mod:`confkv.eval.bench.dtypes`).
+        quality_tokens: perplexity check on this many tokens of the text per dtype (0, the default
+            here: skip; the CLI asks for 2048).
+        llamacpp: add the llama.cpp row when ``llama_cpp`` is installed (else one line says how).
+        gguf: that row's GGUF file (default: the file ``model_name`` is loaded from; with
+            ``model`` given there is none unless passed here).
+        model, tokenizer: an already loaded model (default: load ``model_name`` per dtype).
+        llamacpp_module, llamacpp_path: the module llama.cpp's child process imports and the
+            folders it searches first (a stand-in module in the tests).
+    """
+    from confkv.data import corpus_tokens, load_corpus
+    from confkv.hf import ConfKVCache  # noqa: F401 - registers nothing, fails early if transformers is broken
+    from confkv.models import load_model
+
+    dtypes = parse_dtypes(dtypes)
+    check_quality_tokens(quality_tokens)
+    batches = batches or []
+    contexts = sorted(contexts)
+    all_configs = default_configs(budget, slack, tuple(memory))
+    if configs:
+        unknown = set(configs) - {c.name for c in all_configs}
+        if unknown:
+            raise ValueError(f"unknown bench configs {sorted(unknown)}; known: {[c.name for c in all_configs]}")
+        all_configs = [c for c in all_configs if c.name in configs]
+    model_given = model is not None
+    models, tokenizer = models_by_dtype(dtypes, model_name, model, tokenizer, load_model)
+    decode_budget = len(contexts) * (warmup + steps * repeats) + 2
+    max_batch = max(batches, default=1)
+    need = (contexts[-1] + decode_budget + breakdown_steps * 4 + (batch_steps + warmup + 2) * (len(batches) + 1)
+            + max_batch * 8 + 64)
+    ids = corpus_tokens(tokenizer, corpus, max(need, quality_tokens))
+    ids = ids if ids.ndim == 2 else ids[None]
+    runners = [_Runner(c, models[d], d) for d in dtypes for c in all_configs]
+    log(f"[bench] {torch.get_num_threads()} thread(s), dtypes {', '.join(dtypes)}")
+
+    # the quantized cache's backend may not be installed: try it on a few tokens first
+    for runner in runners:
+        if runner.config.kind == "quantized":
+            try:
+                probe = _Runner(runner.config, runner.model, runner.dtype)
+                probe.feed_to(ids, 16, chunk)
+                probe.step(ids[:, 16:17])
+            except Exception as error:  # noqa: BLE001 - report any backend failure
+                runner.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                log(f"[bench] {runner.label}: not available ({runner.error})")
+    runners_ok = [r for r in runners if r.error is None]
+
+    bandwidth = measure_bandwidth()
+    weights = {d: weight_bytes_read(m) for d, m in models.items()}
+    log(f"[bench] bandwidth {bandwidth['median_gbps']:.2f} GB/s (copy), weights read/step "
+        + ", ".join(f"{d} {w / 1e6:.1f} MB" for d, w in weights.items()))
+    result: dict[str, Any] = {
+        "model": model_name, "contexts": contexts, "budget": budget, "slack": slack, "steps": steps,
+        "repeats": repeats, "warmup": warmup, "chunk": chunk, "threads": torch.get_num_threads(),
+        "dtypes": dtypes, "torch": torch.__version__, "platform": platform.platform(), "bandwidth": bandwidth,
+        "weight_bytes": weights[dtypes[0]], "weight_bytes_by_dtype": weights,
+        "configs": {r.label: {"config": r.config.name, "dtype": r.dtype, "kind": r.config.kind,
+                              "policy": r.config.policy, "params": r.config.params, "store": r.config.store,
+                              "note": r.config.note, "error": r.error}
+                    for r in runners},
+        "quality": {}, "latency": {}, "throughput": {}, "breakdown": {}, "load": {},
+    }
+    result["load"]["start"] = _loadavg()
+    if quality_tokens:
+        result["quality"] = quality_check(models, ids, quality_tokens, log)
+
+    with contextlib.ExitStack() as stack:
+        peer = _peer_runner(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
+                            contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
+                            llamacpp_module, llamacpp_path)
+        if peer is not None:
+            stack.callback(peer.close)
+            result["configs"][peer.label] = {**peer.describe(), "error": None}
+        _latency_grid(result, runners_ok + ([peer] if peer is not None else []), ids, contexts, chunk, warmup,
+                      steps, repeats, weights, bandwidth, dtypes, log)
+        if peer is not None:
+            result["configs"][peer.label]["error"] = peer.error
+
+    if breakdown_steps:  # every listed configuration that ran
+        for dtype in dtypes:
+            for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
+                         f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
+                         f"confkv-r-offload+slack{slack}", *(f"tiered@{f * 100:g}" for f in memory)):
+                label = row_label(name, dtype)
+                runner = next((r for r in runners_ok if r.label == label), None)
+                if runner is not None:
+                    result["breakdown"][label] = step_breakdown(runner, ids, breakdown_steps)
+                    log(format_breakdown(label, result["breakdown"][label]))
+
+    _throughput(result, runners_ok, ids, batches, batch_steps, warmup, log)
+    result["load"]["end"] = _loadavg()
+    result["peak_rss_bytes"] = _peak_rss_bytes()
+    return result
+
+
+def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
+                 kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None],
+                 module: str = "llama_cpp", sys_path: tuple[str, ...] = ()) -> LlamaCppRunner | None:
+    """The llama.cpp row's runner, or None (not asked, not installed, no GGUF, or it failed: logged)."""
+    if not enabled:
+        return None
+    if gguf is None:
+        source = gguf_source(model_name) if model_name is not None else None
+        if source is None:
+            log(f"[bench] llama.cpp row skipped: no GGUF file for model {model_name!r} "
+                "(the row needs a bundled model or a .gguf path)")
+            return None
+        gguf = stack.enter_context(source)
+    try:
+        peer = LlamaCppRunner(Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token,
+                              module=module, sys_path=sys_path)
+    except LlamaCppUnavailable:
+        log(SKIP_MESSAGE)
+        return None
+    except Exception as error:  # noqa: BLE001 - the other rows still run
+        log(f"[bench] llama.cpp row skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]} "
+            f"(if llama_cpp itself fails to load, reinstall it: {INSTALL_HINT})")
+        return None
+    log(f"[bench] llama.cpp row: {Path(gguf).name}, n_ctx {n_ctx}, {peer.threads} thread(s), "
+        f"{peer.token_count} tokens of the text with its own tokenizer, in a child process")
+    return peer
+
+
+#: The policy's own work as issue 6 lists it (confidence, EMA update, ranking and top-k,
+#: compaction, quantization) plus the gate and the eviction/ageing bookkeeping. The rest
+#: of confkv's instrumented time (appending to the FP window, positions and masks, the
+#: trace) is the store's per-step plumbing, reported as "cache overhead" with the policy work.
+POLICY_SECTIONS = ("confidence", "budget gate", "EMA / stats update", "ranking and top-k", "compaction gather",
+                   "quantization", "eviction bookkeeping", "ageing (old-region concat)")
+
+
+def step_breakdown(runner: _Runner, ids: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Mean ms per step spent in each instrumented section, over ``steps`` decode steps."""
+    timers = profiling.Timers()
+    total = 0.0
+    with profiling.enabled(timers):
+        for _ in range(steps):
+            total += runner.step(ids[:, runner.fed:runner.fed + 1])
+    sections = {name: 1e3 * t / steps for name, t in timers.seconds.items()}
+    # the native decode step (the token's write, the read and the statistics update in one C call,
+    # LayerStore._decode_in_place in confkv/store/read.py) is mostly its read: it counts with the
+    # attention read, not as overhead
+    overhead = sum(v for k, v in sections.items() if k not in ("attention read", "native decode step"))
+    policy_work = sum(v for k, v in sections.items() if k in POLICY_SECTIONS)
+    step_ms = 1e3 * total / steps
+    # Model compute: everything that is not an instrumented confkv section.
+    sections = {"model compute (rest)": step_ms - sum(sections.values()), **sections}
+    # reads (one per layer and step) that left the native path, by reason (confkv.attention.read_plan)
+    return {"step_ms": step_ms, "sections_ms": sections, "calls": dict(timers.calls),
+            "left_native": dict(timers.fallbacks), "steps": steps,
+            "policy_work_ms": policy_work, "policy_work_fraction": policy_work / step_ms,
+            "cache_overhead_ms": overhead, "cache_overhead_fraction": overhead / step_ms}

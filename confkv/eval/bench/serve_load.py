@@ -1,0 +1,295 @@
+"""A bounded load test of ``confkv serve`` over loopback: ``python -m confkv.eval.bench.serve_load``.
+
+It starts ``confkv serve`` as a child process on a free 127.0.0.1 port (or uses ``--url``), runs
+``--clients`` concurrent streaming clients (the ``openai`` client) until ``--requests`` requests
+have been sent, and stops by itself (also after ``--max-seconds``). Prompts are token windows of a
+built-in corpus, of a length drawn from ``--prompt-tokens LO HI``; each asks for a number of new
+tokens drawn from ``--new-tokens LO HI`` (EOS ignored, so every request runs its length) at
+``--memory``. It prints and writes (``--out``, JSON):
+
+- requests completed, failed (an HTTP error or an error event) and lost (no answer: a connection
+  error, a timeout, or a stream that ended without a finish reason);
+- p50 / p99 time to first token and inter-token latency;
+- total generated tokens per second (wall time of the load);
+- peak RSS of the server process (sampled every 0.25 s), and the server's peak KV bytes held
+  at a step boundary against the sum of the running requests' targets at that moment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Outcome:
+    prompt_tokens: int
+    new_tokens: int
+    status: str = "lost"  # completed / failed / lost
+    error: str = ""
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, int(round(q / 100 * (len(ordered) - 1)))))
+    return ordered[index]
+
+
+def read_metrics(url: str) -> dict[str, float]:
+    """The unlabelled samples of ``url``/metrics."""
+    text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def one_request(client: Any, ids: list[int], new_tokens: int, memory: float, timeout: float) -> Outcome:
+    outcome = Outcome(len(ids), new_tokens)
+    import openai
+
+    start = time.perf_counter()
+    last = None
+    try:
+        stream = client.completions.create(model="served", prompt=ids, max_tokens=new_tokens, temperature=0,
+                                           stream=True, timeout=timeout,
+                                           extra_body={"confkv": {"memory": memory, "ignore_eos": True}})
+        for chunk in stream:
+            choice = chunk.choices[0]
+            count = len((choice.model_extra or {}).get("token_ids") or [])
+            if count:
+                now = time.perf_counter()
+                if last is None:
+                    outcome.ttft = now - start
+                else:
+                    outcome.itl.append(now - last)
+                last = now
+                outcome.tokens += count
+            if choice.finish_reason is not None:
+                outcome.status = "completed"
+    except (openai.APIConnectionError, openai.APITimeoutError) as error:
+        outcome.status, outcome.error = "lost", f"{type(error).__name__}: {error}"
+    except openai.APIError as error:
+        outcome.status, outcome.error = "failed", f"{type(error).__name__}: {error}"
+    return outcome
+
+
+def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clients: int, memory: float,
+             timeout: float = 1800.0, max_seconds: float = 3600.0, server_pid: int | None = None,
+             log=print) -> dict[str, Any]:
+    """Send ``prompts`` (with ``new_tokens`` each) from ``clients`` threads; returns the summary."""
+    import openai
+
+    client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=timeout)
+    outcomes: list[Outcome | None] = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+    lock = threading.Lock()
+    deadline = time.monotonic() + max_seconds
+    done = threading.Event()
+    peaks = {"rss": 0, "kv_ratio": 0.0}
+
+    def sample() -> None:
+        proc = None
+        if server_pid is not None:
+            import psutil
+
+            proc = psutil.Process(server_pid)
+        while not done.is_set():
+            if proc is not None:
+                try:
+                    rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+                    peaks["rss"] = max(peaks["rss"], rss)
+                except Exception:  # noqa: BLE001 - the process is gone
+                    pass
+            done.wait(0.25)
+
+    def worker() -> None:
+        while time.monotonic() < deadline:
+            with lock:
+                index = next(next_index, None)
+            if index is None:
+                return
+            outcomes[index] = one_request(client, prompts[index], new_tokens[index], memory, timeout)
+            o = outcomes[index]
+            log(f"  request {index + 1}/{len(prompts)}: {o.status}, prompt {o.prompt_tokens}, {o.tokens} tokens"
+                + (f", TTFT {o.ttft:.2f} s" if o.ttft is not None else "") + (f" ({o.error})" if o.error else ""))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    metrics = read_metrics(url)
+    finished = [o for o in outcomes if o is not None]
+    ttft = [o.ttft for o in finished if o.ttft is not None]
+    itl = [x for o in finished for x in o.itl]
+    tokens = sum(o.tokens for o in finished)
+    return {
+        "requests": len(prompts), "clients": clients, "memory": memory,
+        "completed": sum(o.status == "completed" for o in finished),
+        "failed": sum(o.status == "failed" for o in finished),
+        "lost": sum(o.status == "lost" for o in finished) + (len(prompts) - len(finished)),
+        "wall_s": wall,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+        "generated_tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else None,
+        "prompt_tokens": sum(o.prompt_tokens for o in finished),
+        "peak_rss_bytes": peaks["rss"] or None,
+        "peak_kv_bytes": metrics.get("confkv_kv_bytes_peak"),
+        "target_bytes_at_peak": metrics.get("confkv_kv_target_bytes_at_peak"),
+        "request_peak_kv_bytes_max": metrics.get("confkv_request_peak_kv_bytes_max"),
+        "server_generated_tokens": metrics.get("confkv_generated_tokens_total"),
+        "errors": sorted({o.error for o in finished if o.error})[:5],
+        "outcomes": [asdict(o) | {"itl": None} for o in finished],
+    }
+
+
+def make_prompts(tokenizer: Any, n: int, lengths: tuple[int, int], new: tuple[int, int], seed: int,
+                 corpus: str = "pydoc-topics") -> tuple[list[list[int]], list[int]]:
+    """``n`` prompts: windows of ``corpus`` at seeded offsets, lengths uniform in ``lengths``."""
+    from confkv.data.corpora import _corpus_ids
+
+    ids = _corpus_ids(tokenizer, corpus)
+    rng = random.Random(seed)
+    prompts, news = [], []
+    for _ in range(n):
+        length = rng.randint(*lengths)
+        offset = rng.randint(0, len(ids) - length - 1)
+        prompts.append(ids[offset:offset + length].tolist())
+        news.append(rng.randint(*new))
+    return prompts, news
+
+
+def load_tokenizer(name: str) -> Any:
+    """The tokenizer of model ``name`` without loading its weights."""
+    from transformers import AutoTokenizer
+
+    from confkv.models.bundled import _bundled_cache_dir, bundled_model_name
+
+    key = bundled_model_name(name)
+    return AutoTokenizer.from_pretrained(str(_bundled_cache_dir(key, None)) if key is not None else name)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value * 1000:.0f} ms"
+
+    def mib(value: float | None) -> str:
+        return "n/a" if not value else f"{value / 2**20:.1f} MiB"
+
+    lines = [
+        f"requests {result['requests']} from {result['clients']} clients at memory {result['memory']}: "
+        f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}",
+        f"time to first token p50 {ms(result['ttft_p50_s'])}, p99 {ms(result['ttft_p99_s'])}",
+        f"inter-token latency p50 {ms(result['itl_p50_s'])}, p99 {ms(result['itl_p99_s'])}",
+        f"generated {result['generated_tokens']} tokens in {result['wall_s']:.1f} s: "
+        f"{result['tokens_per_s']:.2f} tokens/s ({result['prompt_tokens']} prompt tokens)",
+        f"peak RSS of the server {mib(result['peak_rss_bytes'])}",
+        f"peak KV bytes held {result['peak_kv_bytes']:.0f} against the running requests' targets summed "
+        f"{result['target_bytes_at_peak']:.0f} at that step"
+        if result.get("peak_kv_bytes") is not None else "peak KV bytes: n/a",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m confkv.eval.bench.serve_load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--url", default=None, help="a running server (default: start `confkv serve` on loopback)")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(1024, 4096), metavar=("LO", "HI"))
+    parser.add_argument("--new-tokens", type=int, nargs=2, default=(64, 256), metavar=("LO", "HI"))
+    parser.add_argument("--memory", type=float, default=0.25)
+    parser.add_argument("--chunk", type=int, default=256, help="the server's prefill chunk")
+    parser.add_argument("--threads", type=int, default=None, help="the server's torch threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", default="pydoc-topics")
+    parser.add_argument("--max-seconds", type=float, default=3600.0, help="no new request after this")
+    parser.add_argument("--request-timeout", type=float, default=1800.0)
+    parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
+    args = parser.parse_args(argv)
+    if args.url is not None and not args.url.startswith(("http://127.", "http://localhost")):
+        parser.error("--url must be a loopback address (http://127.0.0.1:PORT)")
+
+    tokenizer = load_tokenizer(args.model)
+    prompts, news = make_prompts(tokenizer, args.requests, tuple(args.prompt_tokens), tuple(args.new_tokens),
+                                 args.seed, args.corpus)
+    server = None
+    url = args.url
+    if url is None:
+        port = _free_port()
+        command = [sys.executable, "-m", "confkv.cli", "serve", "--model", args.model, "--port", str(port),
+                   "--memory", str(args.memory), "--max-batch", str(args.clients), "--max-queue",
+                   str(args.requests), "--chunk", str(args.chunk), "--log-level", "warning"]
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        print("server: " + " ".join(command[1:]), flush=True)
+        server = subprocess.Popen(command)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    print("the server did not start", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+    try:
+        result = run_load(url, prompts, news, clients=args.clients, memory=args.memory,
+                          timeout=args.request_timeout, max_seconds=args.max_seconds,
+                          server_pid=server.pid if server is not None else None,
+                          log=lambda line: print(line, flush=True))
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGINT)  # uvicorn drains, then the engine stops
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    result["command"] = "python -m confkv.eval.bench.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["load_average"] = os.getloadavg()
+    for line in summary_lines(result):
+        print(line)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,7 +7,7 @@ budget is smaller than the prompt (the only ones that test retention). Usage::
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --evicting-from 4096
     .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json --by-depth 4096,8192
     # several results files join into one table (e.g. a new policy's grid next to full KV's):
-    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json results/niah_tiered/niah.json --trials 2
+    .venv/bin/python benchmarks/niah_table.py results/niah_grid/niah.json results/archive/niah_tiered/niah.json --trials 2
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reads `confkv sweep` JSONL files; one table per (file, reference window): every 
 perplexity, its distance to full KV, its peak KV bytes (all tiers: data, scales, digests)
 as a share of full KV's, and the cold bytes it read per step. Usage::
 
-    .venv/bin/python benchmarks/tiered_table.py results/tiered/ppl_pydoc.jsonl
+    .venv/bin/python benchmarks/tiered_table.py results/archive/tiered/ppl_pydoc.jsonl
 """
 
 from __future__ import annotations

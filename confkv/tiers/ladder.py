@@ -16,7 +16,7 @@ so that a cheap step (8 -> 4 bits) is taken on a warm page before a costly one (
 page. Only when every page is at the bottom are the least valuable bottom pages dropped. When no page is
 left, an open page that costs more than a bottom page is sealed early (a partial page, then stepped
 down); a smaller one loses its oldest slots, as few as the budget needs. Every page of every rung is
-read at every step (reading all pages beat every top-k at equal bytes; results/tiered).
+read at every step (reading all pages beat every top-k at equal bytes; results/archive/tiered).
 Each head keeps the same number of pages on each rung, so a rung stays one dense tensor.
 """
 

@@ -55,6 +55,7 @@ TESTS = ["tests/test_native_contracts.py", "tests/test_native_confidence.py", "t
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
+    "c/decode_step.c": ["test_native_contracts", "test_window_buffer", "test_native_kernels"],
     "c/rows.c": ["test_native_contracts", "test_native_confidence", "test_native_kernels", "test_native_layer"],
     "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],

@@ -151,7 +151,7 @@ class ColdConfig:
     - ``group_size``: quantization group (tokens for keys, channels for values); divides ``page_size``.
     - ``k_high`` / ``k_low``: cold pages read per step when the model is confident
       (``c >= tau``) / uncertain. Equal values give a fixed read budget; ``k_high > k_low``
-      is the inverted gate. :data:`ALL_PAGES` reads every page.
+      is the inverted gate. ``"all"`` reads every page (held as :data:`ALL_PAGES`).
     - ``cold_budget``: most tokens the cold tier holds per sequence (None: unbounded); the
       coldest pages (least attention per read since sealing; pages not yet read stay; among
       equals the oldest) are evicted for good.
@@ -173,8 +173,8 @@ class ColdConfig:
     bits: int = 2
     page_size: int = 32
     group_size: int = 32
-    k_high: int = 4
-    k_low: int = 16
+    k_high: int | str = 4
+    k_low: int | str = 16
     cold_budget: int | None = None
     offload: bool = False
     offload_dir: str | None = None
@@ -197,8 +197,11 @@ class ColdConfig:
         check_pages(self.page_size, self.group_size)
         for name in ("k_high", "k_low"):
             value = getattr(self, name)
+            if value == "all":
+                object.__setattr__(self, name, ALL_PAGES)
+                continue
             _require(isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= ALL_PAGES, name,
-                     f"must be a number of pages in [0, {ALL_PAGES}] ({ALL_PAGES} = all), got {value!r}")
+                     f"must be a number of pages in [0, {ALL_PAGES}] or \"all\" (every page), got {value!r}")
         if self.cold_budget is not None:
             _require(isinstance(self.cold_budget, int) and not isinstance(self.cold_budget, bool)
                      and self.cold_budget >= self.page_size, "cold_budget",
@@ -208,7 +211,7 @@ class ColdConfig:
                 value = getattr(self, name)
                 _require(value == ALL_PAGES or value * self.page_size <= self.cold_budget, name,
                          f"reads {value} pages of {self.page_size} tokens, more than cold_budget={self.cold_budget} "
-                         f"tokens can hold; lower it or raise cold_budget ({ALL_PAGES} reads all pages)")
+                         f"tokens can hold; lower it, raise cold_budget, or read every page with \"all\"")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(self.promote is None or (isinstance(self.promote, (int, float)) and not isinstance(self.promote, bool)
                                           and 0.0 < self.promote <= 1.0), "promote",

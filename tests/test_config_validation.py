@@ -46,3 +46,15 @@ def test_fp_window_must_fit_the_budget():
 def test_gate_defaults_are_valid():
     gate = GateConfig()
     assert gate.n_high < gate.n_low and 0 <= gate.tau <= 1
+
+
+def test_reading_every_cold_page_is_spelled_all():
+    from confkv.config import ALL_PAGES, ColdConfig
+    from confkv.policies import make_policy
+
+    every = ColdConfig(k_high="all", k_low="all", cold_budget=64)  # "all" is never more than cold_budget holds
+    assert (every.k_high, every.k_low, every.needs_digest) == (ALL_PAGES, ALL_PAGES, False)
+    assert ColdConfig(k_high="all").needs_digest  # k_low still reads a few pages: digests needed
+    assert make_policy("confkv-r", k="all").cold == make_policy("confkv-r", k=ALL_PAGES).cold
+    with pytest.raises(ConfigError, match=r'k_low.*or "all"'):
+        ColdConfig(k_low="every")

@@ -12,7 +12,8 @@
  * One translation unit (the parts share static helpers and the pool), built from its parts in c/:
  */
 #include "c/common.h"     /* headers, dtype codes, bfloat16, row loads / stores, reductions, exp */
-#include "c/mass_read.c"  /* the attention read with attention mass; the store's decode step */
+#include "c/mass_read.c"  /* the attention read with attention mass */
+#include "c/decode_step.c" /* the store's in-place decode step around it */
 #include "c/pages.c"      /* the read of dense segments with masks and packed KIVI cold pages */
 #include "c/rows.c"       /* the confidence's terms, RMSNorm, rotary */
 #include "c/gemv.c"       /* the INT8 GEMV's row kernels (W8A16 and W8A8) */

@@ -13,7 +13,7 @@ import math
 import torch
 
 
-def protection_mask(positions: torch.Tensor, valid: torch.Tensor, current_position: torch.Tensor,
+def protected_mask(positions: torch.Tensor, valid: torch.Tensor, current_position: torch.Tensor,
                     protect: int, sinks: int) -> torch.Tensor:
     """Slots that must never be evicted.
 

@@ -82,7 +82,7 @@ ROWS = [
     ("window-budget", "make_policy('window', budget=0)", lambda: make_policy("window", budget=0),
      ConfigError, r"^budget: must be a positive integer"),
     ("protect-vs-budget", "make_policy('streaming', budget=8, protect=8)",
-     lambda: make_policy("streaming", budget=8, protect=8), ConfigError, r"^protect: the protection window P=8"),
+     lambda: make_policy("streaming", budget=8, protect=8), ConfigError, r"^protect: the protected tokens P=8"),
     ("sinks-vs-budget", "make_policy('streaming', budget=8, protect=4, sinks=4)",
      lambda: make_policy("streaming", budget=8, protect=4, sinks=4), ConfigError, r"^sinks: protect \+ sinks = 8"),
     ("h2o-recent-sinks", "make_policy('h2o', budget=3, protect=0, sinks=2)",

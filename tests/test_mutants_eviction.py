@@ -6,36 +6,36 @@ value below is spelled out, not computed with the code under test.
 
 import torch
 
-from confkv.eviction import dropped_slots, protection_mask, select_kept
+from confkv.eviction import dropped_slots, protected_mask, select_kept
 
 
-def test_protection_mask_marks_the_last_protect_positions_and_the_sinks():
+def test_protected_mask_marks_the_last_protect_positions_and_the_sinks():
     positions = torch.arange(10).view(1, 1, 10)
     valid = torch.ones(1, 10, dtype=torch.bool)
-    mask = protection_mask(positions, valid, torch.tensor([9]), protect=3, sinks=2)
+    mask = protected_mask(positions, valid, torch.tensor([9]), protect=3, sinks=2)
     # recent: 7, 8, 9 (the last 3 positions, 9 included); sinks: 0, 1
     assert mask[0, 0].tolist() == [True, True, False, False, False, False, False, True, True, True]
 
 
-def test_protection_mask_is_relative_to_each_sequences_current_position():
+def test_protected_mask_is_relative_to_each_sequences_current_position():
     positions = torch.arange(6).expand(2, 1, 6)
     valid = torch.ones(2, 6, dtype=torch.bool)
-    mask = protection_mask(positions, valid, torch.tensor([5, 3]), protect=2, sinks=0)
+    mask = protected_mask(positions, valid, torch.tensor([5, 3]), protect=2, sinks=0)
     assert mask[0, 0].tolist() == [False, False, False, False, True, True]
     # positions 4 and 5 lie after sequence 1's current token 3: they count as recent too
     assert mask[1, 0].tolist() == [False, False, True, True, True, True]
 
 
-def test_protection_mask_zero_protect_and_zero_sinks_protect_nothing():
+def test_protected_mask_zero_protect_and_zero_sinks_protect_nothing():
     positions = torch.arange(5).view(1, 1, 5)
     valid = torch.ones(1, 5, dtype=torch.bool)
-    assert not protection_mask(positions, valid, torch.tensor([4]), protect=0, sinks=0).any()
+    assert not protected_mask(positions, valid, torch.tensor([4]), protect=0, sinks=0).any()
 
 
-def test_protection_mask_never_protects_invalid_slots():
+def test_protected_mask_never_protects_invalid_slots():
     positions = torch.arange(5).view(1, 1, 5)
     valid = torch.tensor([[False, True, True, True, False]])
-    mask = protection_mask(positions, valid, torch.tensor([4]), protect=2, sinks=1)
+    mask = protected_mask(positions, valid, torch.tensor([4]), protect=2, sinks=1)
     assert mask[0, 0].tolist() == [False, False, False, True, False]
 
 

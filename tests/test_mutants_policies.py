@@ -60,7 +60,7 @@ def test_values_out_of_range_name_the_field(name, params, field):
 
 def test_recent_part_and_recent_first():
     assert recent_part(100, 10, 0.25) == 25
-    assert recent_part(100, 30, 0.25) == 30      # the protection window wins
+    assert recent_part(100, 30, 0.25) == 30      # the protected tokens wins
     assert recent_part(20, 30, 0.0) == 20        # never more than the budget
     assert recent_part(10, 0, 0.35) == 4         # round(3.5) = 4 (banker's rounding: even)
     positions = torch.arange(6).view(1, 1, 6)
@@ -367,7 +367,7 @@ def test_a_policy_object_with_parameters_is_refused_with_its_message():
 def test_protection_refusals_give_the_window_and_the_smallest_budget():
     with pytest.raises(ConfigError) as refused:
         make_policy("h2o", budget=8, protect=8)
-    assert str(refused.value) == ("protect: the protection window P=8 must be smaller than the smallest budget (8); "
+    assert str(refused.value) == ("protect: the protected tokens P=8 must be smaller than the smallest budget (8); "
                                   "lower `protect` or raise the budget")
     with pytest.raises(ConfigError) as refused:
         make_policy("h2o", budget=8, protect=5, sinks=3)

@@ -1,5 +1,5 @@
 """A :class:`confkv.store.LayerStore` driven by hand through ``end_step``: when the FP window ages (in
-``move_block`` groups, at once when over budget), what eviction keeps (protection window, sliding
+``move_block`` groups, at once when over budget), what eviction keeps (protected tokens, sliding
 windows, slack, hole compaction), when it ranks at all, and the memory the window holds afterwards,
 against expectations worked out by hand.
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from confkv.config import StoreConfig
-from confkv.eviction import protection_mask, select_kept
+from confkv.eviction import protected_mask, select_kept
 from confkv.policies import make_policy
 from confkv.policies.scissorhands import MAX_HISTORY
 from confkv.store import LayerStore
@@ -29,7 +29,7 @@ def _stats(policy, batch: int, heads: int, length: int):
 
 def _kept(policy, stats, positions, valid, current, budget: int) -> list[list[set[int]]]:
     """Positions kept per (sequence, head) when evicting down to ``budget`` (as the store does)."""
-    protected = protection_mask(positions, valid, current, policy.protect, policy.sinks)
+    protected = protected_mask(positions, valid, current, policy.protect, policy.sinks)
     scores = policy.scores(stats, positions, current)
     keep = torch.full((positions.shape[0],), budget, dtype=torch.int64)
     keep = torch.maximum(keep, protected.sum(-1).amax(-1))

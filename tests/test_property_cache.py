@@ -1,6 +1,6 @@
 """Property-based invariants of ``ConfKVCache`` for every registered policy (hypothesis).
 
-Random configurations (budgets, protection window, sinks, gate threshold and smoothing,
+Random configurations (budgets, protected tokens, sinks, gate threshold and smoothing,
 INT8 on/off with random FP window and move block, attention-read block size), random batch compositions (1-3
 sequences, random left padding), random step sequences (a prompt fed in random chunk
 sizes, then single-token steps) on tiny random models. After **every** forward pass:

@@ -59,7 +59,7 @@ class Policy:
         minimum = self.min_budget()
         if minimum < UNLIMITED:
             _require(self.protect < minimum, "protect",
-                     f"the protection window P={self.protect} must be smaller than the smallest budget "
+                     f"the protected tokens P={self.protect} must be smaller than the smallest budget "
                      f"({minimum}); lower `protect` or raise the budget")
             _require(self.protect + self.sinks < minimum, "sinks",
                      f"protect + sinks = {self.protect + self.sinks} must be smaller than the smallest budget "

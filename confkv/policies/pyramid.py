@@ -19,7 +19,7 @@ def pyramid_budgets(mean_budget: int, num_layers: int, beta: float = 20.0, *, mi
     exactly ``k``. ``beta = 1`` gives a flat allocation.
 
     Floor: layers may not go below ``min_budget`` (the tokens a layer can never evict:
-    protection window, sinks, FP window). Layers under it are raised to it and the deficit
+    protected tokens, sinks, FP window). Layers under it are raised to it and the deficit
     is taken from the other layers in proportion to their excess ``b_l - min_budget`` (one
     pass suffices; the order is kept, the mean stays ``k``).
 

@@ -31,7 +31,7 @@ from confkv import profiling
 from confkv.tiers.cold import ColdTier
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
-from confkv.eviction import protection_mask, select_kept
+from confkv.eviction import protected_mask, select_kept
 from confkv.native.decode import DecodePlan
 from confkv.tiers.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
@@ -330,7 +330,7 @@ class LayerStore(AttentionRead):
             if slack and over_budget:
                 # evict down to budget - slack: the next `slack` steps need no compaction
                 keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
-            protected = protection_mask(old.positions, old.valid, current, protect, sinks)
+            protected = protected_mask(old.positions, old.valid, current, protect, sinks)
             keep = torch.maximum(keep, protected.sum(-1).amax(-1))
             if self.sliding_window is not None:
                 scores = old.positions.float()

@@ -49,9 +49,9 @@ DOC = ROOT / "docs" / "MUTATION.md"
 OUT = ROOT / "mutants-native"
 BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
-TESTS = ["tests/test_native_contracts.py", "tests/test_native_confidence.py", "tests/test_native_w8a8.py",
-         "tests/test_native_gemv.py", "tests/test_native_kernels.py", "tests/test_native_layer.py",
-         "tests/test_window_buffer.py", "tests/test_native_pages.py"]
+TESTS = ["tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
+         "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
+         "tests/store/test_window_buffer.py", "tests/native/test_native_pages.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
@@ -65,8 +65,8 @@ TESTS_FOR = {
                  "test_native_layer"],
 }
 #: loader tests that build libraries of their own and test no kernel
-DESELECT = ["tests/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",
-            "tests/test_native_kernels.py::test_a_changed_part_of_the_source_builds_a_new_library"]
+DESELECT = ["tests/native/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",
+            "tests/native/test_native_kernels.py::test_a_changed_part_of_the_source_builds_a_new_library"]
 EQUIVALENT_LINE = re.compile(r"^- `native:([\w./:-]+)`(?:, `native:[\w./:-]+`)*: \S")
 
 

@@ -15,7 +15,7 @@ one plain softmax over the concatenated scores, in float32 as in the block-wise 
     out = sum_i p_i V_i,    mass_i = mean over the group's heads of p_i (summed over queries)
 
 a dozen ops in all. The result equals the block-wise read up to float32 summation order
-(tests/test_mass_read.py).
+(tests/attention/test_mass_read.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ residual -> RMSNorm -> gated MLP -> residual; final RMSNorm and the LM head on t
 position. The decoder then closes the cache's step itself (``cache.end_step(logits)``), as the
 model's forward hook (:mod:`confkv.hf.enable`) does after a normal forward, so budgets, eviction
 and the trace are unchanged. The logits equal the
-model's own forward with the same cache (tests/test_lean_decoder.py).
+model's own forward with the same cache (tests/hf/test_lean.py).
 
 Where the native CPU kernels are available (:mod:`confkv.native`; ``CONFKV_NATIVE=0`` switches
 them off), the RMSNorms and the rotary embedding run as one C call each, with the same

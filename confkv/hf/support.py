@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from confkv.errors import UnsupportedModelError
 from confkv.tiers.byte_model import KVShape
 
-#: model_type -> human name. Each was checked with a tiny random model (tests/test_hf_exactness.py).
+#: model_type -> human name. Each was checked with a tiny random model (tests/hf/test_exactness.py).
 SUPPORTED_MODEL_TYPES = {
     "llama": "Llama / SmolLM2",
     "qwen2": "Qwen2",

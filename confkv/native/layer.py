@@ -14,7 +14,7 @@ into ``kernels.c`` beside the store:
 Each step is rounded to the activations' dtype as the torch lines round it, and the products are
 the same GEMV as :class:`~confkv.native.Int8Projection`'s, so the layer's output equals the
 per-op path's up to SiLU's ``exp`` (libm's here, Sleef's in torch: at most one float32 ulp
-before rounding); tests/test_native_layer.py compares both.
+before rounding); tests/native/test_native_layer.py compares both.
 """
 
 from __future__ import annotations

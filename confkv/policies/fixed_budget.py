@@ -49,7 +49,7 @@ def check_recent_fits(policy: FixedBudgetPolicy) -> None:
     """The recent part (``n_recent``, scored ``+inf``) plus the sinks must fit the budget.
 
     Otherwise the ``+inf`` recent tokens tie with the protected sinks in the top-k and a
-    sink can be evicted (found by tests/test_property_cache.py: h2o, budget=3, sinks=2).
+    sink can be evicted (found by tests/hf/test_property_cache.py: h2o, budget=3, sinks=2).
     """
     n_recent = policy.n_recent  # type: ignore[attr-defined]
     _require(n_recent + policy.sinks <= policy.budget, "sinks",

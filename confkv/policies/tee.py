@@ -7,7 +7,7 @@ policies' statistics differ. :class:`TeePolicy` lets one prefill feed every memb
 statistics at once (each under its own stat names, ``"<index>.<name>"``); afterwards
 :meth:`confkv.store.LayerStore.fork` gives each member its own copy of the store with its
 statistics under their usual names, exactly as if it had run the prefill alone (tested
-against separate runs in ``tests/test_tee_fork.py``).
+against separate runs in ``tests/hf/test_tee_fork.py``).
 
 The tee itself never evicts (its budget is unlimited).
 """

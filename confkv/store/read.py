@@ -70,7 +70,7 @@ class AttentionRead:
         the conditions under which ``attention_read`` would take the mass read (``auto`` backend, CPU, scores that
         fit).
 
-        ``attention_read``'s dispatch must stay in step with this test; ``tests/test_window_buffer.py`` compares the
+        ``attention_read``'s dispatch must stay in step with this test; ``tests/store/test_window_buffer.py`` compares the
         two paths' logits and state."""
         if not self.is_initialized or self.pending or keys.shape[2] != 1 or query.shape[2] != 1:
             return False

@@ -4,7 +4,7 @@
 until the bit ladder holds pages, then profiles one more decode step (``model(token, cache=cache)``,
 the step transformers' ``generate`` takes) and prints each ``confkv/`` file the step calls into,
 with how many calls it made there. docs/ARCHITECTURE.md walks the same list by hand;
-tests/test_architecture_doc.py keeps the two equal.
+tests/project/test_architecture_doc.py keeps the two equal.
 """
 
 from __future__ import annotations

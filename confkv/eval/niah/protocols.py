@@ -98,7 +98,7 @@ def run_query_aware_shared(model: Any, tokenizer: Any, samples: list, members: l
     Nothing is evicted during a query-aware prefill, so the forward pass is the same for
     every policy; a :class:`~confkv.policies.tee.TeePolicy` feeds all their statistics,
     then each policy gets a fork of the cache, compresses it and answers. Equal to running
-    :func:`run_niah_batch` per policy up to float summation order (tests/test_tee_fork.py).
+    :func:`run_niah_batch` per policy up to float summation order (tests/hf/test_tee_fork.py).
     ``members`` are (policy or preset, parameters) pairs that share one memory target and one
     storage when they have one (``memory=`` among the parameters; a fork keeps the shared
     cache's target and storage).

@@ -36,7 +36,7 @@ current token (positions ``< sinks`` and ``t-R .. t-1``), i.e. everything older 
 recent window is dropped. Its summary adds the KL by confidence quintile (median and mean).
 
 The exactness of the batched pass against a literal evict-then-step reference is
-checked in ``tests/test_eval_probe.py``.
+checked in ``tests/eval/quality/test_probe.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,70 @@
+"""benchmarks/mutate_native.py: the C mutants it makes (never in comments or preprocessor lines), the mutated
+copy it builds from, and the per-file table of docs/MUTATION.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("mutate_native", ROOT / "benchmarks" / "mutate_native.py")
+mutate_native = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("mutate_native", mutate_native)  # dataclasses look their module up there
+_spec.loader.exec_module(mutate_native)
+
+SOURCE = """/* a comment: a + b, x < y, round_to(p, q) */
+#define WIDTH (1 + 2)
+static float f(const float *a, int64_t n, int d) {
+    float s = 0.0f; // n - 1
+    for (int64_t i = 0; i < n; i++) s = fmaf(a[i], a[i], s);
+    return round_to(s * 2.0f, d) - a[0] / s;
+}
+"""
+
+
+def _tree(tmp_path: Path) -> Path:
+    (tmp_path / "c").mkdir(parents=True)
+    (tmp_path / "kernels.c").write_text('#include "c/part.c"\n')
+    (tmp_path / "c" / "part.c").write_text(SOURCE)
+    return tmp_path
+
+
+def test_mutants_cover_each_kind_outside_comments_and_preprocessor_lines(tmp_path):
+    found = mutate_native.mutants(_tree(tmp_path))
+    assert all(m.file == "c/part.c" and m.line >= 3 for m in found)  # nothing from the comment, #define, kernels.c
+    by_kind = {}
+    for m in found:
+        by_kind.setdefault(m.kind, []).append((m.old, m.new))
+    assert sorted(by_kind["arith"]) == [(" * ", " / "), (" - ", " + "), (" / ", " * ")]
+    assert by_kind["compare"] == [(" < ", " <= ")]
+    assert by_kind["bound"] == [("for (int64_t i = 0; i < n;", "for (int64_t i = 0; i < (n) - 1;")]
+    assert by_kind["start"] == [("for (int64_t i = 0;", "for (int64_t i = 1;")]
+    assert by_kind["no-round"] == [("round_to(s * 2.0f, d)", "(s * 2.0f)")]
+    assert by_kind["split-fma"] == [("fmaf(a[i], a[i], s)", "((a[i]) * (a[i]) + (s))")]
+    assert ("a[0] / s", "s / a[0]") in by_kind["swap"]
+    assert len({m.id for m in found}) == len(found)
+
+
+def test_apply_changes_one_place_in_a_copy(tmp_path):
+    source = _tree(tmp_path / "src")
+    mutant = next(m for m in mutate_native.mutants(source) if m.kind == "no-round")
+    mutate_native.apply(mutant, source, tmp_path / "copy")
+    text = (tmp_path / "copy" / "c" / "part.c").read_text()
+    assert text == SOURCE.replace("round_to(s * 2.0f, d)", "(s * 2.0f)")
+    assert (source / "c" / "part.c").read_text() == SOURCE  # the original untouched
+    assert (tmp_path / "copy" / "kernels.c").exists()
+
+
+def test_the_table_counts_each_outcome_and_the_listed_equivalents(tmp_path):
+    found = mutate_native.mutants(_tree(tmp_path))
+    outcomes = ["killed", "killed", "timeout", "compile-error", "survived", "survived", "survived", "survived"]
+    results = {m.id: {"outcome": o, "old": m.old, "new": m.new} for m, o in zip(found, outcomes)}
+    doc = (f"- `native:{found[4].id}`: the same value either way\n"
+           f"- `native:{found[5].id}`, `native:{found[6].id}`: scheduling only, see `native:{found[7].id}`\n"
+           f"{mutate_native.BEGIN}\n- `native:{found[7].id}`: a survivor in the table\n{mutate_native.END}\n")
+    table = mutate_native.table(results, found, doc)
+    row = next(line for line in table.splitlines() if line.startswith("| `c/part.c`"))
+    # mutants, run, killed, timeout, compile error, equivalent, survived, killed of the non-equivalent (3 of 4)
+    assert row == f"| `c/part.c` | {len(found)} | 8 | 2 | 1 | 1 | 3 | 1 | 75.0% |"
+    assert f"`native:{found[7].id}`" in table and f"`native:{found[4].id}`" not in table  # only the unlisted one

@@ -1,0 +1,32 @@
+"""benchmarks/mutation_table.py: the per-module table of docs/MUTATION.md from mutmut's result files."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+
+def _script():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "mutation_table.py"
+    spec = importlib.util.spec_from_file_location("mutation_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_table_counts_each_outcome_per_module(tmp_path):
+    script = _script()
+    meta = tmp_path / "confkv" / "policies" / "h2o.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {
+        "confkv.policies.h2o.x_f__mutmut_1": 1, "confkv.policies.h2o.x_f__mutmut_2": 0,
+        "confkv.policies.h2o.x_f__mutmut_3": 0, "confkv.policies.h2o.xǁH2OPolicyǁobserve__mutmut_1": -24,
+        "confkv.policies.h2o.x_f__mutmut_4": None, "confkv.policies.h2o.x_f__mutmut_5": 33}}))
+    doc = "- `confkv.policies.h2o.x_f__mutmut_2`: same value.\n- not a mutant line\n"
+    equivalent = script.equivalent_mutants(doc)
+    assert equivalent == {"confkv.policies.h2o.x_f__mutmut_2"}
+    text, survivors = script.table(script.load_results(tmp_path), equivalent)
+    row = next(line for line in text.splitlines() if line.startswith("| confkv/policies/h2o.py"))
+    # 6 mutants: 1 killed, 1 timeout, 1 equivalent, 2 survived (exit 0, no test), 1 not run; 2 of 4 judged
+    assert row == "| confkv/policies/h2o.py | 6 | 1 | 1 | 1 | 2 | 1 | 50.0 |"
+    assert survivors == ["confkv.policies.h2o.x_f__mutmut_3 (exit 0)", "confkv.policies.h2o.x_f__mutmut_5 (exit 33)"]
+    assert script.module_of("confkv.attention.x_attention_read__mutmut_1") == "confkv/attention/__init__.py"

@@ -1,0 +1,24 @@
+"""docs/ARCHITECTURE.md lists the files one decode step enters; the list must be the real step's."""
+
+import re
+from pathlib import Path
+
+from confkv.eval.bench.step_trace import files_of_one_decode_step
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
+
+
+def _listed_files() -> list[str]:
+    text = DOC.read_text()
+    block = text.split("<!-- step-files", 1)[1].split("<!-- /step-files -->", 1)[0]
+    return re.findall(r"^\d+\. `confkv/([^`]+)`", block, flags=re.MULTILINE)
+
+
+def test_the_hand_trace_lists_the_files_the_step_enters_in_order():
+    entered = [name for name, _ in files_of_one_decode_step()]
+    assert _listed_files() == entered, "update docs/ARCHITECTURE.md from `python -m confkv.eval.bench.step_trace`"
+
+
+def test_the_doc_states_the_count_it_lists():
+    count = len(_listed_files())
+    assert f"It enters {count}." in DOC.read_text()

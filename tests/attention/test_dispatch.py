@@ -145,6 +145,7 @@ def test_auto_with_mass_uses_the_native_read_when_it_answers(spies, monkeypatch)
         return "native-out", ["native-mass"]
 
     monkeypatch.setattr(native, "mass_read", native_read)
+    monkeypatch.setattr(native, "available", lambda: True)  # also under CONFKV_NATIVE=0 (make mutate)
     query, keys, values = _data()
     segments = [KVSegment(keys, values, None)]
     assert attention_read(query, segments, 0.375, need_mass=True) == ("native-out", ["native-mass"])

@@ -48,6 +48,7 @@ from confkv.hf.generate import padding_positions
 from confkv.models import tiny_model
 from confkv.policies import POLICIES, UNLIMITED
 from confkv.store import LayerStore
+from padded_prompts import left_padded_prompt
 
 PAD = 258
 #: examples per policy; raise it to explore (e.g. CONFKV_PROPERTY_EXAMPLES=50 CONFKV_PROPERTY_RANDOM=1)
@@ -325,11 +326,7 @@ def _drive(scenario: dict, name: str) -> Checker:
     model = _model(scenario["arch"])
     gen = torch.Generator().manual_seed(scenario["seed"])
     batch, prompt = scenario["batch"], scenario["prompt"]
-    ids = torch.randint(0, 250, (batch, prompt), generator=gen)
-    mask = torch.ones(batch, prompt, dtype=torch.long)
-    for b, pad in enumerate(scenario["pads"]):
-        mask[b, :pad] = 0
-        ids[b, :pad] = PAD
+    ids, mask = left_padded_prompt(gen, batch, prompt, scenario["pads"], PAD)
     with _recording() as bank:
         cache = ConfKVCache.for_model(model, name, store=scenario["store"], **scenario["params"])
         checker = Checker(cache, bank)

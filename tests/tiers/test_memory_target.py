@@ -30,6 +30,7 @@ from confkv.hf.generate import padding_positions
 from confkv.models import tiny_model
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import MemoryTarget, Storage
+from padded_prompts import left_padded_prompt
 
 PAD = 258
 EXAMPLES = int(os.environ.get("CONFKV_PROPERTY_EXAMPLES", "12"))
@@ -132,11 +133,7 @@ def _drive(scenario: dict) -> None:
     model = _model(scenario["arch"])
     gen = torch.Generator().manual_seed(scenario["seed"])
     batch, prompt = scenario["batch"], scenario["prompt"]
-    ids = torch.randint(0, 250, (batch, prompt), generator=gen)
-    mask = torch.ones(batch, prompt, dtype=torch.long)
-    for b, pad in enumerate(scenario["pads"]):
-        mask[b, :pad] = 0
-        ids[b, :pad] = PAD
+    ids, mask = left_padded_prompt(gen, batch, prompt, scenario["pads"], PAD)
     try:
         cache = ConfKVCache.for_model(model, scenario["policy"], storage=scenario["storage"], **scenario["target"])
     except ConfigError as error:  # a cap below this model's floor: refused up front, by name

@@ -224,7 +224,8 @@ class ConfKVCache(Cache):
         if not 0 <= member < len(self.policy.members):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
-        twin = ConfKVCache(self.layout, policy, self.store_config, trace_limit=self.trace.max_steps, rope=self.rope, target=self.target, storage=self.storage)
+        twin = ConfKVCache(self.layout, policy, self.store_config, trace_limit=self.trace.max_steps, rope=self.rope,
+                           target=self.target, storage=self.storage)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))

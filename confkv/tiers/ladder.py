@@ -210,7 +210,7 @@ class LadderTier:
         twin = LadderTier.__new__(LadderTier)
         twin.storage, twin.page_file, twin.config = self.storage, self.page_file, self.config
         twin.rungs = [rung.clone() for rung in self.rungs]
-        twin._read_counts = list(self._read_counts)
+        twin._read_counts = []  # a read's bookkeeping is per step, as each rung's (its clone reads afresh)
         return twin
 
 

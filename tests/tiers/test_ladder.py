@@ -164,3 +164,34 @@ def test_a_cheap_open_page_loses_only_its_oldest_slots(seal_early):
     assert [r.num_pages for r in tier.rungs] == [0, 0, 0] and tier.top.open_length == count - 1
     assert tier.top.open["positions"].eq(100 + torch.arange(1, count)).all()  # the oldest one went
     assert tier.kv_bytes() == (count - 1) * SLOT_BYTES
+
+
+def test_token_count_adds_every_rung_per_sequence():
+    """[B] valid tokens over all rungs: sequence 1 has 8 empty slots (left padding), wherever its pages sit."""
+    tier = LadderTier(Storage(ladder=(8, 4), page_size=P, group_size=P))
+    gen = torch.Generator().manual_seed(3)
+    tokens = 6 * P
+    valid = torch.ones(B, tokens, dtype=torch.bool)
+    valid[1, :P] = False
+    tier.demote(torch.randn(B, H, tokens, D, generator=gen), torch.randn(B, H, tokens, D, generator=gen),
+                torch.arange(tokens).expand(B, H, tokens).clone(), valid)
+    tier.fit(tier.kv_bytes() - 2 * (_page_bytes(8) - _page_bytes(4)), torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [4, 2]  # tokens on both rungs
+    assert tier.token_count().tolist() == [48, 40]
+
+
+def test_a_clone_reads_and_observes_on_its_own_pages():
+    """A clone carries no read of its original (a read is one step's bookkeeping): observing masses before its
+    own read changes nothing and does not fail; after its own read it heats its own pages, not the original's."""
+    tier = _ladder(ladder=(8, 4))
+    tier.fit(tier.kv_bytes() - (_page_bytes(8) - _page_bytes(4)), torch.float32)
+    query = torch.randn(B, H, 1, D)
+    segments = tier.segments(query, torch.zeros(B, dtype=torch.int64))
+    masses = [torch.full(s.keys.shape[:3], 0.5) for s in segments]
+    twin = tier.clone()
+    twin.observe_read(masses)
+    assert all(float(r.pages["heat"][:, :, :r.num_pages].sum()) == 0.0 for r in twin.rungs)
+    twin.segments(query, torch.zeros(B, dtype=torch.int64))
+    twin.observe_read(masses)
+    assert all(float(r.pages["heat"][:, :, :r.num_pages].sum()) > 0.0 for r in twin.rungs)
+    assert all(float(r.pages["heat"][:, :, :r.num_pages].sum()) == 0.0 for r in tier.rungs)

@@ -195,3 +195,34 @@ def test_a_clone_reads_and_observes_on_its_own_pages():
     twin.observe_read(masses)
     assert all(float(r.pages["heat"][:, :, :r.num_pages].sum()) > 0.0 for r in twin.rungs)
     assert all(float(r.pages["heat"][:, :, :r.num_pages].sum()) == 0.0 for r in tier.rungs)
+
+
+def test_selecting_rows_keeps_those_rows_on_every_rung():
+    """Beam search / batch selection: row 1 taken twice; every rung keeps exactly the chosen rows' pages."""
+    tier = LadderTier(Storage(ladder=(8, 4), page_size=P, group_size=P))
+    gen = torch.Generator().manual_seed(4)
+    tokens = 6 * P
+    positions = (torch.arange(tokens) + 1000 * torch.arange(B)[:, None])[:, None].expand(B, H, tokens).clone()
+    tier.demote(torch.randn(B, H, tokens, D, generator=gen), torch.randn(B, H, tokens, D, generator=gen),
+                positions, torch.ones(B, tokens, dtype=torch.bool))
+    tier.fit(tier.kv_bytes() - 2 * (_page_bytes(8) - _page_bytes(4)), torch.float32)
+    before = [r.pages["positions"][:, :, :r.num_pages].clone() for r in tier.rungs]
+    tier.select_batch(torch.tensor([1, 1]))
+    for rung, old in zip(tier.rungs, before):
+        now = rung.pages["positions"][:, :, :rung.num_pages]
+        assert torch.equal(now, old[[1, 1]]) and int(now.min()) >= 1000  # sequence 1's positions, twice
+    assert tier.token_count().tolist() == [48, 48]
+
+
+def test_bookkeeping_bytes_add_every_rung_s_positions_validity_and_page_metadata():
+    tier = _ladder(ladder=(8, 4))
+    tier.fit(tier.kv_bytes() - 2 * (_page_bytes(8) - _page_bytes(4)), torch.float32)
+    assert tier.bookkeeping_bytes() == sum(r.bookkeeping_bytes() for r in tier.rungs)
+    assert all(r.bookkeeping_bytes() > 0 for r in tier.rungs)
+    # per sealed page of one head: P int64 positions + P bool valid + heat (float32) + sealed_at (int64)
+    # + confidence (float32); the open page (empty after sealing) holds nothing
+    rung0, rung1 = tier.rungs
+    per_page = {n: t.element_size() * t[0, 0, 0].numel() for n, t in rung1.pages.items()
+                if n in ("positions", "valid", "heat", "sealed_at", "confidence")}
+    assert rung1.bookkeeping_bytes() == B * H * rung1.num_pages * sum(per_page.values()) \
+        + rung1.open["positions"].nbytes + rung1.open["valid"].nbytes

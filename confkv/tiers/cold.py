@@ -69,6 +69,9 @@ class ColdTier(PageRead):
         #: set by the bit ladder (a byte target); the default grows by doubling (fewer copies)
         self.exact_capacity = False
         self.step_confidence: Tensor | None = None  # [B] the model's confidence at this step (page metadata)
+        #: (bytes of one sealed page, of its digest), all KV heads: fixed once the tier holds tokens (its format,
+        #: config and head count never change after), asked at every kv_bytes() (every step), so worked out once
+        self._page_sizes: tuple[int, int] | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -86,9 +89,15 @@ class ColdTier(PageRead):
 
     def page_nbytes(self) -> int:
         """Bytes of one sealed page of one sequence (all KV heads): the format's data and side data, digest."""
-        heads = self.open["keys"].shape[1]
-        return (self.format.page_nbytes(heads, self.head_dim, self.config.page_size)
-                + self._digest_nbytes())
+        return self._sizes()[0]
+
+    def _sizes(self) -> tuple[int, int]:
+        """(:meth:`page_nbytes`, :meth:`_digest_nbytes`), worked out at the first call (the tier holds tokens)."""
+        if self._page_sizes is None:
+            heads = self.open["keys"].shape[1]
+            digest = 2 * heads * self.head_dim * 2 if self.config.needs_digest else 0
+            self._page_sizes = (self.format.page_nbytes(heads, self.head_dim, self.config.page_size) + digest, digest)
+        return self._page_sizes
 
     def kv_bytes(self) -> int:
         """Exact bytes: the open page's keys/values, every sealed page's data, side data and digest,
@@ -107,8 +116,8 @@ class ColdTier(PageRead):
         return batch * self.num_pages * (self.page_nbytes() - self._digest_nbytes())
 
     def _digest_nbytes(self) -> int:
-        """Bytes of one page's digest, all KV heads (0 when pages carry none)."""
-        return 2 * self.open["keys"].shape[1] * self.head_dim * 2 if self.config.needs_digest else 0
+        """Bytes of one page's digest, all KV heads (0 when pages carry none): per channel a min and a max, fp16."""
+        return self._sizes()[1]
 
     def bookkeeping_bytes(self) -> int:
         """Positions, validity and page heat (not KV)."""

@@ -95,15 +95,22 @@ def read_records(path: Path) -> list[dict]:
     return json.loads(path.read_text())["records"]
 
 
+#: record params that set the memory target, not the policy or its storage
+TARGET_PARAMS = ("memory", "max_kv_bytes")
+
+
 def mark_earlier_presets(records: list[dict]) -> list[dict]:
-    """Records of a preset computed under other defaults than today's get the policy
-    ``"<name> (earlier preset)"``, so that they never count as today's preset."""
+    """Records run with parameters of their own (``--param``) get the policy ``"<name> (k=v, ...)"``;
+    records of a preset computed under other defaults than today's get ``"<name> (earlier preset)"``,
+    so that neither counts as today's preset."""
     from confkv.presets import preset_signature  # noqa: PLC0415
 
     out = []
     for r in records:
-        now = preset_signature(r["policy"])
-        if now is not None and r.get("preset") != now:
+        overrides = {k: v for k, v in (r.get("params") or {}).items() if k not in TARGET_PARAMS}
+        if overrides:
+            r = {**r, "policy": f"{r['policy']} ({', '.join(f'{k}={v}' for k, v in sorted(overrides.items()))})"}
+        elif (now := preset_signature(r["policy"])) is not None and r.get("preset") != now:
             r = {**r, "policy": f"{r['policy']} (earlier preset)"}
         out.append(r)
     return out

@@ -52,3 +52,13 @@ def test_records_of_an_earlier_preset_are_labelled_apart_and_unknown_names_sort_
     marked = niah_table.mark_earlier_presets([today, before, _record("full", 4096, 0.0, True)])
     assert [r["policy"] for r in marked] == ["tiered", "tiered (earlier preset)", "full"]
     assert niah_table.in_label_order({"zeta", "tiered", "full", "alpha"}) == ["full", "alpha", "tiered", "zeta"]
+
+
+def test_records_run_with_their_own_parameters_are_labelled_by_them():
+    from confkv.presets import preset_signature
+
+    ladder = {**_record("tiered", 8192, 0.25, True), "preset": preset_signature("tiered"),
+              "params": {"ladder": [8, 4], "memory": 0.25}}
+    plain = {**_record("tiered", 8192, 0.25, False), "preset": preset_signature("tiered"), "params": {"memory": 0.25}}
+    marked = niah_table.mark_earlier_presets([ladder, plain])
+    assert [r["policy"] for r in marked] == ["tiered (ladder=[8, 4])", "tiered"]

@@ -80,9 +80,9 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         new = new_name(name)
         if new is None:
             return None
-        target = importlib.util.find_spec(new)
-        return importlib.util.spec_from_loader(name, self, origin=target.origin,
-                                               is_package=target.submodule_search_locations is not None)
+        found = importlib.util.find_spec(new)
+        return importlib.util.spec_from_loader(name, self, origin=found.origin,
+                                               is_package=found.submodule_search_locations is not None)
 
     def create_module(self, spec):  # noqa: ANN001, ANN201
         new = new_name(spec.name)

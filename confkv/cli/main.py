@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--configs", nargs="*", default=None, help="subset of configuration names")
     bench.add_argument("--memory", type=float, nargs="+", default=[0.25],
                        help="memory targets of the preset rows tiered@<percent> (fractions of the full cache's bytes)")
+    bench.add_argument("--formats", nargs="*", default=[],
+                       help="page formats of extra preset rows tiered[<format>]@<percent> (e.g. kivi+hadamard)")
     bench.add_argument("--out", type=Path, default=Path("results/bench"))
     bench.add_argument("--threads", type=int, default=2,
                        help="torch CPU threads, and llama.cpp's n_threads for its row (default 2)")
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps, repeats=args.repeats, warmup=args.warmup, chunk=args.chunk,
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
                 configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
-                llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory))
+                llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory), formats=tuple(args.formats))
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

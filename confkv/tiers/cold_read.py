@@ -79,9 +79,9 @@ class PageRead:
         if self.open is None:
             return []
         segments: list[KVSegment | PagedSegment] = []
-        rotation = self.read_rotation() if rotated else None
+        rotation = self.format.read_rotation if rotated and self.format is not None else None
         if rotated and rotation is None:
-            raise ValueError("cold tier: a rotated read needs a format with a rotation and pages to read")
+            raise ValueError("cold tier: a rotated read needs a page format with a rotation")
         if self.open_length:
             valid = self.open["valid"]
             keys, values = self.open["keys"], self.open["values"]
@@ -108,7 +108,8 @@ class PageRead:
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
-        if not self.format.paged:  # formats other than plain KIVI / 16 bits: the torch decode (any backend)
+        if not (self.format.paged or (rotated and self.format.paged_when_rotated)):
+            # formats the packed readers do not take (in this basis): the torch decode (any backend)
             with profiling.section("cold pages (gather + decode)"):
                 return self._decoded_segment(index, read_pages, width, rotated)
         if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here

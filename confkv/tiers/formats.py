@@ -79,12 +79,15 @@ class PageFormat:
         bits: code width (16: unquantized).
         paged: True when :class:`~confkv.attention.paged.PagedSegment` (and the Triton read) can
             read the storage as it is; otherwise reads decode with :meth:`decode`.
+        paged_when_rotated: True when a read that folds :attr:`read_rotation` into the query and the
+            output can read the storage packed (plain KIVI codes in the rotated basis: ``kivi+hadamard``).
         storage: the names :meth:`encode` returns.
     """
 
     name = "abstract"
     bits = 0
     paged = False
+    paged_when_rotated = False
     storage: tuple[str, ...] = ()
 
     def encode(self, keys: Tensor, values: Tensor, valid: Tensor, positions: Tensor | None) -> dict[str, Tensor]:
@@ -165,6 +168,7 @@ class KiviFormat(PageFormat):
         self.techniques = frozenset(techniques)
         self.name = canonical_name(self.techniques)
         self.paged = not self.techniques
+        self.paged_when_rotated = self.techniques == frozenset({"hadamard"})  # KIVI codes of rotated keys / values
         self.outlier_fraction = outlier_fraction
         self.rotation = HadamardRotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None

@@ -69,10 +69,22 @@ class LadderTier:
         for rung in self.rungs:
             rung.rope = value
 
-    def read_rotation(self) -> None:
-        """None: every rung decodes its pages back to the model's basis (rungs may hold different bit
-        widths of a rotated format; folding one rotation into the read is a single rung's optimisation)."""
-        return None
+    def read_rotation(self):
+        """The rotation a read may fold into the query and output (pages left rotated on every rung:
+        ``kivi+hadamard`` pages are then read packed), or None.
+
+        Not None only when some rung holds pages and every rung that has a format has the same
+        rotation and folds it (every rung's format is the storage's, so a ladder of one rotated format
+        qualifies; a 16-bit rung, which has none, does not).
+        """
+        if not any(rung.num_pages for rung in self.rungs):
+            return None
+        built = [rung for rung in self.rungs if rung.format is not None]
+        rotations = [rung.format.read_rotation for rung in built]
+        first = rotations[0]
+        if first is None or not all(rung.fold_rotation for rung in built):
+            return None
+        return first if all(first.same_as(r) for r in rotations[1:]) else None
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -118,12 +130,13 @@ class LadderTier:
         self.top.step_confidence = confidence
 
     def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False, rotated: bool = False) -> list:
-        """Every rung's read segments (open page, then its pages), rung by rung; all pages are read."""
+        """Every rung's read segments (open page, then its pages), rung by rung; all pages are read.
+        ``rotated`` (only when :meth:`read_rotation` is not None): in that rotation's basis."""
         out: list = []
         self._read_counts = []
         every = torch.full_like(read_pages, ALL_PAGES)
         for rung in self.rungs:
-            parts = rung.segments(query, every, paged=paged)
+            parts = rung.segments(query, every, paged=paged, rotated=rotated)
             self._read_counts.append(len(parts))
             out += parts
         return out

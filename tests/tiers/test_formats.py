@@ -423,3 +423,50 @@ def test_no_rotation_is_folded_for_formats_without_one_or_with_pre_rope_keys():
     for name in ("kivi", "outliers+codebook", "hadamard+prerope"):
         _, cache = _run_tiny(True, name)
         assert cache.layers[0].store.cold.read_rotation() is None
+
+
+def _run_ladder(fold: bool, name: str):
+    """Decode steps of the tiered preset's ladder (fp32 asymmetric tiny Llama, head_dim 32) under a memory
+    target with page format ``name``; returns the step logits, the cache and the reads that left the native
+    path. At 35% of the bytes every rung holds pages at the end."""
+    from confkv import profiling
+    from confkv.hf import ConfKVCache
+    from confkv.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", asymmetric=True, head_dim=32).float()
+    cache = ConfKVCache.for_model(model, "tiered", memory=0.35, page_size=8, group_size=8, format=name)
+    ids = torch.randint(3, 200, (1, 200), generator=torch.Generator().manual_seed(1))
+    logits = []
+    with torch.no_grad():
+        model(input_ids=ids[:, :64], cache=cache, use_cache=True)
+        for layer in cache.layers:
+            for rung in layer.store.cold.rungs:
+                rung.fold_rotation = fold
+        profiling.reset_fallbacks()
+        for t in range(64, 200):
+            logits.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[:, -1])
+    return torch.cat(logits), cache, dict(profiling.FALLBACKS)
+
+
+def test_a_ladder_of_rotated_pages_reads_them_packed_in_the_rotated_basis():
+    """Every rung of a ``kivi+hadamard`` ladder is rotated alike, so the ladder folds the rotation into the
+    query and output and its pages (plain KIVI codes of rotated keys / values) are read packed: the same
+    logits as decoding every page back (fp32, within 1e-5 of their scale), without leaving the native read."""
+    from confkv import native
+
+    folded, cache, fallbacks = _run_ladder(True, "hadamard")
+    plain, _, plain_fallbacks = _run_ladder(False, "hadamard")
+    cold = cache.layers[0].store.cold
+    assert [rung.num_pages > 0 for rung in cold.rungs[1:]] == [True] * (len(cold.rungs) - 1)  # pages stepped down
+    assert cold.read_rotation() is not None
+    assert (folded - plain).abs().max() <= 1e-5 * plain.abs().max()
+    if native.available():
+        assert fallbacks == {}  # the packed page read took every step
+        assert plain_fallbacks  # pages decoded back to the model's basis: the dense torch read
+
+
+def test_a_ladder_folds_no_rotation_for_formats_that_cannot_stay_rotated():
+    for name in ("kivi", "outliers", "hadamard+prerope"):
+        _, cache, _ = _run_ladder(True, name)
+        assert cache.layers[0].store.cold.read_rotation() is None

@@ -71,9 +71,18 @@ class BenchConfig:
     native: bool = True  # False: decode steps with confkv.native's kernels off (the torch code; A/B rows)
 
 
-def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)) -> list[BenchConfig]:
+def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = ()) -> list[str]:
+    """The names of the memory preset's rows: ``tiered@<percent>`` per target, then
+    ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
+    return ([f"tiered@{fraction * 100:g}" for fraction in memory]
+            + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
+
+
+def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,),
+                    formats: tuple[str, ...] = ()) -> list[BenchConfig]:
     """The comparison grid: transformers caches, confkv full, fixed-budget baselines, CONF-KV, and the memory
-    preset (``tiered@<percent>``: the cache holding ``memory`` of the full cache's bytes at every step)."""
+    preset (``tiered@<percent>``: the cache holding ``memory`` of the full cache's bytes at every step;
+    ``tiered[<format>]@<percent>``: the same with the page format ``format`` on every rung)."""
     half = budget // 2
     gate = {"n_high": budget - half // 2, "n_low": budget + half // 2, "tau": 0.5}
     int8 = {"kv_int8": True, "fp_window": min(128, budget // 4)}
@@ -103,6 +112,9 @@ def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)
         ]
     configs += [BenchConfig(f"tiered@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction},
                             note=f"the memory preset at {fraction:g} of the full cache's bytes") for fraction in memory]
+    configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
+                            note=f"the memory preset at {fraction:g}, page format {name}")
+                for name in formats for fraction in memory]
     # the tiered store at the same hot budget: 2-bit cold pages, 4 / 16 pages read when confident / not
     tiered = {"budget": budget, "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16}
     configs += [BenchConfig("confkv-r", "confkv", "confkv-r", dict(tiered), note="hot budget + 2-bit cold tier")]
@@ -234,7 +246,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
               corpus: str = "pydoc-topics", dtypes: list[str] | None = None, quality_tokens: int = 0,
               llamacpp: bool = True, gguf: str | Path | None = None, log: Callable[[str], None] = print,
               model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
-              llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,)) -> dict[str, Any]:
+              llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,),
+              formats: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -258,7 +271,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     check_quality_tokens(quality_tokens)
     batches = batches or []
     contexts = sorted(contexts)
-    all_configs = default_configs(budget, slack, tuple(memory))
+    all_configs = default_configs(budget, slack, tuple(memory), tuple(formats))
     if configs:
         unknown = set(configs) - {c.name for c in all_configs}
         if unknown:
@@ -322,7 +335,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         for dtype in dtypes:
             for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
                          f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
-                         f"confkv-r-offload+slack{slack}", *(f"tiered@{f * 100:g}" for f in memory)):
+                         f"confkv-r-offload+slack{slack}", *preset_rows(tuple(memory), tuple(formats))):
                 label = row_label(name, dtype)
                 runner = next((r for r in runners_ok if r.label == label), None)
                 if runner is not None:

@@ -28,3 +28,23 @@ def test_bench_grid_breakdown_and_throughput_on_a_tiny_model():
     assert 0 < breakdown["policy_work_ms"] <= breakdown["cache_overhead_ms"] < breakdown["step_ms"]
     assert set(result["throughput"]["2"]) >= {"dynamic", "confkv"}
     assert any(line.startswith("breakdown of one confkv step") for line in lines)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_format_rows_run_the_preset_with_that_page_format():
+    """``--formats kivi+hadamard`` adds ``tiered[kivi+hadamard]@<percent>`` beside ``tiered@<percent>``: the same
+    target, its pages in that format (their bytes no more than the target, like the preset's)."""
+    from confkv.eval.bench.run import default_configs, preset_rows
+
+    assert preset_rows((0.25, 0.125), ("kivi+hadamard",)) == [
+        "tiered@25", "tiered@12.5", "tiered[kivi+hadamard]@25", "tiered[kivi+hadamard]@12.5"]
+    row = next(c for c in default_configs(128, 8, (0.25,), ("kivi+hadamard",)) if c.name == "tiered[kivi+hadamard]@25")
+    assert row.params == {"memory": 0.25, "format": "kivi+hadamard"}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    result = run_bench(contexts=[320], budget=128, slack=0, steps=1, repeats=1, warmup=0, chunk=64, batches=[],
+                       batch_steps=1, breakdown_steps=2, configs=["full", "tiered@50", "tiered[kivi+hadamard]@50"],
+                       memory=(0.5,), formats=("kivi+hadamard",), model=model, tokenizer=tok, log=lambda _: None)
+    rows = result["latency"]["320"]
+    for name in ("tiered@50", "tiered[kivi+hadamard]@50"):
+        assert 0 < rows[name]["kv_bytes"] <= 0.5 * rows["full"]["kv_bytes"]
+    assert "tiered[kivi+hadamard]@50" in result["breakdown"]

@@ -99,11 +99,9 @@ class PageFormat:
         not None): left in that rotation's basis, for a read that rotates the query and the output."""
         raise NotImplementedError
 
-    @property
-    def read_rotation(self):
-        """A rotation a read may fold into the query and output instead of decoding each page back
-        (see :meth:`decode`'s ``rotated``), or None."""
-        return None
+    #: a rotation a read may fold into the query and output instead of decoding each page back (see
+    #: :meth:`decode`'s ``rotated``), or None (a plain attribute: the read asks for it every step)
+    read_rotation: Any = None
 
     def page_nbytes(self, kv_heads: int, head_dim: int, page_size: int) -> int:
         raise NotImplementedError
@@ -173,6 +171,7 @@ class KiviFormat(PageFormat):
         self.rotation = HadamardRotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
         self._needs_rope = "prerope" in techniques  # checked at encode/decode (sizes need no rope)
+        self.read_rotation = None if self._needs_rope else self.rotation  # pre-RoPE keys must come back to turn
         self.levels: dict[str, Tensor | None] = {"key": None, "value": None}  # fitted codebooks
         self._tables: dict[tuple[str, torch.device], Tensor] = {}
         names = list(KIVI_STORAGE)
@@ -271,10 +270,6 @@ class KiviFormat(PageFormat):
         if key not in self._tables:
             self._tables[key] = lowbit.code_table(self.bits, levels, packed.device)
         return lowbit.lookup_codes(packed, self.bits, self.head_dim, self._tables[key])
-
-    @property
-    def read_rotation(self):
-        return self.rotation if not self._needs_rope else None  # pre-RoPE keys must come back to turn
 
     def decode(self, data, positions=None, rotated=False):
         if rotated and self.read_rotation is None:

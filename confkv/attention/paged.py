@@ -28,6 +28,7 @@ The segment's slots are the ``K * P`` slots of the selected pages in rank order 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,6 +62,10 @@ class PagedSegment:
     value_codes: Tensor | None = None
     value_scale: Tensor | None = None
     value_min: Tensor | None = None
+    #: the orthogonal rotation the codes are in (a rotated format, :mod:`confkv.tiers.hadamard`: codes of
+    #: ``k @ rotation.matrix`` and ``v @ rotation.matrix``, ``matrix`` [D, D] float32), or None. The native
+    #: read turns the query into it and the pages' share of the output back; :meth:`to_dense` decodes back.
+    rotation: Any = None
 
     @property
     def page_size(self) -> int:
@@ -107,7 +112,8 @@ class PagedSegment:
 
         Returns:
             a :class:`KVSegment` of length K * P: keys / values [B, H, K * P, D]
-            (model dtype at 16 bits, else float32) and the :meth:`visible` mask.
+            (model dtype at 16 bits, else float32; in the model's basis, a :attr:`rotation` undone)
+            and the :meth:`visible` mask.
         """
         self.validate()
         index = self.index.clamp_min(0)
@@ -120,6 +126,8 @@ class PagedSegment:
             qv = lowbit.Quantized(*(gather_pages(t, index) for t in (self.value_codes, self.value_scale, self.value_min)))
             keys = lowbit.dequantize_keys(qk, bits, dim, group)
             values = lowbit.dequantize_values(qv, bits, dim, group)
+        if self.rotation is not None:
+            keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
         shape = (batch, heads, width * self.page_size, self.head_dim)
         return KVSegment(keys.reshape(shape), values.reshape(shape), self.visible())
 

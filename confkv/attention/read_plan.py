@@ -84,9 +84,11 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if triton_reads(query, backend):
-        return ReadPlan("triton")
     has_pages = any(isinstance(s, PagedSegment) for s in segments)
+    if triton_reads(query, backend):
+        if has_pages and any(s.rotation is not None for s in segments if isinstance(s, PagedSegment)):
+            return ReadPlan("torch", "rotated pages (the Triton read takes none)")
+        return ReadPlan("triton")
     if backend in ("auto", "fused") and not has_pages and fused_read_eligible(query, segments, softcap, need_mass):
         return ReadPlan("fused")
     if backend == "fused":

@@ -47,6 +47,8 @@ def unsupported(query: Tensor, segments: Sequence) -> str | None:
                 return "pages not on CPU"
             if segment.head_dim % {2: 4, 3: 8, 4: 2, 8: 1}[segment.bits]:
                 return "head_dim not packable"
+            if segment.rotation is not None and segment.rotation.matrix.shape != (query.shape[-1],) * 2:
+                return "rotation not [D, D]"
         else:
             if segment.keys_int8 or segment.values_int8:
                 return "INT8 segment"
@@ -54,7 +56,19 @@ def unsupported(query: Tensor, segments: Sequence) -> str | None:
                 return "segment dtype"
             if segment.keys.device.type != "cpu":
                 return "segment not on CPU"
+    if len(_rotations(segments)) > 1:
+        return "pages in different rotations"
     return None
+
+
+def _rotations(segments: Sequence) -> list[Tensor]:
+    """The distinct rotation matrices ([D, D] float32) of the rotated page segments."""
+    found: list[Tensor] = []
+    for segment in segments:
+        rotation = getattr(segment, "rotation", None)
+        if rotation is not None and not any(m is rotation.matrix or torch.equal(m, rotation.matrix) for m in found):
+            found.append(rotation.matrix)
+    return found
 
 
 def _inner_contiguous(t: Tensor, lead: int) -> Tensor:
@@ -107,6 +121,7 @@ def _paged(segment, keep: list) -> tuple[list, list]:
             storage[0].shape[-1], index.stride(0), index.stride(1), counts.stride(0), *valid.stride()[:3]]
     for t in storage:
         meta += list(t.stride()[:3])
+    meta.append(int(segment.rotation is not None))  # [32]: coded in the call's rotation
     keep += [index, counts, valid, *storage]
     return [index.data_ptr(), counts.data_ptr(), valid.data_ptr()] + [t.data_ptr() for t in storage], meta
 
@@ -119,7 +134,9 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
     Args:
         query: [B, Hq, Q, D] on CPU (converted to float32), Hq = Hkv * G.
         segments: dense segments (float keys / values; float32 and bfloat16 read as they are, other float
-            dtypes converted to float32) and packed page segments.
+            dtypes converted to float32) and packed page segments; page segments with a ``rotation`` (codes
+            of ``k @ rotation.matrix``, ``v @ rotation.matrix``; one rotation per call) are scored with the
+            query turned into that basis and their share of the output turned back, in the kernel.
         scaling: score multiplier.
     Returns:
         (out [B, Hq, Q, D] in ``query.dtype``, one mass [B, Hkv, L_s] float32 per segment or None), or None
@@ -146,9 +163,12 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
     mass = [torch.empty(batch, kv_heads, n, dtype=torch.float32) for n in lengths] if need_mass else None
     count = len(segments)
     mass_ptrs = (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]) if need_mass else None
+    rotations = [m.to(torch.float32).contiguous() for m in _rotations(segments)]
+    keep += rotations
     status = lib.confkv_page_read(q.data_ptr(), batch, q_heads, queries, head_dim, kv_heads, count,
                                   (ctypes.c_void_p * len(pointers))(*pointers), (ctypes.c_int64 * len(meta))(*meta),
-                                  float(scaling), out.data_ptr(), mass_ptrs, torch.get_num_threads())
+                                  float(scaling), out.data_ptr(), mass_ptrs,
+                                  rotations[0].data_ptr() if rotations else None, torch.get_num_threads())
     if status == 1:
         raise MemoryError("confkv native page read: out of memory for the scores")
     if status:

@@ -184,7 +184,7 @@ class AttentionRead:
             paged = hands_pages(query, self.config.read_backend)  # the Triton and the native page read take packed pages
             # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
             # rotated back token by token; the few hot keys/values, the query and the output turn instead
-            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation()
+            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation(paged)
             if rotation is not None:
                 segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
                             for s in segments]

@@ -45,10 +45,17 @@ class PageRead:
     reads: int
     _selected: Tensor | None
 
-    def read_rotation(self):
+    def read_rotation(self, paged: bool = False):
         """The format's rotation when this read can fold it into the query and output (pages to read,
-        a format with one, :attr:`fold_rotation` on), else None (see :meth:`segments`' ``rotated``)."""
+        a format with one, :attr:`fold_rotation` on), else None (see :meth:`segments`' ``rotated``).
+
+        ``paged``: the read takes packed pages (:func:`confkv.attention.read_plan.hands_pages`); pages a
+        packed read takes in their rotation (``kivi+hadamard``) then carry it themselves
+        (:attr:`PagedSegment.rotation`), and nothing is folded.
+        """
         if not self.fold_rotation or self.format is None or not self.num_pages:
+            return None
+        if paged and self.format.paged_when_rotated:
             return None
         return self.format.read_rotation
 
@@ -108,14 +115,17 @@ class PageRead:
             self.bytes_read += batch * count * self._digest_nbytes()  # every digest is read
         self._selected = index
         self.bytes_read += batch * width * (self.page_nbytes() - self._digest_nbytes())
-        if not (self.format.paged or (rotated and self.format.paged_when_rotated)):
-            # formats the packed readers do not take (in this basis): the torch decode (any backend)
+        if not (self.format.paged or self.format.paged_when_rotated):
+            # formats the packed readers do not take: the torch decode (any backend)
             with profiling.section("cold pages (gather + decode)"):
                 return self._decoded_segment(index, read_pages, width, rotated)
+        # KIVI codes, maybe of rotated keys / values: in the read's basis when it folds the rotation, else
+        # the pages carry it (the native read turns the query; to_dense decodes back)
+        rotation = None if self.format.paged or rotated else self.format.rotation
         if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
-            return self._paged(index, read_pages, width)
+            return self._paged(index, read_pages, width, rotation)
         with profiling.section("cold pages (gather + dequantize)"):
-            return self._paged(index, read_pages, width).to_dense()
+            return self._paged(index, read_pages, width, rotation).to_dense()
 
     def _decoded_segment(self, index: Tensor, read_pages: Tensor, width: int, rotated: bool = False) -> KVSegment:
         """The read's pages decoded by the format (float32), as a dense :class:`KVSegment` (the
@@ -133,11 +143,12 @@ class PageRead:
                                self.config.group_size, self.head_dim).visible()
         return KVSegment(keys.reshape(shape), values.reshape(shape), visible)
 
-    def _paged(self, index: Tensor, read_pages: Tensor, width: int) -> PagedSegment:
-        """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B])."""
+    def _paged(self, index: Tensor, read_pages: Tensor, width: int, rotation=None) -> PagedSegment:
+        """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B]; ``rotation``:
+        the basis their codes are in, None for the read's)."""
         storage = {name: self.pages[name] for name in _STORAGE[self.config.bits == 16]}
         return PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
-                            self.config.group_size, self.head_dim, **storage)
+                            self.config.group_size, self.head_dim, **storage, rotation=rotation)
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
         """Pages ``index`` [B, H, K] of ``live`` decoded by the format: keys, values [B, H, K, P, D]

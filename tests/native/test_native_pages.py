@@ -104,6 +104,55 @@ def test_pages_alone_several_bit_widths_and_a_bfloat16_hot_tier():
         torch.testing.assert_close(got, want, **MASS_TOL)
 
 
+def _rotated_pages(gen: torch.Generator, bits: int, reads: str, rotation) -> PagedSegment:
+    """:func:`_pages` whose codes are of ``k @ R``, ``v @ R`` (R = ``rotation.matrix``) and carry ``rotation``."""
+    plain = _pages(gen, bits, reads)  # its selection and valid slots; the codes are made afresh
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, PAGE, DIM, generator=gen) * 2 + 0.5
+    values = torch.randn(BATCH, KV_HEADS, PAGES, PAGE, DIM, generator=gen)
+    qk = lowbit.quantize_keys(rotation.forward(keys), plain.valid, bits, GROUP)
+    qv = lowbit.quantize_values(rotation.forward(values), bits, GROUP)
+    return PagedSegment(plain.index, plain.counts, plain.valid, bits, GROUP, DIM, key_codes=qk.codes,
+                        key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
+                        value_min=qv.minimum, rotation=rotation)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("reads", ["none", "some", "all"])
+def test_pages_in_a_rotation_are_read_packed_in_their_basis(bits, group, reads):
+    """Pages coded in a Hadamard rotation (``kivi+hadamard``) beside plain pages and a padded hot tier: the
+    kernel scores them with the query turned into their basis and turns their share of the output back,
+    which is the torch read of the pages decoded back (``to_dense`` undoes the rotation)."""
+    from confkv.tiers.hadamard import HadamardRotation
+
+    gen = torch.Generator().manual_seed(bits * 10 + group + len(reads))
+    rotation = HadamardRotation(DIM, seed=3)
+    segments = [*_hot(gen), _pages(gen, 4, "some"), _rotated_pages(gen, bits, reads, rotation),
+                _rotated_pages(gen, 3, "all", HadamardRotation(DIM, seed=3))]  # another rung: an equal rotation
+    query = torch.randn(BATCH, KV_HEADS * group, 2, DIM, generator=gen)
+    assert native_pages.unsupported(query, segments) is None
+    assert read_plan.plan(query, segments, None, True, "triton") == read_plan.ReadPlan(
+        "torch", "rotated pages (the Triton read takes none)")
+    out, _ = _compare(query, segments)
+    unturned = [*segments[:3], *(PagedSegment(**{**s.__dict__, "rotation": None}) for s in segments[3:])]
+    wrong, _ = native_pages.page_read(query, unturned, DIM ** -0.5)  # the same codes read in the model's basis
+    assert (wrong - out).abs().max() > 1e-2
+
+
+def test_pages_in_two_different_rotations_are_not_read_natively():
+    from confkv.tiers.hadamard import HadamardRotation
+
+    gen = torch.Generator().manual_seed(11)
+    segments = [*_hot(gen), _rotated_pages(gen, 4, "all", HadamardRotation(DIM, seed=1)),
+                _rotated_pages(gen, 4, "all", HadamardRotation(DIM, seed=2))]
+    query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
+    assert native_pages.unsupported(query, segments) == "pages in different rotations"
+    assert read_plan.plan(query, segments, None, True, "auto") == read_plan.ReadPlan("torch", "pages in different rotations")
+    out, _ = attention_read(query, segments, DIM ** -0.5)  # the torch read decodes each page back
+    ref, _ = blockwise_attention(query, densify(segments), DIM ** -0.5)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
+
+
 def test_a_row_that_sees_nothing_reads_zero():
     gen = torch.Generator().manual_seed(3)
     hot = KVSegment(torch.randn(BATCH, KV_HEADS, 4, DIM, generator=gen), torch.randn(BATCH, KV_HEADS, 4, DIM, generator=gen),

@@ -261,9 +261,10 @@ def test_kv_bytes_are_the_tensors_held(name, read_all):
     assert set(tier.format.storage) <= set(tier.pages)
 
 
-@pytest.mark.parametrize("name", ["hadamard", "outliers", "codebook", "prerope", "hadamard+outliers+codebook"])
+@pytest.mark.parametrize("name", ["outliers", "codebook", "prerope", "hadamard+outliers+codebook"])
 def test_a_format_pages_read_through_the_decode_on_every_backend(name):
-    """Pages of formats other than plain KIVI reach the read decoded (also when a backend asks for packed pages)."""
+    """Pages of formats other than plain KIVI (and ``kivi+hadamard``) reach the read decoded (also when a backend
+    asks for packed pages)."""
     keys, values, _, positions = _pages(6, count=4)
     tier = _tier(name, 4)
     tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
@@ -277,6 +278,27 @@ def test_a_format_pages_read_through_the_decode_on_every_backend(name):
         assert torch.equal(segment.keys, expected_keys.reshape(1, 2, 64, 32))
         assert torch.equal(segment.values, expected_values.reshape(1, 2, 64, 32))
         assert (segment.keys - keys.reshape(1, 2, 64, 32)).abs().max() < 0.5 * keys.abs().max()
+
+
+def test_hadamard_pages_reach_a_packed_read_packed_with_their_rotation():
+    """``kivi+hadamard`` pages are KIVI codes of rotated keys / values: a backend that takes packed pages gets
+    them packed, carrying the rotation (the native read turns the query); decoded, they are the format's decode."""
+    from confkv.attention.paged import PagedSegment
+
+    keys, values, _, positions = _pages(6, count=4)
+    tier = _tier("hadamard", 4)
+    tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
+                torch.ones(1, 64, dtype=torch.bool))
+    query = torch.randn(1, 4, 1, 32)
+    expected_keys, expected_values = tier.format.decode({n: tier.pages[n][:, :, :4] for n in tier.format.storage})
+    (dense,) = tier.segments(query, torch.tensor([ALL_PAGES]), paged=False)
+    (packed,) = tier.segments(query, torch.tensor([ALL_PAGES]), paged=True)
+    assert isinstance(packed, PagedSegment) and packed.rotation is tier.format.rotation
+    for segment in (dense, packed.to_dense()):
+        torch.testing.assert_close(segment.keys, expected_keys.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(segment.values, expected_values.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
+    (rotated,) = tier.segments(query, torch.tensor([ALL_PAGES]), paged=True, rotated=True)
+    assert rotated.rotation is None  # a read in the rotated basis takes the codes as they are
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -425,17 +447,19 @@ def test_no_rotation_is_folded_for_formats_without_one_or_with_pre_rope_keys():
         assert cache.layers[0].store.cold.read_rotation() is None
 
 
-def _run_ladder(fold: bool, name: str):
+def _run_ladder(name: str, fold: bool = True, backend: str = "auto"):
     """Decode steps of the tiered preset's ladder (fp32 asymmetric tiny Llama, head_dim 32) under a memory
     target with page format ``name``; returns the step logits, the cache and the reads that left the native
     path. At 35% of the bytes every rung holds pages at the end."""
     from confkv import profiling
+    from confkv.config import StoreConfig
     from confkv.hf import ConfKVCache
     from confkv.models import tiny_model
 
     torch.manual_seed(0)
     model = tiny_model("llama", asymmetric=True, head_dim=32).float()
-    cache = ConfKVCache.for_model(model, "tiered", memory=0.35, page_size=8, group_size=8, format=name)
+    cache = ConfKVCache.for_model(model, "tiered", memory=0.35, page_size=8, group_size=8, format=name,
+                                  store=StoreConfig(read_backend=backend))
     ids = torch.randint(3, 200, (1, 200), generator=torch.Generator().manual_seed(1))
     logits = []
     with torch.no_grad():
@@ -449,24 +473,28 @@ def _run_ladder(fold: bool, name: str):
     return torch.cat(logits), cache, dict(profiling.FALLBACKS)
 
 
-def test_a_ladder_of_rotated_pages_reads_them_packed_in_the_rotated_basis():
-    """Every rung of a ``kivi+hadamard`` ladder is rotated alike, so the ladder folds the rotation into the
-    query and output and its pages (plain KIVI codes of rotated keys / values) are read packed: the same
-    logits as decoding every page back (fp32, within 1e-5 of their scale), without leaving the native read."""
+def test_a_ladder_of_rotated_pages_reads_them_in_one_basis_three_ways():
+    """A ``kivi+hadamard`` ladder stores KIVI codes of rotated keys / values on every rung, all in one rotation.
+    The native read takes them packed, turning the query into their basis and their share of the output back;
+    the torch read folds the rotation into the query, the hot tier and the output; without folding, every page
+    is decoded back. All three give the same logits (fp32, within 1e-5 of their scale); the native one never
+    leaves the native read."""
     from confkv import native
 
-    folded, cache, fallbacks = _run_ladder(True, "hadamard")
-    plain, _, plain_fallbacks = _run_ladder(False, "hadamard")
+    packed, cache, fallbacks = _run_ladder("hadamard")
+    folded, folded_cache, _ = _run_ladder("hadamard", backend="torch")
+    plain, _, _ = _run_ladder("hadamard", fold=False, backend="torch")
     cold = cache.layers[0].store.cold
     assert [rung.num_pages > 0 for rung in cold.rungs[1:]] == [True] * (len(cold.rungs) - 1)  # pages stepped down
-    assert cold.read_rotation() is not None
-    assert (folded - plain).abs().max() <= 1e-5 * plain.abs().max()
+    assert folded_cache.layers[0].store.cold.read_rotation() is not None
+    for other in (folded, packed):
+        assert (other - plain).abs().max() <= 1e-5 * plain.abs().max()
     if native.available():
+        assert cold.read_rotation(paged=True) is None  # the pages carry their rotation
         assert fallbacks == {}  # the packed page read took every step
-        assert plain_fallbacks  # pages decoded back to the model's basis: the dense torch read
 
 
 def test_a_ladder_folds_no_rotation_for_formats_that_cannot_stay_rotated():
     for name in ("kivi", "outliers", "hadamard+prerope"):
-        _, cache, _ = _run_ladder(True, name)
+        _, cache, _ = _run_ladder(name)
         assert cache.layers[0].store.cold.read_rotation() is None

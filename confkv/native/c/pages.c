@@ -78,9 +78,14 @@ typedef struct {
     float *const *mass;      /* per segment [B, Hkv, L_s] float32 contiguous, or NULL */
     float *scratch;
     int64_t scratch_stride;
+    const float *rotation;   /* [D, D] float32 row-major (y = x @ rotation), the basis of the pages whose meta[32]
+                              * is set, or NULL */
 } page_args;
 
-static int64_t page_scratch(const page_args *a) { return a->R * a->D + a->R * a->total + a->R * a->D + 4 * a->D; }
+/* per unit: the query rows, the scores, the output, a row buffer, and the query rows and output in the rotation */
+static int64_t page_scratch(const page_args *a) {
+    return a->R * a->D + a->R * a->total + a->R * a->D + 4 * a->D + (a->rotation ? 2 * a->R * a->D : 0);
+}
 
 /* scores of a dense segment's L slots for the R rows (qf pre-scaled), masked slots -inf */
 static void dense_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
@@ -107,7 +112,8 @@ static void dense_values(const page_args *a, const void *const *p, const int64_t
 /* paged segment meta: [1] L = K * P, [2] K, [3] P, [4] bits, [5] G, [6] Gv, [7] C (packed bytes per row),
  * [8..9] index strides (b, h), [10] counts stride, [11..13] valid strides (b, h, n),
  * [14..16] key codes, [17..19] key scale, [20..22] key min, [23..25] value codes, [26..28] value scale,
- * [29..31] value min strides (b, h, n); within a page every tensor is contiguous.
+ * [29..31] value min strides (b, h, n), [32] 1: keys and values coded in the call's rotation (their scores
+ * take the rotated query, their values add to the rotated output); within a page every tensor is contiguous.
  * ptrs: index, counts, valid, key codes, key scale, key min, value codes, value scale, value min. */
 static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k) {
     const int64_t page = ((const int64_t *)p[0])[b * m[8] + j * m[9] + k];
@@ -189,18 +195,27 @@ static void page_read_unit(const void *ctx, int64_t unit) {
     const int64_t b = unit / a->Hkv, j = unit % a->Hkv, G = a->G, Q = a->Q, D = a->D, R = a->R, total = a->total;
     float *qf = a->scratch + unit * a->scratch_stride;
     float *scores = qf + R * D, *acc = scores + R * total, *buf = acc + R * D;
+    float *q_turned = buf + 4 * D, *acc_turned = q_turned + R * D; /* used with a rotation only */
     /* row r = g * Q + q holds query head j * G + g, query q; the scaling folded in (as the block-wise read) */
     for (int64_t g = 0; g < G; g++)
         for (int64_t q = 0; q < Q; q++) {
             const float *src = a->query + ((b * a->Hq + j * G + g) * Q + q) * D;
             for (int64_t d = 0; d < D; d++) qf[(g * Q + q) * D + d] = src[d] * a->scaling;
         }
+    const float *rot = a->rotation;
+    if (rot) /* (R q) . (R k) = q . k: rotated pages score the query turned into their basis */
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t e = 0; e < D; e++) {
+                float v = 0.0f;
+                for (int64_t d = 0; d < D; d++) v = fmaf(qf[r * D + d], rot[d * D + e], v);
+                q_turned[r * D + e] = v;
+            }
     int64_t offset = 0;
     for (int s = 0; s < a->n_seg; s++) {
         const int64_t *m = a->meta + PR_META * s;
         const void *const *p = a->ptrs + PR_PTRS * s;
         if (m[0] == SEG_DENSE) dense_scores(a, p, m, b, j, qf, scores + offset, buf);
-        else page_scores(a, p, m, b, j, qf, scores + offset, buf);
+        else page_scores(a, p, m, b, j, rot && m[32] ? q_turned : qf, scores + offset, buf);
         offset += m[1];
     }
     /* one softmax over every segment's slots; a row that sees nothing gets probabilities 0 (the
@@ -216,6 +231,8 @@ static void page_read_unit(const void *ctx, int64_t unit) {
         for (int64_t l = 0; l < total; l++) p[l] *= inv;
     }
     for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
+    if (rot)
+        for (int64_t i = 0; i < R * D; i++) acc_turned[i] = 0.0f;
     offset = 0;
     for (int s = 0; s < a->n_seg; s++) {
         const int64_t *m = a->meta + PR_META * s, L = m[1];
@@ -231,9 +248,16 @@ static void page_read_unit(const void *ctx, int64_t unit) {
                 }
         }
         if (m[0] == SEG_DENSE) dense_values(a, p, m, b, j, scores + offset, acc, buf);
-        else page_values(a, p, m, b, j, scores + offset, acc, buf);
+        else page_values(a, p, m, b, j, scores + offset, rot && m[32] ? acc_turned : acc, buf);
         offset += L;
     }
+    if (rot) /* the rotated pages' share of the output back to the model's basis: x = y @ rotation^T */
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t d = 0; d < D; d++) {
+                float v = acc[r * D + d];
+                for (int64_t e = 0; e < D; e++) v = fmaf(acc_turned[r * D + e], rot[d * D + e], v);
+                acc[r * D + d] = v;
+            }
     for (int64_t g = 0; g < G; g++)
         for (int64_t q = 0; q < Q; q++)
             memcpy(a->out + ((b * a->Hq + j * G + g) * Q + q) * D, acc + (g * Q + q) * D, (size_t)D * sizeof(float));
@@ -248,13 +272,17 @@ static void page_read_unit(const void *ctx, int64_t unit) {
  *   paged meta and ptrs: see page_scores
  *   mass[s] [B, Hkv, L_s] float32 contiguous (mass NULL: none): the softmax probability of each slot averaged
  *       over the G query heads of its KV head, summed over the Q queries; 0 where hidden.
+ *   rotation [D, D] float32 row-major, an orthogonal matrix (or NULL): the pages whose meta[32] is set hold
+ *       keys and values coded as k @ rotation, v @ rotation (a Hadamard-rotated format, confkv.tiers.hadamard);
+ *       their scores take (query @ rotation) and their weighted values are turned back by rotation^T.
  * Scores (query * scaling) . key, one softmax and the weighted sum in float32. The B * Hkv pairs run on up to
  * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
  * bit width or group it does not take. */
 int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
                      const void *const *ptrs, const int64_t *meta, float scaling, float *out, float *const *mass,
-                     int threads) {
-    page_args a = {query, Hq, Q, D, Hkv, Hq / Hkv, (Hq / Hkv) * Q, 0, n_seg, ptrs, meta, scaling, out, mass, NULL, 0};
+                     const float *rotation, int threads) {
+    page_args a = {query, Hq, Q, D, Hkv, Hq / Hkv, (Hq / Hkv) * Q, 0, n_seg, ptrs, meta, scaling, out, mass, NULL, 0,
+                   rotation};
     for (int s = 0; s < n_seg; s++) {
         const int64_t *m = meta + PR_META * s;
         if (m[0] == SEG_PAGES) {

@@ -42,7 +42,7 @@ from torch import Tensor
 from confkv.tiers import lowbit
 from confkv.tiers import codebook as _codebook
 from confkv.tiers import outliers as _outliers
-from confkv.tiers.hadamard import HadamardRotation
+from confkv.tiers.hadamard import shared_rotation
 
 #: the techniques a format may add to KIVI
 TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope")
@@ -168,7 +168,7 @@ class KiviFormat(PageFormat):
         self.paged = not self.techniques
         self.paged_when_rotated = self.techniques == frozenset({"hadamard"})  # KIVI codes of rotated keys / values
         self.outlier_fraction = outlier_fraction
-        self.rotation = HadamardRotation(head_dim) if "hadamard" in techniques else None
+        self.rotation = shared_rotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
         self._needs_rope = "prerope" in techniques  # checked at encode/decode (sizes need no rope)
         self.read_rotation = None if self._needs_rope else self.rotation  # pre-RoPE keys must come back to turn

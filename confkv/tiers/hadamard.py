@@ -14,6 +14,8 @@ of two dividing it (64-channel blocks at head_dim 192, say).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import Tensor
 
@@ -92,3 +94,10 @@ class HadamardRotation:
     def inverse_fwht(self, y: Tensor) -> Tensor:
         """:meth:`inverse` by butterflies."""
         return fwht(y.float().reshape(*y.shape[:-1], -1, self.block)).reshape(y.shape) * self.signs.to(y.device)
+
+
+@lru_cache(maxsize=None)
+def shared_rotation(head_dim: int, seed: int = 0) -> HadamardRotation:
+    """One :class:`HadamardRotation` per (head size, seed), shared by every format that asks: the rungs of a
+    ladder then hold the same object, which a read checks by identity before comparing matrices."""
+    return HadamardRotation(head_dim, seed)

@@ -487,6 +487,7 @@ def test_a_ladder_of_rotated_pages_reads_them_in_one_basis_three_ways():
     cold = cache.layers[0].store.cold
     assert [rung.num_pages > 0 for rung in cold.rungs[1:]] == [True] * (len(cold.rungs) - 1)  # pages stepped down
     assert folded_cache.layers[0].store.cold.read_rotation() is not None
+    assert all(rung.format.rotation is cold.rungs[0].format.rotation for rung in cold.rungs)  # one shared object
     for other in (folded, packed):
         assert (other - plain).abs().max() <= 1e-5 * plain.abs().max()
     if native.available():

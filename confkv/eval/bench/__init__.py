@@ -1,4 +1,4 @@
-"""Speed: ``confkv bench`` (run: the runner; loops: the timed loops; output: tables and plot; machine; dtypes),
+"""Speed: ``confkv bench`` (run: the runner; configs: the rows it compares; loops: the timed loops; output: tables and plot; machine; dtypes),
 the llama.cpp peer row (llamacpp, llamacpp_worker), the attention-read micro-benchmark, the lean native step,
 the serving load test, and which files one decode step enters (step_trace)."""
 

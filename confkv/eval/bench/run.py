@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,82 +48,13 @@ import torch
 
 from confkv import profiling
 from confkv.native import loader as native_loader
+from confkv.eval.bench.configs import BenchConfig, default_configs, preset_rows  # noqa: F401 - re-exported
 from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
 from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
                                         gguf_source, kv_bytes_per_token_f16)
 from confkv.eval.bench.loops import _latency_grid, _throughput
 from confkv.eval.bench.machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
 from confkv.eval.bench.output import format_breakdown
-
-
-@dataclass
-class BenchConfig:
-    """One cache configuration of the benchmark."""
-
-    name: str
-    kind: str  # "dynamic", "quantized" or "confkv"
-    policy: str = "full"
-    params: dict[str, Any] = field(default_factory=dict)
-    store: dict[str, Any] = field(default_factory=dict)
-    note: str = ""
-    lean: bool = False  # decode steps through confkv.hf.lean.LeanDecoder instead of model(...)
-    native: bool = True  # False: decode steps with confkv.native's kernels off (the torch code; A/B rows)
-
-
-def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = ()) -> list[str]:
-    """The names of the memory preset's rows: ``tiered@<percent>`` per target, then
-    ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
-    return ([f"tiered@{fraction * 100:g}" for fraction in memory]
-            + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
-
-
-def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,),
-                    formats: tuple[str, ...] = ()) -> list[BenchConfig]:
-    """The comparison grid: transformers caches, confkv full, fixed-budget baselines, CONF-KV, and the memory
-    preset (``tiered@<percent>``: the cache holding ``memory`` of the full cache's bytes at every step;
-    ``tiered[<format>]@<percent>``: the same with the page format ``format`` on every rung)."""
-    half = budget // 2
-    gate = {"n_high": budget - half // 2, "n_low": budget + half // 2, "tau": 0.5}
-    int8 = {"kv_int8": True, "fp_window": min(128, budget // 4)}
-    configs = [
-        BenchConfig("dynamic", "dynamic", note="transformers DynamicCache, sdpa"),
-        BenchConfig("quantized", "quantized", note="transformers QuantizedCache (quanto int4), sdpa"),
-        BenchConfig("full", "confkv", "full", note="confkv store, no eviction (our overhead)"),
-        BenchConfig("full-blockwise", "confkv", "full", store={"read_backend": "torch"},
-                    note="the same with the block-wise read instead of the fused CPU kernel (before/after)"),
-        BenchConfig(f"window", "confkv", "window", {"budget": budget}),
-        BenchConfig(f"streaming", "confkv", "streaming", {"budget": budget}),
-        BenchConfig(f"h2o", "confkv", "h2o", {"budget": budget}),
-        BenchConfig("confkv", "confkv", "confkv", dict(gate), note=f"n_high/n_low around {budget}"),
-        BenchConfig("confkv-int8", "confkv", "confkv", dict(gate), dict(int8)),
-    ]
-    if slack:
-        configs += [
-            BenchConfig(f"window+slack{slack}", "confkv", "window", {"budget": budget}, {"evict_slack": slack}),
-            BenchConfig(f"confkv+slack{slack}", "confkv", "confkv", dict(gate), {"evict_slack": slack}),
-            BenchConfig(f"confkv-int8+slack{slack}", "confkv", "confkv", dict(gate),
-                        {**int8, "evict_slack": slack}),
-            BenchConfig(f"confkv+slack{slack}-lean", "confkv", "confkv", dict(gate), {"evict_slack": slack},
-                        note="the same, decode steps through the lean decoder (Llama family)", lean=True),
-            BenchConfig(f"confkv+slack{slack}-lean-torch", "confkv", "confkv", dict(gate), {"evict_slack": slack},
-                        note="the lean row with confkv.native's kernels off (read, RMSNorm, rotary in torch)",
-                        lean=True, native=False),
-        ]
-    configs += [BenchConfig(f"tiered@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction},
-                            note=f"the memory preset at {fraction:g} of the full cache's bytes") for fraction in memory]
-    configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
-                            note=f"the memory preset at {fraction:g}, page format {name}")
-                for name in formats for fraction in memory]
-    # the tiered store at the same hot budget: 2-bit cold pages, 4 / 16 pages read when confident / not
-    tiered = {"budget": budget, "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16}
-    configs += [BenchConfig("confkv-r", "confkv", "confkv-r", dict(tiered), note="hot budget + 2-bit cold tier")]
-    if slack:
-        configs += [
-            BenchConfig(f"confkv-r+slack{slack}", "confkv", "confkv-r", dict(tiered), {"evict_slack": slack}),
-            BenchConfig(f"confkv-r-offload+slack{slack}", "confkv", "confkv-r", {**tiered, "offload": True},
-                        {"evict_slack": slack}, note="cold pages in a memory-mapped file"),
-        ]
-    return configs
 
 
 class _Runner:

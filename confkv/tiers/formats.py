@@ -21,7 +21,9 @@ the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques bel
 ``+`` (order free; ``"hadamard+outliers"`` is ``"kivi+outliers+hadamard"``):
 
 - ``hadamard``: a randomized Hadamard rotation of each head's channels, keys and values
-  (:mod:`confkv.tiers.hadamard`); decoded back to the original basis.
+  (:mod:`confkv.tiers.hadamard`); decoded back to the original basis, or read in it. ``kivi+hadamard``
+  alone stores plain KIVI codes of the rotated keys and values, so the native page read takes its pages
+  packed (:attr:`PageFormat.paged_when_rotated`; the kernel turns the query into their basis).
 - ``outliers``: ``outlier_fraction`` of each page's entries kept apart in 16 bits
   (:mod:`confkv.tiers.outliers`).
 - ``codebook``: non-uniform levels, one k-means codebook per layer and tensor

@@ -81,8 +81,10 @@ class PageFormat:
         bits: code width (16: unquantized).
         paged: True when :class:`~confkv.attention.paged.PagedSegment` (and the Triton read) can
             read the storage as it is; otherwise reads decode with :meth:`decode`.
-        paged_when_rotated: True when a read that folds :attr:`read_rotation` into the query and the
-            output can read the storage packed (plain KIVI codes in the rotated basis: ``kivi+hadamard``).
+        paged_when_rotated: True when the storage is plain KIVI codes in the basis of :attr:`read_rotation`
+            (``kivi+hadamard``): a packed read takes it either in that basis (the read folds the rotation
+            into the query and output) or with the rotation attached (:attr:`PagedSegment.rotation`: the
+            native read turns the query itself).
         storage: the names :meth:`encode` returns.
     """
 

@@ -96,3 +96,16 @@ def test_bad_mask_and_cache_are_refused():
     from transformers import DynamicCache
     with pytest.raises(TypeError, match="ConfKVCache"):
         lean(torch.ones(1, 3, dtype=torch.long), DynamicCache())
+
+
+@pytest.mark.parametrize("page_format", ["kivi", "hadamard"])
+def test_lean_logits_equal_the_models_forward_under_the_memory_preset(page_format):
+    """The memory preset through the lean decoder, its ladder holding pages on every rung (plain, and
+    ``kivi+hadamard`` pages read packed in their rotation): the model's own logits and the same bytes."""
+    model = tiny_model("llama", asymmetric=True, head_dim=32)
+    params = {"memory": 0.35, "page_size": 8, "group_size": 8, "format": page_format}
+    pairs, (reference, lean) = _decode_both(model, "tiered", params, StoreConfig(), batch=1, steps=12, prompt=200)
+    for expected, got in pairs:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert lean.trace.total_kv_bytes() == reference.trace.total_kv_bytes()
+    assert all(rung.num_pages > 0 for rung in lean.layers[0].store.cold.rungs[:2])  # pages were read, stepped down

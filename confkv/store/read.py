@@ -16,7 +16,7 @@ import torch
 
 from confkv import native, profiling
 from confkv.attention import KVSegment, attention_read
-from confkv.attention.read_plan import hands_pages
+from confkv.attention.read_plan import hands_pages, triton_reads
 from confkv.attention.mass_read import MAX_SCORES, mass_read
 from confkv.config import ALL_PAGES, StoreConfig
 from confkv.native.decode import DecodePlan
@@ -183,8 +183,10 @@ class AttentionRead:
         if self.cold is not None:  # every cold token is older than every query: no causal mask
             paged = hands_pages(query, self.config.read_backend)  # the Triton and the native page read take packed pages
             # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
-            # rotated back token by token; the few hot keys/values, the query and the output turn instead
-            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation(paged)
+            # rotated back token by token; the few hot keys/values, the query and the output turn instead,
+            # unless the native page read takes the pages with their rotation and turns the query itself
+            turns_pages = paged and not triton_reads(query, self.config.read_backend)
+            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation(turns_pages)
             if rotation is not None:
                 segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
                             for s in segments]

@@ -45,17 +45,18 @@ class PageRead:
     reads: int
     _selected: Tensor | None
 
-    def read_rotation(self, paged: bool = False):
+    def read_rotation(self, turns_pages: bool = False):
         """The format's rotation when this read can fold it into the query and output (pages to read,
         a format with one, :attr:`fold_rotation` on), else None (see :meth:`segments`' ``rotated``).
 
-        ``paged``: the read takes packed pages (:func:`confkv.attention.read_plan.hands_pages`); pages a
-        packed read takes in their rotation (``kivi+hadamard``) then carry it themselves
-        (:attr:`PagedSegment.rotation`), and nothing is folded.
+        ``turns_pages``: the read is the native page read, which takes packed pages with their rotation
+        attached and turns the query itself; pages it takes so (``kivi+hadamard``) then carry the rotation
+        (:attr:`PagedSegment.rotation`), and nothing is folded. (The Triton read takes packed pages only in
+        the read's basis, so the rotation is folded for it.)
         """
         if not self.fold_rotation or self.format is None or not self.num_pages:
             return None
-        if paged and self.format.paged_when_rotated:
+        if turns_pages and self.format.paged_when_rotated:
             return None
         return self.format.read_rotation
 

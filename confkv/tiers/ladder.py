@@ -69,19 +69,19 @@ class LadderTier:
         for rung in self.rungs:
             rung.rope = value
 
-    def read_rotation(self, paged: bool = False):
+    def read_rotation(self, turns_pages: bool = False):
         """The rotation a read may fold into the query and output (pages left rotated on every rung), or None.
 
         Not None only when some rung holds pages and every rung that has a format has the same
         rotation and folds it (every rung's format is the storage's, so a ladder of one rotated format
-        qualifies; a 16-bit rung, which has none, does not). ``paged`` (a read that takes packed pages):
-        None when every rung's pages are read packed in their rotation (``kivi+hadamard``: the pages carry
-        it, :meth:`ColdTier.read_rotation`).
+        qualifies; a 16-bit rung, which has none, does not). ``turns_pages`` (the native page read,
+        which turns the query itself): None when every rung's pages are read packed in their rotation
+        (``kivi+hadamard``: the pages carry it, :meth:`ColdTier.read_rotation`).
         """
         if not any(rung.num_pages for rung in self.rungs):
             return None
         built = [rung for rung in self.rungs if rung.format is not None]
-        if paged and all(rung.format.paged_when_rotated for rung in built):
+        if turns_pages and all(rung.format.paged_when_rotated for rung in built):
             return None
         rotations = [rung.format.read_rotation for rung in built]
         first = rotations[0]

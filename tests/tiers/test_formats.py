@@ -491,7 +491,7 @@ def test_a_ladder_of_rotated_pages_reads_them_in_one_basis_three_ways():
     for other in (folded, packed):
         assert (other - plain).abs().max() <= 1e-5 * plain.abs().max()
     if native.available():
-        assert cold.read_rotation(paged=True) is None  # the pages carry their rotation
+        assert cold.read_rotation(turns_pages=True) is None  # the pages carry their rotation
         assert fallbacks == {}  # the packed page read took every step
 
 

@@ -6,6 +6,10 @@ perplexity of every prefix: the table shows each prefix length the run covers. R
 file (policy, target; the file's name where two files ran the same setting); the full-KV file of the same corpus and dtype is the reference. Usage::
 
     .venv/bin/python benchmarks/memory_ppl_table.py results/memory/ppl/*.json
+    .venv/bin/python benchmarks/memory_ppl_table.py --mean results/memory/ppl/*_4k.json   # mean rise per setting
+
+``--mean`` adds, per setting (policy, parameters, target), the mean of its rises over full KV across every
+text and prefix it has, with the count of points, so settings are compared on the same points.
 """
 
 from __future__ import annotations
@@ -45,6 +49,37 @@ def _ppl(nll: list[float], n: int) -> float:
     return math.exp(sum(nll[:n - 1]) / (n - 1))
 
 
+def _name(run: dict) -> str:
+    return run["policy"] + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(run["params"].items())) + ")"
+                            if run["params"] else "")
+
+
+def _rises(runs: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """Per (setting name, target): the % rise over full KV of every (text, prefix) the setting's runs cover."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for corpus, dtype in sorted({(r["corpus"], r["dtype"]) for r in runs}):
+        group = [r for r in runs if (r["corpus"], r["dtype"]) == (corpus, dtype)]
+        full = next((r for r in group if r["policy"] == "full"), None)
+        if full is None:
+            continue
+        for r in group:
+            if r is full:
+                continue
+            for p in PREFIXES:
+                if len(r["nll"]) >= p - 1 and len(full["nll"]) >= p - 1:
+                    out.setdefault((_name(r), r["target"]), []).append(
+                        (_ppl(r["nll"], p) / _ppl(full["nll"], p) - 1) * 100)
+    return out
+
+
+def mean_table(runs: list[dict]) -> str:
+    """One row per setting: its mean % rise over full KV and the number of (text, prefix) points."""
+    lines = ["| policy | target | mean rise | points |", "|---|---|---|---|"]
+    for (name, target), values in sorted(_rises(runs).items()):
+        lines.append(f"| {name} | {target} | {sum(values) / len(values):+.2f}% | {len(values)} |")
+    return "\n".join(lines)
+
+
 def tables(runs: list[dict]) -> str:
     out = []
     for corpus, dtype in sorted({(r["corpus"], r["dtype"]) for r in runs}):
@@ -64,8 +99,7 @@ def tables(runs: list[dict]) -> str:
                 delta = "" if full is None or r is full else f" ({(value / _ppl(full['nll'], p) - 1) * 100:+.1f}%)"
                 cells.append(f"{value:.3f}{delta}")
             share = "" if full is None else f"{max(r['kv']) / max(full['kv'][:len(r['kv'])]):.1%}"
-            name = r["policy"] + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(r["params"].items())) + ")"
-                                  if r["params"] else "")
+            name = _name(r)
             twins = [o for o in group if (o["policy"], o["params"], o["target"]) == (r["policy"], r["params"], r["target"])]
             if len(twins) > 1:  # the same setting run on different code: the file tells them apart
                 name += f" [{Path(r['path']).stem}]"
@@ -77,7 +111,12 @@ def tables(runs: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", type=Path, nargs="+")
-    print(tables(load(parser.parse_args().files)))
+    parser.add_argument("--mean", action="store_true", help="also the mean rise per setting over its points")
+    args = parser.parse_args()
+    runs = load(args.files)
+    print(tables(runs))
+    if args.mean:
+        print(mean_table(runs))
 
 
 if __name__ == "__main__":

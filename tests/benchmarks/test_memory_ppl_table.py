@@ -28,3 +28,17 @@ def test_prefixes_against_full_and_twins_told_apart_by_file(tmp_path):
     assert expected in next(r for r in rows if "[before]" in r)
     alone = memory_ppl_table.tables(memory_ppl_table.load([full, after]))  # no twin: no file name
     assert "| tiered | memory=0.25 |" in alone
+
+
+def test_the_mean_rise_of_each_setting_over_its_texts_and_prefixes(tmp_path):
+    runs = []
+    for corpus, rise in (("a", 0.1), ("b", 0.3)):
+        for policy, params, nll in (("full", {}, 1.0), ("tiered", {"memory": 0.25}, 1.0 + rise)):
+            path = tmp_path / f"{corpus}_{policy}.json"
+            summary = {"policy": policy, "params": params, "corpus": corpus, "dtype": "bfloat16"}
+            path.write_text(json.dumps({"summary": summary, "nll": [nll] * 2047,
+                                        "trace": {"kv_bytes": [[100]] * 2047}}))
+            runs.append(path)
+    text = memory_ppl_table.mean_table(memory_ppl_table.load(runs))
+    expected = ((math.exp(0.1) - 1) + (math.exp(0.3) - 1)) / 2 * 100  # two prefixes per text, the same rise
+    assert f"| tiered | memory=0.25 | {expected:+.2f}% | 4 |" in text

@@ -40,7 +40,7 @@ def load(paths: list[Path]) -> list[dict]:
         runs.append({"path": path.name, "policy": summary["policy"] or "tiered", "corpus": summary["corpus"],
                      "dtype": summary.get("dtype", "float32"), "target": _target(summary),
                      "params": {k: v for k, v in (summary.get("params") or {}).items()
-                                if k not in ("memory", "max_kv_bytes")},
+                                if k not in ("memory", "max_kv_bytes")}, "preset": summary.get("preset"),
                      "nll": data["nll"], "kv": kv})
     return runs
 
@@ -50,8 +50,14 @@ def _ppl(nll: list[float], n: int) -> float:
 
 
 def _name(run: dict) -> str:
-    return run["policy"] + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(run["params"].items())) + ")"
-                            if run["params"] else "")
+    """The row's name: the policy, then its own parameters (``--param``), or ``(earlier preset)`` for a preset's run
+    made under other defaults than today's (runs written before ``confkv ppl`` recorded the signature count so)."""
+    from confkv.presets import preset_signature  # noqa: PLC0415
+
+    if run["params"]:
+        return run["policy"] + " (" + ", ".join(f"{k}={v}" for k, v in sorted(run["params"].items())) + ")"
+    now = preset_signature(run["policy"])
+    return run["policy"] + (" (earlier preset)" if now is not None and run.get("preset") != now else "")
 
 
 def _rises(runs: list[dict]) -> dict[tuple[str, str], list[float]]:

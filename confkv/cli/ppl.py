@@ -50,6 +50,11 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
                 return 130
     summary = result.summary()
     summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8, "dtype": args.dtype})
+    from confkv.presets import DEFAULT_PRESET, preset_signature
+
+    signature = preset_signature(args.policy or DEFAULT_PRESET)  # a preset's defaults, so tables tell runs of two apart
+    if signature is not None:
+        summary["preset"] = signature
     trace = result.trace
     kept = trace.kept_tokens(0)
     conf = trace.confidences(0)

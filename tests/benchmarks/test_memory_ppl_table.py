@@ -5,14 +5,20 @@ import json
 import math
 from pathlib import Path
 
+from confkv import presets
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_ppl_table.py"
 spec = importlib.util.spec_from_file_location("memory_ppl_table", SCRIPT)
 memory_ppl_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(memory_ppl_table)
 
 
-def _write(path: Path, policy: str, params: dict, nll: list[float]) -> Path:
-    summary = {"policy": policy, "params": params, "corpus": "text", "dtype": "bfloat16"}
+def _write(path: Path, policy: str, params: dict, nll: list[float], preset: str | None = "now") -> Path:
+    """A ppl file; ``preset="now"``: today's signature of the preset ``policy`` names (as ``confkv ppl`` writes)."""
+    from confkv.presets import preset_signature
+
+    summary = {"policy": policy, "params": params, "corpus": "text", "dtype": "bfloat16",
+               "preset": preset_signature(policy) if preset == "now" else preset}
     path.write_text(json.dumps({"summary": summary, "nll": nll, "trace": {"kv_bytes": [[100]] * len(nll)}}))
     return path
 
@@ -35,10 +41,27 @@ def test_the_mean_rise_of_each_setting_over_its_texts_and_prefixes(tmp_path):
     for corpus, rise in (("a", 0.1), ("b", 0.3)):
         for policy, params, nll in (("full", {}, 1.0), ("tiered", {"memory": 0.25}, 1.0 + rise)):
             path = tmp_path / f"{corpus}_{policy}.json"
-            summary = {"policy": policy, "params": params, "corpus": corpus, "dtype": "bfloat16"}
+            summary = {"policy": policy, "params": params, "corpus": corpus, "dtype": "bfloat16",
+                       "preset": presets.preset_signature(policy)}
             path.write_text(json.dumps({"summary": summary, "nll": [nll] * 2047,
                                         "trace": {"kv_bytes": [[100]] * 2047}}))
             runs.append(path)
     text = memory_ppl_table.mean_table(memory_ppl_table.load(runs))
     expected = ((math.exp(0.1) - 1) + (math.exp(0.3) - 1)) / 2 * 100  # two prefixes per text, the same rise
     assert f"| tiered | memory=0.25 | {expected:+.2f}% | 4 |" in text
+
+
+def test_a_preset_run_under_other_defaults_is_marked_earlier(tmp_path):
+    """A run of a preset without today's signature (an older file, or other defaults) is not today's preset; runs
+    with their own parameters are named by them; policies that are not presets are never marked."""
+    full = _write(tmp_path / "full.json", "full", {}, [1.0] * 1023)
+    old = _write(tmp_path / "old.json", "tiered", {"memory": 0.25}, [1.1] * 1023, preset=None)
+    now = _write(tmp_path / "now.json", "tiered", {"memory": 0.125}, [1.2] * 1023)
+    own = _write(tmp_path / "own.json", "tiered", {"memory": 0.25, "format": "kivi+hadamard"}, [1.05] * 1023,
+                 preset=None)
+    h2o = _write(tmp_path / "h2o.json", "h2o", {"memory": 0.25}, [1.3] * 1023, preset=None)
+    text = memory_ppl_table.tables(memory_ppl_table.load([full, old, now, own, h2o]))
+    assert "| tiered (earlier preset) | memory=0.25 |" in text
+    assert "| tiered | memory=0.125 |" in text
+    assert "| tiered (format=kivi+hadamard) | memory=0.25 |" in text
+    assert "| h2o | memory=0.25 |" in text

@@ -22,6 +22,12 @@ def test_ppl_builtin_file_and_unreachable_hub(model_dir, tmp_path, capsys):
                  "--tokens", "40", "--out", str(out), "--plot", str(plot)]) == 0
     data = json.loads(out.read_text())
     assert data["summary"]["tokens"] == 39 and len(data["trace"]["kv_bytes"]) == 39 and plot.exists()
+    assert "preset" not in data["summary"]  # a registry policy, not a preset
+    preset_out = tmp_path / "preset.json"
+    assert main(["ppl", "--model", model_dir, "--memory", "0.5", "--tokens", "40", "--out", str(preset_out)]) == 0
+    from confkv.presets import preset_signature
+
+    assert json.loads(preset_out.read_text())["summary"]["preset"] == preset_signature("tiered")  # the default's
     text = tmp_path / "corpus.txt"
     text.write_text("A short text about caches. " * 20)
     assert main(["ppl", "--model", model_dir, "--policy", "full", "--corpus", str(text), "--tokens", "30"]) == 0

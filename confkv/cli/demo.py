@@ -95,6 +95,6 @@ def run_demo(model_name: str = "smollm2", prompt: str | None = None, max_new_tok
     for label, speed, end_bytes, peak, same in rows:
         print(f"{label:12s}{speed:10.1f}{end_bytes:18,d}{peak:16,d}{same:>18s}")
     print("\nmemory=0.25 holds a quarter of the full cache's bytes at every step: a full-precision hot tier and every\n"
-          "other token in pages that step down 8 -> 4 -> 3 bits before any is dropped. CONF-KV (the paper)\n"
+          "other token in Hadamard-rotated pages that step down 8 -> 4 -> 3 bits before any is dropped. CONF-KV (the paper)\n"
           "evicts for good, its budget set by the model's confidence.")
     return 0

@@ -15,10 +15,8 @@ spec.loader.exec_module(memory_ppl_table)
 
 def _write(path: Path, policy: str, params: dict, nll: list[float], preset: str | None = "now") -> Path:
     """A ppl file; ``preset="now"``: today's signature of the preset ``policy`` names (as ``confkv ppl`` writes)."""
-    from confkv.presets import preset_signature
-
     summary = {"policy": policy, "params": params, "corpus": "text", "dtype": "bfloat16",
-               "preset": preset_signature(policy) if preset == "now" else preset}
+               "preset": presets.preset_signature(policy) if preset == "now" else preset}
     path.write_text(json.dumps({"summary": summary, "nll": nll, "trace": {"kv_bytes": [[100]] * len(nll)}}))
     return path
 

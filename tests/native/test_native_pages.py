@@ -257,3 +257,17 @@ def test_two_threads_give_the_same_bits_as_one():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+
+
+def test_a_mask_that_differs_per_kv_head_and_per_query_is_read_as_given():
+    """The store's causal mask over its recent slots is [B, Hkv, Q, L]: each KV head keeps other positions, and
+    each query of a prefill sees other slots. The kernel reads the mask by its head and query strides."""
+    gen = torch.Generator().manual_seed(12)
+    queries, length = 3, 9
+    visible = torch.rand(BATCH, KV_HEADS, queries, length, generator=gen) > 0.4
+    visible[..., 0] = True  # every row sees a slot
+    assert not torch.equal(visible[:, 0], visible[:, 1]) and not torch.equal(visible[:, :, 0], visible[:, :, 1])
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen),
+                    torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen), visible)
+    query = torch.randn(BATCH, KV_HEADS * 3, queries, DIM, generator=gen)
+    _compare(query, [hot, _pages(gen, 4, "some")])

@@ -261,11 +261,12 @@ def test_two_threads_give_the_same_bits_as_one():
 
 def test_a_mask_that_differs_per_kv_head_and_per_query_is_read_as_given():
     """The store's causal mask over its recent slots is [B, Hkv, Q, L]: each KV head keeps other positions, and
-    each query of a prefill sees other slots. The kernel reads the mask by its head and query strides."""
+    each query of a prefill sees other slots. The kernel reads the mask by its head, query and slot strides."""
     gen = torch.Generator().manual_seed(12)
     queries, length = 3, 9
-    visible = torch.rand(BATCH, KV_HEADS, queries, length, generator=gen) > 0.4
+    visible = (torch.rand(BATCH, KV_HEADS, queries, 2 * length, generator=gen) > 0.4)[..., ::2]  # slots 2 apart
     visible[..., 0] = True  # every row sees a slot
+    assert visible.stride(-1) == 2  # read by its strides, not as if contiguous
     assert not torch.equal(visible[:, 0], visible[:, 1]) and not torch.equal(visible[:, :, 0], visible[:, :, 1])
     hot = KVSegment(torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen),
                     torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen), visible)

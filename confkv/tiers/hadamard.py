@@ -67,12 +67,6 @@ class HadamardRotation:
         self.matrix = self.signs[:, None] * dense  # rows scaled by s: (x * s) @ H
         self._cache: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
-    def same_as(self, other: object) -> bool:
-        """True when ``other`` is the same rotation (its head size and signs), so that pages rotated by
-        either can be read in one basis."""
-        return (isinstance(other, HadamardRotation) and other.head_dim == self.head_dim
-                and torch.equal(other.signs, self.signs))
-
     def _on(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._cache:
             self._cache[device] = (self.matrix.to(device), self.matrix.t().contiguous().to(device))

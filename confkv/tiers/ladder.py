@@ -87,7 +87,7 @@ class LadderTier:
         first = rotations[0]
         if first is None or not all(rung.fold_rotation for rung in built):
             return None
-        return first if all(first.same_as(r) for r in rotations[1:]) else None
+        return first if all(r is first for r in rotations[1:]) else None  # one object per head size (shared_rotation)
 
     # -- sizes -----------------------------------------------------------------------------------
     @property

@@ -189,8 +189,17 @@ def test_cold_tier_paged_segments_read_like_the_dense_ones(bits):
         torch.testing.assert_close(got, want, atol=3e-5, rtol=1e-4)
 
 
+@pytest.fixture
+def paged_calls(monkeypatch) -> list:
+    """One entry per call of the Triton paged kernel (the real one still runs)."""
+    calls: list = []
+    real = triton_pages.paged_partials
+    monkeypatch.setattr(triton_pages, "paged_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 @interpreter_only
-def test_store_with_triton_backend_equals_torch_backend(monkeypatch):
+def test_store_with_triton_backend_equals_torch_backend(paged_calls):
     """confkv-r on a tiny random model: the Triton read (pages packed) vs the torch read."""
     from confkv.config import StoreConfig
     from confkv.hf import ConfKVCache, generate
@@ -201,9 +210,6 @@ def test_store_with_triton_backend_equals_torch_backend(monkeypatch):
     ids = torch.randint(0, 250, (2, 48), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    calls = []
-    real = triton_pages.paged_partials
-    monkeypatch.setattr(triton_pages, "paged_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     results = {}
     for backend in ("torch", "triton"):
         cache = ConfKVCache.for_model(model, "confkv-r", store=StoreConfig(read_backend=backend), budget=24,
@@ -217,7 +223,7 @@ def test_store_with_triton_backend_equals_torch_backend(monkeypatch):
         assert all(int(s.cold_counts().min()) > 0 for s in managed)  # pages were demoted and read
         results[backend] = (out.sequences, torch.stack(out.logits, 1),
                             [s.cold.pages["heat"].clone() for s in managed])
-    assert calls  # the triton run read its cold pages packed, through the paged kernel
+    assert paged_calls  # the triton run read its cold pages packed, through the paged kernel
     assert torch.equal(results["triton"][0], results["torch"][0])
     torch.testing.assert_close(results["triton"][1], results["torch"][1], atol=1e-4, rtol=1e-4)
     for got, want in zip(results["triton"][2], results["torch"][2]):  # observe() saw the same page mass
@@ -225,7 +231,7 @@ def test_store_with_triton_backend_equals_torch_backend(monkeypatch):
 
 
 @interpreter_only
-def test_rotated_pages_reach_the_triton_read_packed_in_the_reads_basis(monkeypatch):
+def test_rotated_pages_reach_the_triton_read_packed_in_the_reads_basis(paged_calls):
     """``kivi+hadamard`` pages under the Triton read: the store folds the rotation into the query, the hot tier
     and the output, and hands the pages over packed in that basis (the Triton kernel takes no rotation of its
     own): the paged kernel runs, nothing falls back, and the logits are the torch read's."""
@@ -236,9 +242,6 @@ def test_rotated_pages_reach_the_triton_read_packed_in_the_reads_basis(monkeypat
 
     model = tiny_model("llama", seed=3)
     ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(6))
-    calls = []
-    real = triton_pages.paged_partials
-    monkeypatch.setattr(triton_pages, "paged_partials", lambda *a, **k: calls.append(1) or real(*a, **k))
     logits = {}
     for backend in ("torch", "triton"):
         cache = ConfKVCache.for_model(model, "kivi", store=StoreConfig(read_backend=backend), bits=4,
@@ -250,5 +253,5 @@ def test_rotated_pages_reach_the_triton_read_packed_in_the_reads_basis(monkeypat
         assert cache.layers[0].store.cold.num_pages >= 2
         logits[backend] = torch.cat(steps)
         if backend == "triton":
-            assert calls and "rotated pages (the Triton read takes none)" not in profiling.FALLBACKS
+            assert paged_calls and "rotated pages (the Triton read takes none)" not in profiling.FALLBACKS
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)

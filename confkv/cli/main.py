@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                             "activation blocks of 32 (integer products)")
     bench.add_argument("--quality-tokens", type=int, default=2048,
                        help="perplexity check per dtype on the text's first N tokens, ratio to float32 (0: skip)")
+    bench.add_argument("--llamacpp-kv", nargs="+", default=["f16", "q8_0", "q4_0"], choices=["f16", "q8_0", "q4_0"],
+                       help="llama.cpp's KV cache types, a row each (q8_0 / q4_0 with flash attention; "
+                            "default: all three); with --quality-tokens each also gets its perplexity")
     bench.add_argument("--no-llamacpp", action="store_true",
                        help="leave out the llama.cpp peer row (it runs when llama_cpp is installed: "
                             'pip install "confkv[llamacpp]")')
@@ -159,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 steps=args.steps, repeats=args.repeats, warmup=args.warmup, chunk=args.chunk,
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
                 configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
-                llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory), formats=tuple(args.formats))
+                llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory), formats=tuple(args.formats),
+                llamacpp_kv=tuple(args.llamacpp_kv))
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

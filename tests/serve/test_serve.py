@@ -423,6 +423,37 @@ def test_the_load_generator_counts_every_request(tiny):
     assert "completed 4, failed 1, lost 1" in summary_lines(result)[0]
 
 
+def test_the_load_generator_samples_the_servers_rss_as_requests_end(tiny):
+    import os
+
+    from confkv.eval.bench.serve_load import flat_memory, run_load, summary_lines
+
+    model, tokenizer = tiny
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(34, 250, (int(n),), generator=gen).tolist() for n in (20, 45, 33, 50, 28)]
+    running = Running(model, tokenizer, memory=0.25, max_batch=2)
+    try:  # the server runs in this process: its RSS is this process's
+        result = run_load(f"http://127.0.0.1:{running.port}", prompts, [4, 6, 5, 3, 7], clients=2, memory=0.25,
+                          timeout=60, server_pid=os.getpid(), log=lambda line: None)
+    finally:
+        running.stop()
+    samples = result["rss_by_requests"]
+    assert [n for n, _ in samples] == [1, 2, 3, 4, 5] and all(rss > 2**20 for _, rss in samples)
+    result["flat_memory"] = flat_memory(result, 2)
+    assert result["flat_memory"]["rss_after"] == samples[1][1] and result["flat_memory"]["last"] == 5
+    assert "server RSS after 2 requests" in summary_lines(result)[-1]
+
+
+def test_flat_memory_compares_rss_after_n_requests_with_the_last():
+    from confkv.eval.bench.serve_load import flat_memory
+
+    result = {"rss_by_requests": [[1, 900], [2, 1000], [3, 1020], [4, 1030]]}
+    assert flat_memory(result, 2) == {"after": 2, "rss_after": 1000, "last": 4, "rss_last": 1030,
+                                      "growth": pytest.approx(0.03)}
+    assert flat_memory(result, 4) is None  # nothing after the 4th to compare
+    assert flat_memory({"rss_by_requests": []}, 1) is None
+
+
 @pytest.mark.filterwarnings("ignore:confkv. NaN logits")
 def test_nan_logits_end_that_request_with_an_error(tiny):
     model, tokenizer = tiny

@@ -79,15 +79,19 @@ def models_by_dtype(dtypes: list[str], model_name: str, model: Any, tokenizer: A
 
 
 def quality_check(models: dict[str, Any], ids: torch.Tensor, tokens: int,
-                  log: Callable[[str], None]) -> dict[str, Any]:
-    """Streaming perplexity (policy ``full``) of ``ids[:, :tokens]`` per dtype, and its ratio to float32's.
+                  log: Callable[[str], None], memory: tuple[float, ...] = ()) -> dict[str, Any]:
+    """Streaming perplexity (policy ``full``) of ``ids[:, :tokens]`` per dtype, and its ratio to float32's;
+    with ``memory``, also the memory preset's at each target (the rows ``tiered@<percent>``).
 
     Args:
         models: dtype name -> model.
         ids: [1, N] the bench's text, N >= ``tokens``.
         tokens: how many tokens (>= 2).
+        memory: targets of the preset (fractions of the full cache's bytes, held at every step).
     Returns:
-        dtype name -> {"tokens" (scored), "ppl", "ratio_to_float32" (None without a float32 run), "seconds"}.
+        dtype name -> {"tokens" (scored), "ppl", "ratio_to_float32" (None without a float32 run), "seconds"};
+        and per preset row (:func:`row_label` of ``tiered@<percent>`` in that dtype) {"tokens", "ppl",
+        "seconds", "memory", "dtype", "rise_over_full"} (its perplexity over that dtype's full cache's, minus 1).
     """
     from confkv.eval.quality.ppl import streaming_ppl  # noqa: PLC0415 - needs transformers
 
@@ -104,6 +108,16 @@ def quality_check(models: dict[str, Any], ids: torch.Tensor, tokens: int,
             f"(streaming, policy full){ratio}")
     if reference is None:
         log("[bench] quality: no float32 run, so no ratio to float32 (add float32 to --dtype)")
+    for name, model in models.items():
+        for fraction in memory:
+            label = row_label(f"tiered@{fraction * 100:g}", name)
+            start = time.perf_counter()
+            result = streaming_ppl(model, ids[:, :tokens], "tiered", progress=False, memory=fraction)
+            rise = result.ppl / out[name]["ppl"] - 1
+            out[label] = {"tokens": result.tokens, "ppl": result.ppl, "seconds": time.perf_counter() - start,
+                          "memory": fraction, "dtype": name, "rise_over_full": rise}
+            log(f"[bench] quality {label}: perplexity {result.ppl:.4f} over the first {tokens} tokens "
+                f"(streaming, the memory preset at {fraction:g}): {rise:+.2%} over full in {name}")
     return out
 
 

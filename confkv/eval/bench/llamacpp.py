@@ -17,7 +17,12 @@ forcing), with ``Llama.eval``; the step is timed inside the child. The row is a 
 the bench's interleaved loop, so its steps alternate with the other configurations' steps.
 
 The KV cache is llama.cpp's default (float16 keys and values, allocated for ``n_ctx``
-tokens at load); its bytes below count the tokens held, as for the other rows.
+tokens at load) in the row ``llama.cpp``; ``kv_type="q8_0"`` / ``"q4_0"`` (``confkv bench
+--llamacpp-kv``) add the rows ``llama.cpp[q8_0]`` / ``llama.cpp[q4_0]``: keys and values in ggml's
+block formats (34 / 18 bytes per 32 values), flash attention on, each in its own child. Their bytes
+below count the tokens held, as for the other rows. :meth:`LlamaCppRunner.perplexity` is the
+quality check on llama.cpp's side: the text's first tokens (its own tokenization) scored from its
+own logits, with the row's KV type.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any, ContextManager, Sequence
 
 from confkv.eval.bench import llamacpp_worker
+from confkv.eval.bench.llamacpp_worker import KV_TYPES
 
 #: the pinned version of the optional extra ``confkv[llamacpp]``
 LLAMA_CPP_VERSION = "0.3.16"
@@ -38,6 +44,21 @@ INSTALL_HINT = f'pip install "confkv[llamacpp]"  (or: pip install llama-cpp-pyth
 SKIP_MESSAGE = (f"[bench] llama.cpp row skipped: the package llama_cpp is not installed; install it with "
                 f"{INSTALL_HINT} (it compiles llama.cpp from source, several minutes)")
 LABEL = "llama.cpp"
+
+
+def kv_label(kv_type: str) -> str:
+    """The row of llama.cpp with KV cache type ``kv_type``: ``llama.cpp`` (f16, the reference of
+    ``x llama``), ``llama.cpp[q4_0]``."""
+    return LABEL if kv_type == "f16" else f"{LABEL}[{kv_type}]"
+
+
+def check_kv_types(kv_types: Sequence[str]) -> None:
+    """A clear error for an unknown llama.cpp KV type (before any model loads)."""
+    from confkv.errors import ConfigError  # noqa: PLC0415
+
+    unknown = [t for t in kv_types if t not in KV_TYPES]
+    if unknown:
+        raise ConfigError(f"--llamacpp-kv {' '.join(unknown)}: llama.cpp KV types are {', '.join(KV_TYPES)}")
 
 
 def gguf_source(model_name: str) -> ContextManager[Path] | None:
@@ -86,24 +107,28 @@ class LlamaCppRunner:
         text: the bench's text (tokenized in the child with the GGUF's tokenizer).
         n_ctx: llama.cpp's context size: the largest context plus every decode step of the run.
         threads: ``n_threads`` and ``n_threads_batch`` (the bench's ``--threads``).
-        kv_bytes_per_token: float16 K and V of every layer for one token.
+        kv_bytes_per_token: float16 K and V of every layer for one token (scaled here to ``kv_type``).
         module: the module the child imports (``llama_cpp``; a stand-in in the tests).
         sys_path: folders put in front of the child's ``sys.path`` (the tests' stand-in).
         n_batch: tokens per ``eval`` call while prefilling.
+        kv_type: llama.cpp's KV cache type (``f16``, ``q8_0``, ``q4_0``); names the row (:func:`kv_label`).
 
     Raises :class:`LlamaCppUnavailable` when the child cannot import ``module``, and
     ``RuntimeError`` (or :class:`LlamaCppCrashed`) when loading fails. ``file_bytes`` (the
     GGUF's size) stands for the weight bytes a step reads (for the floor).
     """
 
-    label = LABEL
     dtype = "gguf"
 
     def __init__(self, gguf: Path, text: str, n_ctx: int, threads: int, kv_bytes_per_token: int, *,
-                 module: str = "llama_cpp", sys_path: Sequence[str] = (), n_batch: int = 512) -> None:
+                 module: str = "llama_cpp", sys_path: Sequence[str] = (), n_batch: int = 512,
+                 kv_type: str = "f16") -> None:
+        check_kv_types([kv_type])
         self.error: str | None = None
         self.fed = 0
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_type = kv_type
+        self.label = kv_label(kv_type)
+        self.kv_bytes_per_token = kv_bytes_per_token * KV_TYPES[kv_type][1] // KV_TYPES["f16"][1]
         self.file_bytes = Path(gguf).stat().st_size
         self.threads = threads
         self.n_ctx = n_ctx
@@ -111,7 +136,8 @@ class LlamaCppRunner:
                                        stdout=subprocess.PIPE, text=True, bufsize=1)
         try:
             reply = self._call({"op": "load", "module": module, "sys_path": list(sys_path), "gguf": str(gguf),
-                                "text": text, "n_ctx": n_ctx, "threads": threads, "n_batch": n_batch})
+                                "text": text, "n_ctx": n_ctx, "threads": threads, "n_batch": n_batch,
+                                "kv_type": kv_type})
         except RuntimeError as error:
             self.close()
             if str(error).startswith("ModuleNotFoundError") and repr(module) in str(error):
@@ -153,6 +179,12 @@ class LlamaCppRunner:
         self.fed = int(reply["fed"])
         return float(reply["seconds"])
 
+    def perplexity(self, tokens: int) -> dict[str, Any]:
+        """llama.cpp's perplexity of the text's first ``tokens`` tokens (its tokenizer, its logits, this
+        row's KV type): ``{"ppl": ..., "tokens": predictions}``."""
+        reply = self._call({"op": "perplexity", "tokens": tokens})
+        return {"ppl": float(reply["ppl"]), "tokens": int(reply["tokens"])}
+
     def close(self) -> None:
         """Stop the child (politely, then by force)."""
         if self._child.poll() is None:
@@ -174,7 +206,9 @@ class LlamaCppRunner:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "llama.cpp", "gguf_bytes": self.file_bytes, "n_ctx": self.n_ctx, "threads": self.threads,
-                "kv": "float16 (llama.cpp default)", "version": self.version, "process": "child"}
+                "kv": "float16 (llama.cpp default)" if self.kv_type == "f16" else
+                f"{self.kv_type} keys and values, flash attention", "kv_type": self.kv_type,
+                "version": self.version, "process": "child"}
 
 
 def kv_bytes_per_token_f16(model: Any) -> int:

@@ -12,8 +12,10 @@ Protocol (script mode): one JSON object per line on stdin, one reply per line on
 original stdout (the child's own stdout is pointed at stderr, so that anything llama.cpp
 prints cannot corrupt the replies). Requests: ``{"op": "load", "module": "llama_cpp",
 "sys_path": [...], "gguf": ..., "text": ..., "n_ctx": ..., "threads": ..., "n_batch": ...}``,
-``{"op": "feed", "target": N}``, ``{"op": "step"}``, ``{"op": "close"}``. Replies:
-``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+``{"op": "feed", "target": N}``, ``{"op": "step"}``, ``{"op": "perplexity", "tokens": N}``,
+``{"op": "close"}``. ``load`` may name ``"kv_type"`` (``"f16"``, llama.cpp's default, or ``"q8_0"`` /
+``"q4_0"``: keys and values stored in that block format, flash attention on, as llama.cpp's
+``--cache-type-k/v`` with ``-fa``). Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,34 @@ import os
 import sys
 import time
 from typing import Any
+
+#: KV cache types the row takes: name -> (ggml type attribute of ``llama_cpp``, bytes per 32 values).
+#: q8_0: 32 int8 + one float16 scale; q4_0: 32 four-bit codes + one float16 scale (ggml's block layouts).
+KV_TYPES = {"f16": ("GGML_TYPE_F16", 64), "q8_0": ("GGML_TYPE_Q8_0", 34), "q4_0": ("GGML_TYPE_Q4_0", 18)}
+
+
+def kv_options(llama_cpp: Any, kv_type: str) -> dict[str, Any]:
+    """``Llama`` keyword arguments for ``kv_type``: none for f16 (llama.cpp's default cache), else
+    ``type_k = type_v =`` its ggml type with ``flash_attn=True`` (llama.cpp quantizes V only with it)."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"llama.cpp KV type {kv_type!r}: choose one of {sorted(KV_TYPES)}")
+    if kv_type == "f16":
+        return {}
+    ggml_type = getattr(llama_cpp, KV_TYPES[kv_type][0])
+    return {"type_k": ggml_type, "type_v": ggml_type, "flash_attn": True}
+
+
+def perplexity_from_scores(scores: Any, tokens: list[int]) -> tuple[float, int]:
+    """exp(mean NLL) of ``tokens[1:]`` under ``scores[:-1]`` ([len(tokens), vocab] logits, float64 sums);
+    returns (perplexity, predictions)."""
+    import numpy as np
+
+    logits = np.asarray(scores[:len(tokens) - 1], dtype=np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    log_norm = np.log(np.exp(logits - top).sum(axis=1)) + top[:, 0]
+    targets = np.asarray(tokens[1:], dtype=np.int64)
+    nll = log_norm - logits[np.arange(len(targets)), targets]
+    return float(np.exp(nll.mean())), len(targets)
 
 
 class LlamaSession:
@@ -36,11 +66,14 @@ class LlamaSession:
         n_ctx: llama.cpp's context size (the largest context plus every decode step).
         threads: ``n_threads`` and ``n_threads_batch``.
         n_batch: tokens per ``eval`` call while prefilling (llama.cpp's batch).
+        kv_type: the KV cache's type (:data:`KV_TYPES`).
     """
 
-    def __init__(self, llama_cpp: Any, gguf: str, text: str, n_ctx: int, threads: int, n_batch: int = 512) -> None:
+    def __init__(self, llama_cpp: Any, gguf: str, text: str, n_ctx: int, threads: int, n_batch: int = 512,
+                 kv_type: str = "f16") -> None:
+        self.module, self.gguf, self.threads, self.kv_type = llama_cpp, str(gguf), threads, kv_type
         self.llama = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads,
-                                     n_threads_batch=threads, verbose=False)
+                                     n_threads_batch=threads, verbose=False, **kv_options(llama_cpp, kv_type))
         self.tokens = list(self.llama.tokenize(text.encode("utf-8"), add_bos=False))
         if len(self.tokens) < n_ctx:
             raise ValueError(f"the bench's text has {len(self.tokens)} tokens with the GGUF's tokenizer; "
@@ -66,6 +99,24 @@ class LlamaSession:
         self.fed += 1
         return elapsed
 
+    def perplexity(self, count: int) -> tuple[float, int]:
+        """Perplexity of the text's first ``count`` tokens from llama.cpp's own logits, in a second
+        ``Llama`` (``n_ctx = count``, every position's logits kept, the same KV type), freed after;
+        returns (perplexity, predictions = count - 1). The timed session is left as it was."""
+        if not 2 <= count <= len(self.tokens):
+            raise ValueError(f"perplexity over {count} tokens: the text has {len(self.tokens)} (at least 2 needed)")
+        scorer = self.module.Llama(model_path=self.gguf, n_ctx=count, n_threads=self.threads,
+                                   n_threads_batch=self.threads, verbose=False, logits_all=True,
+                                   n_batch=min(self.n_batch, count), **kv_options(self.module, self.kv_type))
+        try:
+            for start in range(0, count, self.n_batch):
+                scorer.eval(self.tokens[start:min(count, start + self.n_batch)])
+            return perplexity_from_scores(scorer.scores, self.tokens[:count])
+        finally:
+            close = getattr(scorer, "close", None)
+            if close is not None:
+                close()
+
 
 def serve(requests: Any, replies: Any) -> None:
     """Answer the protocol's requests (file-like, one JSON object per line) until ``close`` or EOF."""
@@ -80,7 +131,8 @@ def serve(requests: Any, replies: Any) -> None:
                 sys.path[:0] = request.get("sys_path", [])
                 module = importlib.import_module(request.get("module", "llama_cpp"))
                 session = LlamaSession(module, request["gguf"], request["text"], request["n_ctx"],
-                                       request["threads"], request.get("n_batch", 512))
+                                       request["threads"], request.get("n_batch", 512),
+                                       request.get("kv_type", "f16"))
                 reply = {"ok": True, "tokens": len(session.tokens), "version": session.version}
             elif session is None:
                 reply = {"ok": False, "error": f"{op!r} before 'load'"}
@@ -88,6 +140,9 @@ def serve(requests: Any, replies: Any) -> None:
                 reply = {"ok": True, "fed": session.feed_to(int(request["target"]))}
             elif op == "step":
                 reply = {"ok": True, "seconds": session.step(), "fed": session.fed}
+            elif op == "perplexity":
+                ppl, predictions = session.perplexity(int(request["tokens"]))
+                reply = {"ok": True, "ppl": ppl, "tokens": predictions}
             else:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as error:  # noqa: BLE001 - reported to the parent, which logs it

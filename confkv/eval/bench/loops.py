@@ -81,7 +81,7 @@ def _latency_grid(result: dict[str, Any], runners: list[Any], ids: torch.Tensor,
             weight = runner.file_bytes if peer else weights[runner.dtype]
             floor_s = (weight + kv) / (bandwidth["median_gbps"] * 1e9)
             summary.update({
-                "config": LLAMA_LABEL if peer else runner.config.name, "dtype": runner.dtype,
+                "config": runner.label if peer else runner.config.name, "dtype": runner.dtype,
                 "kv_bytes": kv, "kept_tokens": runner.kept_tokens(), "floor_ms": 1e3 * floor_s,
                 "speedup_vs_dynamic": (ref / medians[label]) if ref else None,
                 "speedup_vs_llamacpp": (peer_ms / medians[label]) if peer_ms else None,

@@ -51,7 +51,8 @@ from confkv.native import loader as native_loader
 from confkv.eval.bench.configs import BenchConfig, default_configs, preset_rows  # noqa: F401 - re-exported
 from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
 from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
-                                        gguf_source, kv_bytes_per_token_f16)
+                                        check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_label)
+from confkv.eval.bench.llamacpp_worker import KV_TYPES
 from confkv.eval.bench.loops import _latency_grid, _throughput
 from confkv.eval.bench.machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
 from confkv.eval.bench.output import format_breakdown
@@ -177,7 +178,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
               llamacpp: bool = True, gguf: str | Path | None = None, log: Callable[[str], None] = print,
               model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
               llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,),
-              formats: tuple[str, ...] = ()) -> dict[str, Any]:
+              formats: tuple[str, ...] = (), llamacpp_kv: tuple[str, ...] = ("f16",)) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -192,6 +193,10 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         model, tokenizer: an already loaded model (default: load ``model_name`` per dtype).
         llamacpp_module, llamacpp_path: the module llama.cpp's child process imports and the
             folders it searches first (a stand-in module in the tests).
+        llamacpp_kv: llama.cpp's KV cache types, one row (and child process) each: ``f16`` is the
+            row ``llama.cpp`` (the reference of ``x llama``), ``q8_0`` / ``q4_0`` the rows
+            ``llama.cpp[q8_0]`` / ``llama.cpp[q4_0]``; with ``quality_tokens`` each also reports its
+            perplexity from its own logits (``result["quality"]["llama.cpp[q4_0]"]``).
     """
     from confkv.data import corpus_tokens, load_corpus
     from confkv.hf import ConfKVCache  # noqa: F401 - registers nothing, fails early if transformers is broken
@@ -199,6 +204,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
 
     dtypes = parse_dtypes(dtypes)
     check_quality_tokens(quality_tokens)
+    check_kv_types(llamacpp_kv)
     batches = batches or []
     contexts = sorted(contexts)
     all_configs = default_configs(budget, slack, tuple(memory), tuple(formats))
@@ -247,18 +253,21 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     }
     result["load"]["start"] = _loadavg()
     if quality_tokens:
-        result["quality"] = quality_check(models, ids, quality_tokens, log)
+        result["quality"] = quality_check(models, ids, quality_tokens, log, tuple(memory))
 
     with contextlib.ExitStack() as stack:
-        peer = _peer_runner(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
-                            contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
-                            llamacpp_module, llamacpp_path)
-        if peer is not None:
-            stack.callback(peer.close)
+        peers = _peer_runners(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
+                              contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
+                              llamacpp_module, llamacpp_path, llamacpp_kv)
+        for peer in peers:
             result["configs"][peer.label] = {**peer.describe(), "error": None}
-        _latency_grid(result, runners_ok + ([peer] if peer is not None else []), ids, contexts, chunk, warmup,
+        if quality_tokens and peers:
+            result["quality"].update(peer_quality(peers, quality_tokens, log))
+            for line in equal_bytes_lines(result["quality"]):
+                log(line)
+        _latency_grid(result, runners_ok + peers, ids, contexts, chunk, warmup,
                       steps, repeats, weights, bandwidth, dtypes, log)
-        if peer is not None:
+        for peer in peers:
             result["configs"][peer.label]["error"] = peer.error
 
     if breakdown_steps:  # every listed configuration that ran
@@ -278,32 +287,78 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     return result
 
 
-def _peer_runner(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
-                 kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None],
-                 module: str = "llama_cpp", sys_path: tuple[str, ...] = ()) -> LlamaCppRunner | None:
-    """The llama.cpp row's runner, or None (not asked, not installed, no GGUF, or it failed: logged)."""
-    if not enabled:
-        return None
+def _peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
+                  kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None],
+                  module: str = "llama_cpp", sys_path: tuple[str, ...] = (),
+                  kv_types: tuple[str, ...] = ("f16",)) -> list[LlamaCppRunner]:
+    """The llama.cpp rows' runners, one per KV type, each closed with ``stack``; none when not asked,
+    not installed or without a GGUF, and a row that fails to load is left out (each case logged)."""
+    if not enabled or not kv_types:
+        return []
     if gguf is None:
         source = gguf_source(model_name) if model_name is not None else None
         if source is None:
             log(f"[bench] llama.cpp row skipped: no GGUF file for model {model_name!r} "
                 "(the row needs a bundled model or a .gguf path)")
-            return None
+            return []
         gguf = stack.enter_context(source)
-    try:
-        peer = LlamaCppRunner(Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token,
-                              module=module, sys_path=sys_path)
-    except LlamaCppUnavailable:
-        log(SKIP_MESSAGE)
-        return None
-    except Exception as error:  # noqa: BLE001 - the other rows still run
-        log(f"[bench] llama.cpp row skipped: {type(error).__name__}: {str(error).splitlines()[0][:200]} "
-            f"(if llama_cpp itself fails to load, reinstall it: {INSTALL_HINT})")
-        return None
-    log(f"[bench] llama.cpp row: {Path(gguf).name}, n_ctx {n_ctx}, {peer.threads} thread(s), "
-        f"{peer.token_count} tokens of the text with its own tokenizer, in a child process")
-    return peer
+    peers = []
+    for kv_type in kv_types:
+        try:
+            peer = LlamaCppRunner(Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token,
+                                  module=module, sys_path=sys_path, kv_type=kv_type)
+        except LlamaCppUnavailable:
+            log(SKIP_MESSAGE)
+            return peers
+        except Exception as error:  # noqa: BLE001 - the other rows still run
+            log(f"[bench] {kv_label(kv_type)} row skipped: {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:200]} (if llama_cpp itself fails to load, reinstall it: {INSTALL_HINT})")
+            continue
+        stack.callback(peer.close)
+        peers.append(peer)
+        log(f"[bench] {peer.label} row: {Path(gguf).name}, KV {kv_type}, n_ctx {n_ctx}, {peer.threads} thread(s), "
+            f"{peer.token_count} tokens of the text with its own tokenizer, in a child process")
+    return peers
+
+
+def peer_quality(peers: list[LlamaCppRunner], tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Each llama.cpp row's perplexity of the text's first ``tokens`` tokens (its own tokenization and
+    logits), with ``rise_over_f16``: its perplexity over the f16 row's, minus 1 (None without an f16 row).
+    A row whose check fails records ``error`` instead."""
+    quality: dict[str, Any] = {}
+    for peer in peers:
+        try:
+            quality[peer.label] = {**peer.perplexity(tokens), "kv_type": peer.kv_type}
+        except Exception as error:  # noqa: BLE001 - the peer's check only; the latency rows still run
+            quality[peer.label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    reference = quality.get(kv_label("f16"), {}).get("ppl")
+    for label, row in quality.items():
+        if "ppl" in row:
+            row["rise_over_f16"] = row["ppl"] / reference - 1 if reference else None
+            rise = f" ({row['rise_over_f16']:+.2%} over f16)" if row["rise_over_f16"] is not None else ""
+            log(f"[bench] quality {label}: perplexity {row['ppl']:.3f} over {row['tokens']} tokens of its own "
+                f"tokenization{rise}")
+        else:
+            log(f"[bench] quality {label}: failed: {row['error']}")
+    return quality
+
+
+def equal_bytes_lines(quality: dict[str, Any]) -> list[str]:
+    """One line per preset row whose target is a llama.cpp KV type's bytes (q4_0: 18 / 64 = 0.28125 of f16,
+    q8_0: 34 / 64): both rises over their own full caches, side by side."""
+    lines = []
+    for label, row in quality.items():
+        if "rise_over_full" not in row:
+            continue
+        for peer_label, peer in quality.items():
+            kv_type = peer.get("kv_type")
+            if kv_type is None or peer.get("rise_over_f16") is None:
+                continue
+            if abs(row["memory"] - KV_TYPES[kv_type][1] / KV_TYPES["f16"][1]) < 1e-9:
+                lines.append(f"[bench] equal KV bytes ({row['memory']:g} of a 16-bit cache): {label} "
+                             f"{row['rise_over_full']:+.2%} over our full cache ({row['dtype']}), {peer_label} "
+                             f"{peer['rise_over_f16']:+.2%} over llama.cpp's f16 cache")
+    return lines
 
 
 #: The policy's own work as issue 6 lists it (confidence, EMA update, ranking and top-k,

@@ -12,7 +12,10 @@ tokens drawn from ``--new-tokens LO HI`` (EOS ignored, so every request runs its
 - p50 / p99 time to first token and inter-token latency;
 - total generated tokens per second (wall time of the load);
 - peak RSS of the server process (sampled every 0.25 s), and the server's peak KV bytes held
-  at a step boundary against the sum of the running requests' targets at that moment.
+  at a step boundary against the sum of the running requests' targets at that moment;
+- the server's RSS each time a request ends (``rss_by_requests``: [requests ended, bytes]), and
+  the flat-memory check: RSS after all requests against RSS after the first ``--flat-after``
+  (issue 34 asks for 1,000 against 100 within 5%).
 """
 
 from __future__ import annotations
@@ -106,20 +109,23 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
     deadline = time.monotonic() + max_seconds
     done = threading.Event()
     peaks = {"rss": 0, "kv_ratio": 0.0}
+    rss_by_requests: list[tuple[int, int]] = []
+    proc = None
+    if server_pid is not None:
+        import psutil
+
+        proc = psutil.Process(server_pid)
+
+    def server_rss() -> int | None:
+        try:
+            return proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+        except Exception:  # noqa: BLE001 - the process is gone
+            return None
 
     def sample() -> None:
-        proc = None
-        if server_pid is not None:
-            import psutil
-
-            proc = psutil.Process(server_pid)
         while not done.is_set():
-            if proc is not None:
-                try:
-                    rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-                    peaks["rss"] = max(peaks["rss"], rss)
-                except Exception:  # noqa: BLE001 - the process is gone
-                    pass
+            if proc is not None and (rss := server_rss()) is not None:
+                peaks["rss"] = max(peaks["rss"], rss)
             done.wait(0.25)
 
     def worker() -> None:
@@ -130,6 +136,9 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
                 return
             outcomes[index] = one_request(client, prompts[index], new_tokens[index], memory, timeout)
             o = outcomes[index]
+            if proc is not None and (rss := server_rss()) is not None:
+                with lock:
+                    rss_by_requests.append((len(rss_by_requests) + 1, rss))
             log(f"  request {index + 1}/{len(prompts)}: {o.status}, prompt {o.prompt_tokens}, {o.tokens} tokens"
                 + (f", TTFT {o.ttft:.2f} s" if o.ttft is not None else "") + (f" ({o.error})" if o.error else ""))
 
@@ -164,6 +173,7 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
         "target_bytes_at_peak": metrics.get("confkv_kv_target_bytes_at_peak"),
         "request_peak_kv_bytes_max": metrics.get("confkv_request_peak_kv_bytes_max"),
         "server_generated_tokens": metrics.get("confkv_generated_tokens_total"),
+        "rss_by_requests": rss_by_requests,
         "errors": sorted({o.error for o in finished if o.error})[:5],
         "outcomes": [asdict(o) | {"itl": None} for o in finished],
     }
@@ -201,6 +211,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def flat_memory(result: dict[str, Any], after: int) -> dict[str, float] | None:
+    """The server's RSS once ``after`` requests had ended against its RSS once the last had ended.
+
+    Returns ``{"after": n, "rss_after": bytes, "last": N, "rss_last": bytes, "growth": fraction}``, or
+    None when the run ended fewer than ``after`` requests (or sampled no RSS: a ``--url`` server).
+    """
+    samples = result.get("rss_by_requests") or []
+    if after < 1 or len(samples) <= after:
+        return None
+    rss_after, (last, rss_last) = samples[after - 1][1], samples[-1]
+    return {"after": after, "rss_after": rss_after, "last": last, "rss_last": rss_last,
+            "growth": rss_last / rss_after - 1}
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     def ms(value: float | None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
@@ -220,6 +244,10 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{result['target_bytes_at_peak']:.0f} at that step"
         if result.get("peak_kv_bytes") is not None else "peak KV bytes: n/a",
     ]
+    flat = result.get("flat_memory")
+    if flat:
+        lines.append(f"server RSS after {flat['after']} requests {mib(flat['rss_after'])}, after {flat['last']} "
+                     f"{mib(flat['rss_last'])} ({flat['growth']:+.2%})")
     return lines
 
 
@@ -239,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", default="pydoc-topics")
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="no new request after this")
     parser.add_argument("--request-timeout", type=float, default=1800.0)
+    parser.add_argument("--flat-after", type=int, default=100,
+                        help="compare the server's RSS after this many requests with its RSS after the last")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
     args = parser.parse_args(argv)
     if args.url is not None and not args.url.startswith(("http://127.", "http://localhost")):
@@ -281,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait(120)
             except subprocess.TimeoutExpired:
                 server.kill()
+    result["flat_memory"] = flat_memory(result, args.flat_after)
     result["command"] = "python -m confkv.eval.bench.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])
     result["load_average"] = os.getloadavg()
     for line in summary_lines(result):

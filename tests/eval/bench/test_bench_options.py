@@ -3,6 +3,7 @@
 only: no timing is asserted."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -59,11 +60,18 @@ def _log(kind, value):
         f.write(json.dumps([kind, value]) + "\\n")
 
 
+GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0 = 1, 2, 8
+VOCAB = 1300
+
+
 class Llama:
-    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose):
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, verbose, **options):
         self.args = dict(model_path=model_path, n_ctx=n_ctx, n_threads=n_threads,
-                         n_threads_batch=n_threads_batch, verbose=verbose)
+                         n_threads_batch=n_threads_batch, verbose=verbose, **options)
         self.n_tokens = 0
+        if options.get("logits_all"):
+            import numpy
+            self.scores = numpy.zeros((n_ctx, VOCAB), dtype=numpy.float32)
         _log("load", self.args)
 
     def tokenize(self, text, add_bos=True, special=False):
@@ -74,8 +82,15 @@ class Llama:
         assert self.n_tokens + len(tokens) <= self.args["n_ctx"], "past n_ctx"
         if CRASH_AT and self.n_tokens + len(tokens) >= CRASH_AT:
             os.kill(os.getpid(), signal.SIGSEGV)  # as libggml-cpu once did
+        if self.args.get("logits_all"):  # logits that favour the byte just read by the KV type's margin
+            margin = {None: 3.0, GGML_TYPE_Q8_0: 2.5, GGML_TYPE_Q4_0: 2.0}[self.args.get("type_k")]
+            for i, token in enumerate(tokens):
+                self.scores[self.n_tokens + i, token] = margin
         self.n_tokens += len(tokens)
         _log("llama", list(tokens))
+
+    def close(self):
+        _log("close", self.args["n_ctx"])
 """
 
 
@@ -185,6 +200,60 @@ def test_without_llama_cpp_one_line_says_how_to_install_it(tmp_path):
     assert "llama.cpp" not in result["latency"]["48"] and "dynamic" in result["latency"]["48"]
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_llamacpp_rows_per_kv_type_with_their_bytes_and_perplexity(tmp_path, fake_llama_cpp):
+    from confkv.eval.bench.llamacpp_worker import perplexity_from_scores
+
+    folder, events_file = fake_llama_cpp
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    result = bench.run_bench(contexts=[48], configs=["dynamic"], gguf=gguf, model=model, tokenizer=tok,
+                             quality_tokens=40, memory=(0.28125,), log=lines.append, llamacpp_module="fake_llama_cpp",
+                             llamacpp_path=(folder,), llamacpp_kv=("f16", "q8_0", "q4_0"), **SMALL)
+    loads = [args for kind, args in _events(events_file) if kind == "load"]
+    timed = [a for a in loads if not a.get("logits_all")]
+    assert [a.get("type_k") for a in timed] == [None, 8, 2] and [a.get("type_v") for a in timed] == [None, 8, 2]
+    assert [a.get("flash_attn") for a in timed] == [None, True, True]
+    scorers = [a for a in loads if a.get("logits_all")]
+    assert [a["n_ctx"] for a in scorers] == [40, 40, 40] and [a.get("type_k") for a in scorers] == [None, 8, 2]
+    assert [n for kind, n in _events(events_file) if kind == "close"] == [40, 40, 40]  # each scorer freed
+    rows = result["latency"]["48"]
+    f16 = bench.kv_bytes_per_token_f16(model)
+    for label, per_32 in (("llama.cpp", 64), ("llama.cpp[q8_0]", 34), ("llama.cpp[q4_0]", 18)):
+        assert rows[label]["kv_bytes"] == rows[label]["kept_tokens"] * f16 * per_32 // 64
+        assert rows[label]["config"] == label and result["configs"][label]["error"] is None
+    assert rows["llama.cpp[q4_0]"]["speedup_vs_llamacpp"] > 0
+    # perplexity from the stand-in's logits: the byte just read gets the type's margin over 1299 zeros
+    quality = result["quality"]
+    text = load_corpus("pydoc-topics").encode()[:40]
+    repeats = sum(text[i + 1] == text[i] for i in range(39))
+    assert 0 < repeats < 39  # both kinds of prediction are scored
+    for label, margin in (("llama.cpp", 3.0), ("llama.cpp[q8_0]", 2.5), ("llama.cpp[q4_0]", 2.0)):
+        expected = math.exp(math.log(math.exp(margin) + 1299) - margin * repeats / 39)
+        assert quality[label]["ppl"] == pytest.approx(expected, rel=1e-9) and quality[label]["tokens"] == 39
+    assert quality["llama.cpp[q4_0]"]["rise_over_f16"] == pytest.approx(
+        quality["llama.cpp[q4_0]"]["ppl"] / quality["llama.cpp"]["ppl"] - 1)
+    assert quality["llama.cpp"]["rise_over_f16"] == 0
+    ours = quality["tiered@28.125"]
+    assert ours["rise_over_full"] == pytest.approx(ours["ppl"] / quality["float32"]["ppl"] - 1)
+    equal = [line for line in lines if line.startswith("[bench] equal KV bytes")]
+    assert len(equal) == 1 and "tiered@28.125" in equal[0] and "llama.cpp[q4_0]" in equal[0]
+    # the worker's perplexity itself, on logits worked out by hand
+    scores = [[0.0, 2.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    ppl, n = perplexity_from_scores(scores, [0, 1, 2])
+    nll = (math.log(math.exp(2) + 2) - 2) + (math.log(math.e + 2) - 0)
+    assert n == 2 and ppl == pytest.approx(math.exp(nll / 2), rel=1e-12)
+
+
+def test_an_unknown_llamacpp_kv_type_is_named():
+    from confkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--llamacpp-kv q5_1: llama.cpp KV types are f16, q8_0, q4_0"):
+        bench.run_bench(contexts=[48], llamacpp_kv=("q5_1",), model=object(), tokenizer=object())
+
+
 def test_exit_codes_are_described():
     assert describe_exit(-11) == "killed by signal SIGSEGV" and describe_exit(3) == "exit status 3"
 
@@ -196,7 +265,7 @@ def test_cli_defaults_two_threads_float32_and_a_2048_token_quality_check(monkeyp
     monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.update(threads=n))
     assert cli.main(["bench", "--out", str(tmp_path)]) == 0
     assert seen["threads"] == 2 and seen["dtypes"] == ["float32"] and seen["quality_tokens"] == 2048
-    assert seen["llamacpp"] is True
+    assert seen["llamacpp"] is True and seen["llamacpp_kv"] == ("f16", "q8_0", "q4_0")
     assert cli.main(["bench", "--dtype", "float32", "bfloat16", "--quality-tokens", "0", "--no-llamacpp",
                      "--threads", "1", "--out", str(tmp_path)]) == 0
     assert seen["threads"] == 1 and seen["dtypes"] == ["float32", "bfloat16"] and seen["quality_tokens"] == 0

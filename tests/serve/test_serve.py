@@ -444,6 +444,28 @@ def test_the_load_generator_samples_the_servers_rss_as_requests_end(tiny):
     assert "server RSS after 2 requests" in summary_lines(result)[-1]
 
 
+def test_the_load_generator_speaks_to_a_text_only_server(tiny):
+    from confkv.eval.bench.serve_load import run_load
+    from confkv.eval.bench.serve_peer import server_command, text_request
+
+    model, tokenizer = tiny
+    text = text_request(tokenizer)
+    assert text["extra_body"] == {"logit_bias": {str(tokenizer.eos_token_id): -100.0}}
+    ids = tokenizer("Hello there, a prompt.")["input_ids"]
+    assert text["decode"](ids) == tokenizer.decode(ids)
+    running = Running(model, tokenizer, memory=0.25, max_batch=2)
+    try:  # ours takes text prompts too (and ignores the peer's logit_bias): every request completes
+        result = run_load(f"http://127.0.0.1:{running.port}", [ids, ids[:5]], [6, 4], clients=2, memory=0.25,
+                          timeout=60, log=lambda line: None, text=text)
+    finally:
+        running.stop()
+    assert (result["completed"], result["lost"]) == (2, 0) and 0 < result["generated_tokens"] <= 10
+    assert result["peak_kv_bytes"] is None  # a peer has no confkv metrics: none are read
+    command = server_command("m.gguf", 8123, 2, 4416)
+    assert command[1:3] == ["-m", "llama_cpp.server"] and command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--n_threads") + 1] == "2" and command[command.index("--n_ctx") + 1] == "4416"
+
+
 def test_flat_memory_compares_rss_after_n_requests_with_the_last():
     from confkv.eval.bench.serve_load import flat_memory
 

@@ -21,6 +21,7 @@ tokens drawn from ``--new-tokens LO HI`` (EOS ignored, so every request runs its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -66,19 +67,28 @@ def read_metrics(url: str) -> dict[str, float]:
     return values
 
 
-def one_request(client: Any, ids: list[int], new_tokens: int, memory: float, timeout: float) -> Outcome:
+def one_request(client: Any, ids: list[int], new_tokens: int, memory: float, timeout: float,
+                text: dict[str, Any] | None = None) -> Outcome:
+    """One streaming request; ``text`` (:func:`confkv.eval.bench.serve_peer.text_request`): a text-only peer
+    server (the prompt decoded, its own extra body, a chunk with text counted as one token)."""
     outcome = Outcome(len(ids), new_tokens)
     import openai
 
     start = time.perf_counter()
     last = None
     try:
-        stream = client.completions.create(model="served", prompt=ids, max_tokens=new_tokens, temperature=0,
-                                           stream=True, timeout=timeout,
-                                           extra_body={"confkv": {"memory": memory, "ignore_eos": True}})
+        if text is None:
+            prompt, extra = ids, {"confkv": {"memory": memory, "ignore_eos": True}}
+        else:
+            prompt, extra = text["decode"](ids), text["extra_body"]
+        stream = client.completions.create(model="served", prompt=prompt, max_tokens=new_tokens, temperature=0,
+                                           stream=True, timeout=timeout, extra_body=extra)
         for chunk in stream:
             choice = chunk.choices[0]
-            count = len((choice.model_extra or {}).get("token_ids") or [])
+            if text is None:
+                count = len((choice.model_extra or {}).get("token_ids") or [])
+            else:
+                count = 1 if choice.text else 0
             if count:
                 now = time.perf_counter()
                 if last is None:
@@ -98,8 +108,9 @@ def one_request(client: Any, ids: list[int], new_tokens: int, memory: float, tim
 
 def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clients: int, memory: float,
              timeout: float = 1800.0, max_seconds: float = 3600.0, server_pid: int | None = None,
-             log=print) -> dict[str, Any]:
-    """Send ``prompts`` (with ``new_tokens`` each) from ``clients`` threads; returns the summary."""
+             log=print, text: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Send ``prompts`` (with ``new_tokens`` each) from ``clients`` threads; returns the summary.
+    ``text``: the server is a text-only peer (see :func:`one_request`); it has no confkv metrics."""
     import openai
 
     client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=timeout)
@@ -134,7 +145,7 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
                 index = next(next_index, None)
             if index is None:
                 return
-            outcomes[index] = one_request(client, prompts[index], new_tokens[index], memory, timeout)
+            outcomes[index] = one_request(client, prompts[index], new_tokens[index], memory, timeout, text)
             o = outcomes[index]
             if proc is not None and (rss := server_rss()) is not None:
                 with lock:
@@ -153,7 +164,7 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
     wall = time.perf_counter() - start
     done.set()
     sampler.join()
-    metrics = read_metrics(url)
+    metrics = read_metrics(url) if text is None else {}
     finished = [o for o in outcomes if o is not None]
     ttft = [o.ttft for o in finished if o.ttft is not None]
     itl = [x for o in finished for x in o.itl]
@@ -251,6 +262,26 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _wait_ready(url: str, server: subprocess.Popen, seconds: float = 900) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return True
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGINT)  # uvicorn drains, then the engine stops
+    try:
+        server.wait(120)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m confkv.eval.bench.serve_load", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", default="pydoc-topics")
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="no new request after this")
     parser.add_argument("--request-timeout", type=float, default=1800.0)
+    parser.add_argument("--peer", choices=["llamacpp"], default=None,
+                        help="run the same load against llama.cpp's own server (llama-cpp-python[server]) on the "
+                             "model's GGUF, its default KV, --threads threads (confkv.eval.bench.serve_peer)")
     parser.add_argument("--flat-after", type=int, default=100,
                         help="compare the server's RSS after this many requests with its RSS after the last")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
@@ -277,40 +311,37 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.model)
     prompts, news = make_prompts(tokenizer, args.requests, tuple(args.prompt_tokens), tuple(args.new_tokens),
                                  args.seed, args.corpus)
-    server = None
-    url = args.url
-    if url is None:
-        port = _free_port()
-        command = [sys.executable, "-m", "confkv.cli", "serve", "--model", args.model, "--port", str(port),
-                   "--memory", str(args.memory), "--max-batch", str(args.clients), "--max-queue",
-                   str(args.requests), "--chunk", str(args.chunk), "--log-level", "warning"]
-        if args.threads:
-            command += ["--threads", str(args.threads)]
-        print("server: " + " ".join(command[1:]), flush=True)
-        server = subprocess.Popen(command)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    print("the server did not start", file=sys.stderr)
-                    return 1
-                time.sleep(0.5)
-    try:
+    with contextlib.ExitStack() as stack:
+        url, server, text = args.url, None, None
+        if args.peer == "llamacpp":
+            from confkv.eval.bench.serve_peer import peer_server, text_request
+
+            text = text_request(tokenizer)
+        if url is None:
+            port = _free_port()
+            if args.peer == "llamacpp":
+                n_ctx = args.prompt_tokens[1] + args.new_tokens[1] + 64  # llama.cpp may split the text into more tokens
+                server = stack.enter_context(peer_server(args.model, port, args.threads or 1, n_ctx))
+                ready = "/v1/models"
+            else:
+                command = [sys.executable, "-m", "confkv.cli", "serve", "--model", args.model, "--port", str(port),
+                           "--memory", str(args.memory), "--max-batch", str(args.clients), "--max-queue",
+                           str(args.requests), "--chunk", str(args.chunk), "--log-level", "warning"]
+                if args.threads:
+                    command += ["--threads", str(args.threads)]
+                print("server: " + " ".join(command[1:]), flush=True)
+                server = subprocess.Popen(command)
+                stack.callback(_stop, server)
+                ready = "/health"
+            url = f"http://127.0.0.1:{port}"
+            if not _wait_ready(url + ready, server):
+                print("the server did not start", file=sys.stderr)
+                return 1
         result = run_load(url, prompts, news, clients=args.clients, memory=args.memory,
                           timeout=args.request_timeout, max_seconds=args.max_seconds,
                           server_pid=server.pid if server is not None else None,
-                          log=lambda line: print(line, flush=True))
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGINT)  # uvicorn drains, then the engine stops
-            try:
-                server.wait(120)
-            except subprocess.TimeoutExpired:
-                server.kill()
+                          log=lambda line: print(line, flush=True), text=text)
+    result["server"] = "llama.cpp (llama_cpp.server, its default KV)" if args.peer == "llamacpp" else "confkv serve"
     result["flat_memory"] = flat_memory(result, args.flat_after)
     result["command"] = "python -m confkv.eval.bench.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])
     result["load_average"] = os.getloadavg()

@@ -21,9 +21,10 @@ class BenchConfig:
 
 
 def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = ()) -> list[str]:
-    """The names of the memory preset's rows: ``tiered@<percent>`` per target, then
-    ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
+    """The names of the memory preset's rows: ``tiered@<percent>`` per target, ``tiered@<percent>-lean`` (the
+    same through the lean decoder), then ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]
+            + [f"tiered@{fraction * 100:g}-lean" for fraction in memory]
             + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
 
 
@@ -61,6 +62,9 @@ def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)
         ]
     configs += [BenchConfig(f"tiered@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction},
                             note=f"the memory preset at {fraction:g} of the full cache's bytes") for fraction in memory]
+    configs += [BenchConfig(f"tiered@{fraction * 100:g}-lean", "confkv", "tiered", {"memory": fraction}, lean=True,
+                            note=f"the memory preset at {fraction:g}, decode steps through the lean decoder")
+                for fraction in memory]
     configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
                             note=f"the memory preset at {fraction:g}, page format {name}")
                 for name in formats for fraction in memory]

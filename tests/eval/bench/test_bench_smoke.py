@@ -37,7 +37,8 @@ def test_format_rows_run_the_preset_with_that_page_format():
     from confkv.eval.bench.run import default_configs, preset_rows
 
     assert preset_rows((0.25, 0.125), ("kivi+hadamard",)) == [
-        "tiered@25", "tiered@12.5", "tiered[kivi+hadamard]@25", "tiered[kivi+hadamard]@12.5"]
+        "tiered@25", "tiered@12.5", "tiered@25-lean", "tiered@12.5-lean", "tiered[kivi+hadamard]@25",
+        "tiered[kivi+hadamard]@12.5"]
     row = next(c for c in default_configs(128, 8, (0.25,), ("kivi+hadamard",)) if c.name == "tiered[kivi+hadamard]@25")
     assert row.params == {"memory": 0.25, "format": "kivi+hadamard"}
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -48,3 +49,22 @@ def test_format_rows_run_the_preset_with_that_page_format():
     for name in ("tiered@50", "tiered[kivi+hadamard]@50"):
         assert 0 < rows[name]["kv_bytes"] <= 0.5 * rows["full"]["kv_bytes"]
     assert "tiered[kivi+hadamard]@50" in result["breakdown"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_preset_through_the_lean_decoder_holds_the_same_cache_at_batch_1_and_2():
+    """``tiered@<percent>-lean`` decodes through ``LeanDecoder``: after the same text its cache holds what the
+    ``model(...)`` row's holds (same bytes, same tokens), and it runs the batched throughput too."""
+    from confkv.eval.bench.run import default_configs
+
+    row = next(c for c in default_configs(128, 8, (0.5,)) if c.name == "tiered@50-lean")
+    assert row.lean and row.params == {"memory": 0.5}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    result = run_bench(contexts=[320], budget=128, slack=0, steps=2, repeats=1, warmup=0, chunk=64, batches=[1, 2],
+                       batch_steps=1, breakdown_steps=0, configs=["tiered@50", "tiered@50-lean"], memory=(0.5,),
+                       model=model, tokenizer=tok, log=lambda _: None)
+    plain, lean = result["latency"]["320"]["tiered@50"], result["latency"]["320"]["tiered@50-lean"]
+    assert lean["kv_bytes"] == plain["kv_bytes"] > 0 and lean["kept_tokens"] == plain["kept_tokens"]
+    for batch in ("1", "2"):
+        rows = result["throughput"][batch]
+        assert rows["tiered@50-lean"]["kv_bytes"] == rows["tiered@50"]["kv_bytes"] > 0

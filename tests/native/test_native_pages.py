@@ -272,3 +272,43 @@ def test_a_mask_that_differs_per_kv_head_and_per_query_is_read_as_given():
                     torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen), visible)
     query = torch.randn(BATCH, KV_HEADS * 3, queries, DIM, generator=gen)
     _compare(query, [hot, _pages(gen, 4, "some")])
+
+
+def _pages_of(gen: torch.Generator, bits: int, page: int, dim: int, group: int) -> PagedSegment:
+    """Every page read, ``page`` slots of ``dim`` channels, KIVI groups of ``group`` (keys: slots of a page;
+    values: channels, at most ``dim``)."""
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen) * 2 + 0.5
+    values = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    valid = torch.rand(BATCH, KV_HEADS, PAGES, page, generator=gen) > 0.2
+    qk = lowbit.quantize_keys(keys, valid, bits, group)
+    qv = lowbit.quantize_values(values, bits, group)
+    index = torch.arange(PAGES).expand(BATCH, KV_HEADS, PAGES).contiguous()
+    return PagedSegment(index, torch.full((BATCH,), PAGES), valid, bits, group, dim, key_codes=qk.codes,
+                        key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
+                        value_min=qv.minimum)
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+@pytest.mark.parametrize("group", [1, PAGE])
+def test_the_smallest_and_the_largest_group_are_read_as_the_torch_read(bits, group):
+    """A group of one slot / channel, and a group as long as the page (its value groups then 8 channels)."""
+    gen = torch.Generator().manual_seed(bits + group)
+    query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
+    _compare(query, [*_hot(gen), _pages_of(gen, bits, PAGE, DIM, group)])
+
+
+@pytest.mark.parametrize("page, dim, group", [
+    (8, 32, 0),    # no group at all
+    (8, 32, 16),   # the keys' group longer than the page (the values' 16 channels would divide 32)
+    (16, 24, 16),  # the values' group does not divide the head (the keys' 16 slots would divide the page)
+    (8, 32, 3),    # neither
+])
+def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, group):
+    """The kernel checks each page segment's groups before it reads anything: a group it does not take is an
+    error named by the wrapper, never a read of the wrong bytes (the codes below are for a valid group)."""
+    gen = torch.Generator().manual_seed(7)
+    pages = _pages_of(gen, 8, page, dim, 8 if page % 8 == 0 and dim % 8 == 0 else 1)
+    pages.group_size = group
+    query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen)
+    with pytest.raises(ValueError, match="bits or group size is not one it takes"):
+        native_pages.page_read(query, [pages], dim ** -0.5)

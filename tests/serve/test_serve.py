@@ -466,6 +466,20 @@ def test_the_load_generator_speaks_to_a_text_only_server(tiny):
     assert command[command.index("--n_threads") + 1] == "2" and command[command.index("--n_ctx") + 1] == "4416"
 
 
+def test_requests_past_the_deadline_are_not_sent_and_not_lost(tiny):
+    from confkv.eval.bench.serve_load import run_load, summary_lines
+
+    model, tokenizer = tiny
+    running = Running(model, tokenizer, memory=0.25, max_batch=2)
+    try:
+        result = run_load(f"http://127.0.0.1:{running.port}", [[40, 41, 42]] * 3, [2, 2, 2], clients=2, memory=0.25,
+                          timeout=60, max_seconds=0.0, log=lambda line: None)
+    finally:
+        running.stop()
+    assert (result["completed"], result["lost"], result["not_sent"]) == (0, 0, 3)
+    assert "not sent 3 (past --max-seconds)" in summary_lines(result)[0]
+
+
 def test_flat_memory_compares_rss_after_n_requests_with_the_last():
     from confkv.eval.bench.serve_load import flat_memory
 

@@ -8,7 +8,8 @@ tokens drawn from ``--new-tokens LO HI`` (EOS ignored, so every request runs its
 ``--memory``. It prints and writes (``--out``, JSON):
 
 - requests completed, failed (an HTTP error or an error event) and lost (no answer: a connection
-  error, a timeout, or a stream that ended without a finish reason);
+  error, a timeout, or a stream that ended without a finish reason); requests no client had sent
+  when ``--max-seconds`` ran out are counted apart (``not_sent``);
 - p50 / p99 time to first token and inter-token latency;
 - total generated tokens per second (wall time of the load);
 - peak RSS of the server process (sampled every 0.25 s), and the server's peak KV bytes held
@@ -173,7 +174,8 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
         "requests": len(prompts), "clients": clients, "memory": memory,
         "completed": sum(o.status == "completed" for o in finished),
         "failed": sum(o.status == "failed" for o in finished),
-        "lost": sum(o.status == "lost" for o in finished) + (len(prompts) - len(finished)),
+        "lost": sum(o.status == "lost" for o in finished),
+        "not_sent": len(prompts) - len(finished),  # no client took them before --max-seconds
         "wall_s": wall,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
@@ -245,7 +247,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
 
     lines = [
         f"requests {result['requests']} from {result['clients']} clients at memory {result['memory']}: "
-        f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}",
+        f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}"
+        + (f", not sent {result['not_sent']} (past --max-seconds)" if result.get("not_sent") else ""),
         f"time to first token p50 {ms(result['ttft_p50_s'])}, p99 {ms(result['ttft_p99_s'])}",
         f"inter-token latency p50 {ms(result['itl_p50_s'])}, p99 {ms(result['itl_p99_s'])}",
         f"generated {result['generated_tokens']} tokens in {result['wall_s']:.1f} s: "

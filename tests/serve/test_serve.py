@@ -464,6 +464,7 @@ def test_the_load_generator_speaks_to_a_text_only_server(tiny):
     command = server_command("m.gguf", 8123, 2, 4416)
     assert command[1:3] == ["-m", "llama_cpp.server"] and command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--n_threads") + 1] == "2" and command[command.index("--n_ctx") + 1] == "4416"
+    assert command[command.index("--interrupt_requests") + 1] == "False"  # a waiting request must not cut a stream
 
 
 def test_requests_past_the_deadline_are_not_sent_and_not_lost(tiny):

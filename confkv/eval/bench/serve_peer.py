@@ -9,7 +9,10 @@ by a few tokens); EOS is kept from ending a request early by a logit bias of -10
 token, as ``ignore_eos`` does on ours; each streamed chunk with text counts as one token
 (llama.cpp streams one chunk per token, holding back only an incomplete UTF-8 character).
 It serves one request at a time (its server holds a lock around the model); the others wait
-in its queue, which the load's time to first token then shows.
+in its queue, which the load's time to first token then shows. Its server's default
+``interrupt_requests=True`` would end a streaming request (``[DONE]`` with no finish reason) as soon
+as another one waits; the load runs it with ``--interrupt_requests False``, so that each request
+runs to its end as on ours.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ INSTALL_HINT = 'pip install "llama-cpp-python[server]==0.3.16"'
 def server_command(gguf: str, port: int, threads: int, n_ctx: int) -> list[str]:
     """The command line of llama.cpp's server on 127.0.0.1:``port``."""
     return [sys.executable, "-m", SERVER_MODULE, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx)]
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+            "--interrupt_requests", "False"]
 
 
 def check_installed() -> None:

@@ -246,8 +246,10 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         return "n/a" if not value else f"{value / 2**20:.1f} MiB"
 
     lines = [
-        f"requests {result['requests']} from {result['clients']} clients at memory {result['memory']}: "
-        f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}"
+        f"requests {result['requests']} from {result['clients']} clients "
+        + (f"to {result['server']}: " if result.get("server", "confkv serve") != "confkv serve"
+           else f"at memory {result['memory']}: ")
+        + f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}"
         + (f", not sent {result['not_sent']} (past --max-seconds)" if result.get("not_sent") else ""),
         f"time to first token p50 {ms(result['ttft_p50_s'])}, p99 {ms(result['ttft_p99_s'])}",
         f"inter-token latency p50 {ms(result['itl_p50_s'])}, p99 {ms(result['itl_p99_s'])}",

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 #: the module that serves llama.cpp over HTTP (the extra ``llama-cpp-python[server]``)
 SERVER_MODULE = "llama_cpp.server"
-INSTALL_HINT = 'pip install "llama-cpp-python[server]==0.3.16"'
+INSTALL_HINT = 'pip install "confkv[llamacpp]"  (or: pip install "llama-cpp-python[server]==0.3.16")'
 
 
 def server_command(gguf: str, port: int, threads: int, n_ctx: int) -> list[str]:

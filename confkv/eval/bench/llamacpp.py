@@ -52,6 +52,11 @@ def kv_label(kv_type: str) -> str:
     return LABEL if kv_type == "f16" else f"{LABEL}[{kv_type}]"
 
 
+def kv_fraction(kv_type: str) -> float:
+    """Bytes of llama.cpp's ``kv_type`` cache per byte of its f16 cache (q8_0: 34 / 64, q4_0: 18 / 64)."""
+    return KV_TYPES[kv_type][1] / KV_TYPES["f16"][1]
+
+
 def check_kv_types(kv_types: Sequence[str]) -> None:
     """A clear error for an unknown llama.cpp KV type (before any model loads)."""
     from confkv.errors import ConfigError  # noqa: PLC0415
@@ -128,7 +133,7 @@ class LlamaCppRunner:
         self.fed = 0
         self.kv_type = kv_type
         self.label = kv_label(kv_type)
-        self.kv_bytes_per_token = kv_bytes_per_token * KV_TYPES[kv_type][1] // KV_TYPES["f16"][1]
+        self.kv_bytes_per_token = round(kv_bytes_per_token * kv_fraction(kv_type))
         self.file_bytes = Path(gguf).stat().st_size
         self.threads = threads
         self.n_ctx = n_ctx

@@ -51,8 +51,7 @@ from confkv.native import loader as native_loader
 from confkv.eval.bench.configs import BenchConfig, default_configs, preset_rows  # noqa: F401 - re-exported
 from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
 from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
-                                        check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_label)
-from confkv.eval.bench.llamacpp_worker import KV_TYPES
+                                        check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_fraction, kv_label)
 from confkv.eval.bench.loops import _latency_grid, _throughput
 from confkv.eval.bench.machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
 from confkv.eval.bench.output import format_breakdown
@@ -354,7 +353,7 @@ def equal_bytes_lines(quality: dict[str, Any]) -> list[str]:
             kv_type = peer.get("kv_type")
             if kv_type is None or peer.get("rise_over_f16") is None:
                 continue
-            if abs(row["memory"] - KV_TYPES[kv_type][1] / KV_TYPES["f16"][1]) < 1e-9:
+            if abs(row["memory"] - kv_fraction(kv_type)) < 1e-9:
                 lines.append(f"[bench] equal KV bytes ({row['memory']:g} of a 16-bit cache): {label} "
                              f"{row['rise_over_full']:+.2%} over our full cache ({row['dtype']}), {peer_label} "
                              f"{peer['rise_over_f16']:+.2%} over llama.cpp's f16 cache")

@@ -52,10 +52,16 @@ def test_format_rows_run_the_preset_with_that_page_format():
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_the_preset_through_the_lean_decoder_holds_the_same_cache_at_batch_1_and_2():
+def test_the_preset_through_the_lean_decoder_holds_the_same_cache_at_batch_1_and_2(monkeypatch):
     """``tiered@<percent>-lean`` decodes through ``LeanDecoder``: after the same text its cache holds what the
     ``model(...)`` row's holds (same bytes, same tokens), and it runs the batched throughput too."""
     from confkv.eval.bench.run import default_configs
+    from confkv.hf.lean import LeanDecoder
+
+    batches = []
+    real = LeanDecoder.__call__
+    monkeypatch.setattr(LeanDecoder, "__call__", lambda self, ids, cache: batches.append(ids.shape[0]) or
+                        real(self, ids, cache))
 
     row = next(c for c in default_configs(128, 8, (0.5,)) if c.name == "tiered@50-lean")
     assert row.lean and row.params == {"memory": 0.5}
@@ -68,3 +74,4 @@ def test_the_preset_through_the_lean_decoder_holds_the_same_cache_at_batch_1_and
     for batch in ("1", "2"):
         rows = result["throughput"][batch]
         assert rows["tiered@50-lean"]["kv_bytes"] == rows["tiered@50"]["kv_bytes"] > 0
+    assert 1 in batches and 2 in batches  # the lean row's steps, at both batch sizes, went through LeanDecoder

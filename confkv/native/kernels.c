@@ -15,6 +15,8 @@
 #include "c/mass_read.c"  /* the attention read with attention mass */
 #include "c/decode_step.c" /* the store's in-place decode step around it */
 #include "c/pages.c"      /* the read of dense segments with masks and packed KIVI cold pages */
+#include "c/page_codes.c" /* its fast path: codes unpacked in plane order, 64 codes a multishift */
+#include "c/page_tasks.c" /* its tasks (slices of a unit's pages) and entry point */
 #include "c/rows.c"       /* the confidence's terms, RMSNorm, rotary */
 #include "c/gemv.c"       /* the INT8 GEMV's row kernels (W8A16 and W8A8) */
 #include "c/pool.c"       /* the worker pool */

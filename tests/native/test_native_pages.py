@@ -3,8 +3,8 @@ the read plan (confkv/attention/read_plan.py) and its fallback counts.
 
 The reference is the torch read the store ran before: gather and dequantize every selected page
 (``PagedSegment.to_dense``), then the block-wise online-softmax read. Both sum in float32, in different
-orders (the C read: one softmax over every slot, dot products of one token row at a time; torch: bmm
-and its online rescaling), so they agree to float32 rounding, not bit for bit: outputs to
+orders (the C read: one softmax over every slot, its denominators and weighted values summed per slice of
+a unit's pages, dot products of one token row at a time; torch: bmm and its online rescaling), so they agree to float32 rounding, not bit for bit: outputs to
 ``atol=2e-6, rtol=1e-5`` (values are O(1)), masses to ``atol=1e-6`` (masses are <= 1). The measured
 differences are about 3e-7 and 5e-8.
 """
@@ -312,3 +312,93 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
     query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen)
     with pytest.raises(ValueError, match="bits or group size is not one it takes"):
         native_pages.page_read(query, [pages], dim ** -0.5)
+
+
+# The fast path (confkv/native/c/page_codes.c) reads segments whose value group is a multiple of 8: codes
+# unpacked in plane order (or, with AVX-512 VBMI and a head of a multiple of 64 channels, in channel order, 64
+# codes per multishift), a value block of 4 rows per pass. The cases: plane order (32 channels, groups of 8),
+# a head that is not a multiple of 16 (the dot product's tail), channel order (64 and 128 channels, one and
+# two value groups, and groups of 32), every bit width; page rows 64 so that every block size and a partial
+# last block occur.
+FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32)]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("page, dim, group", FAST_SHAPES)
+def test_the_fast_page_read_equals_the_torch_read(bits, page, dim, group):
+    gen = torch.Generator().manual_seed(bits * 1000 + dim * 10 + group)
+    query = torch.randn(BATCH, KV_HEADS * 3, 2, dim, generator=gen)
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, 5, dim, generator=gen),
+                    torch.randn(BATCH, KV_HEADS, 5, dim, generator=gen),
+                    (torch.arange(5)[None, :] >= torch.tensor([0, 2, 4])[:, None])[:, None, None, :])
+    pages = _pages_of(gen, bits, page, dim, group)
+    pages.index[1, 0, 2] = -1  # a rank with no page
+    pages.counts[2] = 3  # the last sequence reads 3 of its 5 ranks
+    _compare(query, [hot, pages], dim ** -0.5)
+
+
+@pytest.mark.parametrize("page, dim, group", [(8, 32, 8), (64, 64, 64)])
+def test_fast_pages_in_a_rotation_are_read_in_their_basis(page, dim, group):
+    from confkv.tiers.hadamard import HadamardRotation
+
+    gen = torch.Generator().manual_seed(dim + group)
+    rotation = HadamardRotation(dim, seed=5)
+    plain = _pages_of(gen, 3, page, dim, group)
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen) * 2 + 0.5
+    values = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    qk = lowbit.quantize_keys(rotation.forward(keys), plain.valid, 3, group)
+    qv = lowbit.quantize_values(rotation.forward(values), 3, group)
+    turned = PagedSegment(plain.index, plain.counts, plain.valid, 3, group, dim, key_codes=qk.codes,
+                          key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
+                          value_min=qv.minimum, rotation=rotation)
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    _compare(query, [_pages_of(gen, 4, page, dim, group), turned], dim ** -0.5)
+
+
+def test_the_portable_build_reads_as_the_torch_read(tmp_path):
+    """Built without AVX-512 (no VBMI unpacking, no vector dot product): the plane-order unpacking and the
+    portable dot product serve every head, and read what the torch read reads."""
+    from confkv.native import loader
+
+    lib = loader.load(loader.build(tmp_path, [*loader.FLAGS, "-mno-avx512f"]))
+    saved = loader._state.get("lib")
+    loader._state["lib"] = lib
+    try:
+        for bits, (page, dim, group) in [(3, FAST_SHAPES[2]), (4, FAST_SHAPES[3]), (2, FAST_SHAPES[1])]:
+            gen = torch.Generator().manual_seed(bits + dim)
+            query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+            _compare(query, [_pages_of(gen, bits, page, dim, group), _pages_of(gen, 8, page, dim, group)], dim ** -0.5)
+    finally:
+        loader._state["lib"] = saved
+
+
+@pytest.mark.parametrize("pages_per_segment", [(2, 7), (1, 12)])
+def test_a_few_units_pages_are_read_in_slices_as_the_torch_read(pages_per_segment):
+    """Batch 1 with 3 KV heads is 3 units: big enough, each unit's pages are read in 4 slices (page_tasks.c's
+    page_parts), so a segment of 1 or 2 pages leaves slices empty and one of 7 or 12 splits unevenly; the
+    dense hot tier goes to the first slice. The slices' sums and maxima combine to the torch read."""
+    gen = torch.Generator().manual_seed(sum(pages_per_segment))
+    dim, page, group, heads = 64, 64, 64, 3
+
+    def segment(bits: int, count: int) -> PagedSegment:
+        keys = torch.randn(1, heads, count, page, dim, generator=gen) * 2 + 0.5
+        values = torch.randn(1, heads, count, page, dim, generator=gen)
+        valid = torch.rand(1, heads, count, page, generator=gen) > 0.1
+        qk, qv = lowbit.quantize_keys(keys, valid, bits, group), lowbit.quantize_values(values, bits, group)
+        index = torch.stack([torch.randperm(count, generator=gen) for _ in range(heads)])[None]
+        return PagedSegment(index, torch.tensor([count]), valid, bits, group, dim, key_codes=qk.codes,
+                            key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
+                            value_min=qv.minimum)
+
+    hot = KVSegment(torch.randn(1, heads, 40, dim, generator=gen), torch.randn(1, heads, 40, dim, generator=gen), None)
+    segments = [hot, segment(8, pages_per_segment[0]), segment(3, pages_per_segment[1])]
+    query = torch.randn(1, heads * 3, 1, dim, generator=gen) * 3  # peaked: the row max matters
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_mass = _compare(query, segments, dim ** -0.5)
+        torch.set_num_threads(2)
+        two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))

@@ -1,5 +1,7 @@
-/* The attention read over dense segments (with visibility masks) and packed KIVI cold pages
- * (confkv_page_read; issue 32). Part of kernels.c.
+/* The attention read over dense segments (with visibility masks) and packed KIVI cold pages (issue 32): the
+ * operands of a call, the formats' helpers, and the readers of dense segments and of pages one row at a time in
+ * channel order (pages whose value group is not a multiple of 8; page_codes.c reads the others). Part of
+ * kernels.c; the tasks and the entry point, confkv_page_read, are in page_tasks.c.
  *
  * A page is read still packed: its key and value codes (2, 3, 4 or 8 bits, packed as confkv/tiers/lowbit.py
  * packs them) are unpacked and dequantized one token row at a time into a D-float buffer (L1), never as a
@@ -66,7 +68,13 @@ static void unpack_row(const uint8_t *restrict src, int bits, int64_t D, float *
     }
 }
 
-/* one call's operands (see confkv_page_read) */
+/* whether a page segment takes the fast read (page_codes.c): its value group is a multiple of 8 */
+static inline int planar(const int64_t *m) { return m[6] % 8 == 0; }
+
+/* one call's operands (see confkv_page_read). The read of query heads j * G .. j * G + G - 1 of sequence b over KV
+ * head j is unit b * Hkv + j; a unit's pages are read in `parts` slices, each a task (task = unit * parts + part):
+ * part p reads pages K * p / parts .. K * (p + 1) / parts - 1 of every page segment, part 0 the dense segments
+ * too. `parts` follows from the shapes only (page_parts), so a read gives the same bits at any thread count. */
 typedef struct {
     const float *query; /* [B, Hq, Q, D] float32 contiguous */
     int64_t Hq, Q, D, Hkv, G, R, total;
@@ -76,16 +84,16 @@ typedef struct {
     float scaling;
     float *out;              /* [B, Hq, Q, D] float32 contiguous */
     float *const *mass;      /* per segment [B, Hkv, L_s] float32 contiguous, or NULL */
-    float *scratch;
-    int64_t scratch_stride;
     const float *rotation;   /* [D, D] float32 row-major (y = x @ rotation), the basis of the pages whose meta[32]
                               * is set, or NULL */
+    const int32_t *channels; /* [n_seg, D]: a planar segment's channel per plane position (page_codes.c) */
+    int64_t parts;
+    float *scores;           /* [units, R, total]: scores, then exp(score - row max) */
+    float *sums;             /* [tasks, R]: each task's share of the softmax denominators */
+    float *tops;             /* [tasks, R]: each task's largest score per row (NaN if one is NaN) */
+    float *work;             /* per task work_stride floats (task_work) */
+    int64_t work_stride;
 } page_args;
-
-/* per unit: the query rows, the scores, the output, a row buffer, and the query rows and output in the rotation */
-static int64_t page_scratch(const page_args *a) {
-    return a->R * a->D + a->R * a->total + a->R * a->D + 4 * a->D + (a->rotation ? 2 * a->R * a->D : 0);
-}
 
 /* scores of a dense segment's L slots for the R rows (qf pre-scaled), masked slots -inf */
 static void dense_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
@@ -121,12 +129,12 @@ static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b,
     return k < count ? page : -1;
 }
 
-static void page_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
-                        const float *qf, float *scores, float *buf) {
-    const int64_t K = m[2], P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total;
+static void page_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0,
+                        int64_t k1, const float *qf, float *scores, float *buf) {
+    const int64_t P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total;
     const int bits = (int)m[4];
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
-    for (int64_t k = 0; k < K; k++) {
+    for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;
         if (page < 0) {
@@ -156,12 +164,12 @@ static void page_scores(const page_args *a, const void *const *p, const int64_t 
     }
 }
 
-static void page_values(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j,
-                        const float *probs, float *acc, float *buf) {
-    const int64_t K = m[2], P = m[3], Gv = m[6], C = m[7], D = a->D, R = a->R, total = a->total, groups = D / Gv;
+static void page_values(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0,
+                        int64_t k1, const float *probs, float *acc, float *buf) {
+    const int64_t P = m[3], Gv = m[6], C = m[7], D = a->D, R = a->R, total = a->total, groups = D / Gv;
     const int bits = (int)m[4];
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *value = buf + 3 * D;
-    for (int64_t k = 0; k < K; k++) {
+    for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         if (page < 0) continue;
         const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
@@ -189,118 +197,3 @@ static void page_values(const page_args *a, const void *const *p, const int64_t 
     }
 }
 
-/* the read of query heads j * G .. j * G + G - 1 of sequence b over KV head j: unit = b * Hkv + j */
-static void page_read_unit(const void *ctx, int64_t unit) {
-    const page_args *a = (const page_args *)ctx;
-    const int64_t b = unit / a->Hkv, j = unit % a->Hkv, G = a->G, Q = a->Q, D = a->D, R = a->R, total = a->total;
-    float *qf = a->scratch + unit * a->scratch_stride;
-    float *scores = qf + R * D, *acc = scores + R * total, *buf = acc + R * D;
-    float *q_turned = buf + 4 * D, *acc_turned = q_turned + R * D; /* used with a rotation only */
-    /* row r = g * Q + q holds query head j * G + g, query q; the scaling folded in (as the block-wise read) */
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t q = 0; q < Q; q++) {
-            const float *src = a->query + ((b * a->Hq + j * G + g) * Q + q) * D;
-            for (int64_t d = 0; d < D; d++) qf[(g * Q + q) * D + d] = src[d] * a->scaling;
-        }
-    const float *rot = a->rotation;
-    if (rot) /* (R q) . (R k) = q . k: rotated pages score the query turned into their basis */
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t e = 0; e < D; e++) {
-                float v = 0.0f;
-                for (int64_t d = 0; d < D; d++) v = fmaf(qf[r * D + d], rot[d * D + e], v);
-                q_turned[r * D + e] = v;
-            }
-    int64_t offset = 0;
-    for (int s = 0; s < a->n_seg; s++) {
-        const int64_t *m = a->meta + PR_META * s;
-        const void *const *p = a->ptrs + PR_PTRS * s;
-        if (m[0] == SEG_DENSE) dense_scores(a, p, m, b, j, qf, scores + offset, buf);
-        else page_scores(a, p, m, b, j, rot && m[32] ? q_turned : qf, scores + offset, buf);
-        offset += m[1];
-    }
-    /* one softmax over every segment's slots; a row that sees nothing gets probabilities 0 (the
-     * block-wise read's running max starts at -1e30 and its sum is clamped at the smallest normal) */
-    for (int64_t r = 0; r < R; r++) {
-        float *p = scores + r * total;
-        float top = max_or_nan(p, total);
-        top = top < -1e30f ? -1e30f : top;
-        for (int64_t l = 0; l < total; l++) p[l] = exp_nonpositive(p[l] - top);
-        float norm = sum(p, total);
-        norm = norm < 1.17549435e-38f ? 1.17549435e-38f : norm;
-        const float inv = 1.0f / norm;
-        for (int64_t l = 0; l < total; l++) p[l] *= inv;
-    }
-    for (int64_t i = 0; i < R * D; i++) acc[i] = 0.0f;
-    if (rot)
-        for (int64_t i = 0; i < R * D; i++) acc_turned[i] = 0.0f;
-    offset = 0;
-    for (int s = 0; s < a->n_seg; s++) {
-        const int64_t *m = a->meta + PR_META * s, L = m[1];
-        const void *const *p = a->ptrs + PR_PTRS * s;
-        if (a->mass && a->mass[s]) {
-            float *slot_mass = a->mass[s] + (b * a->Hkv + j) * L;
-            for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
-            for (int64_t q = 0; q < Q; q++)
-                for (int64_t l = 0; l < L; l++) {
-                    float group = 0.0f;
-                    for (int64_t g = 0; g < G; g++) group += scores[(g * Q + q) * total + offset + l];
-                    slot_mass[l] += group / (float)G;
-                }
-        }
-        if (m[0] == SEG_DENSE) dense_values(a, p, m, b, j, scores + offset, acc, buf);
-        else page_values(a, p, m, b, j, scores + offset, rot && m[32] ? acc_turned : acc, buf);
-        offset += L;
-    }
-    if (rot) /* the rotated pages' share of the output back to the model's basis: x = y @ rotation^T */
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t d = 0; d < D; d++) {
-                float v = acc[r * D + d];
-                for (int64_t e = 0; e < D; e++) v = fmaf(acc_turned[r * D + e], rot[d * D + e], v);
-                acc[r * D + d] = v;
-            }
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t q = 0; q < Q; q++)
-            memcpy(a->out + ((b * a->Hq + j * G + g) * Q + q) * D, acc + (g * Q + q) * D, (size_t)D * sizeof(float));
-}
-
-/* Softmax attention with attention mass over the concatenation of n_seg segments, each dense (keys / values
- * [B, Hkv, L, D] float32 or bfloat16, an optional bool visibility mask broadcast to [B, Hkv, Q, L] by its
- * strides) or a set of selected packed KIVI pages (confkv.attention.paged.PagedSegment, bits 2, 3, 4, 8):
- *   query [B, Hq, Q, D] float32 contiguous, Hq = Hkv * G; out the same
- *   dense meta: [0] 0, [1] L, [2] key dtype, [3] value dtype, [4..6] key strides (b, h, l), [7..9] value
- *       strides, [10..13] mask strides (b, h, q, l); ptrs: keys, values, mask (NULL: all visible)
- *   paged meta and ptrs: see page_scores
- *   mass[s] [B, Hkv, L_s] float32 contiguous (mass NULL: none): the softmax probability of each slot averaged
- *       over the G query heads of its KV head, summed over the Q queries; 0 where hidden.
- *   rotation [D, D] float32 row-major, an orthogonal matrix (or NULL): the pages whose meta[32] is set hold
- *       keys and values coded as k @ rotation, v @ rotation (a Hadamard-rotated format, confkv.tiers.hadamard);
- *       their scores take (query @ rotation) and their weighted values are turned back by rotation^T.
- * Scores (query * scaling) . key, one softmax and the weighted sum in float32. The B * Hkv pairs run on up to
- * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
- * bit width or group it does not take. */
-int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
-                     const void *const *ptrs, const int64_t *meta, float scaling, float *out, float *const *mass,
-                     const float *rotation, int threads) {
-    page_args a = {query, Hq, Q, D, Hkv, Hq / Hkv, (Hq / Hkv) * Q, 0, n_seg, ptrs, meta, scaling, out, mass, NULL, 0,
-                   rotation};
-    for (int s = 0; s < n_seg; s++) {
-        const int64_t *m = meta + PR_META * s;
-        if (m[0] == SEG_PAGES) {
-            const int64_t bits = m[4];
-            if ((bits != 2 && bits != 3 && bits != 4 && bits != 8) || m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6])
-                return 2;
-        }
-        a.total += m[1];
-    }
-    build_code_tables();
-    const int64_t units = B * Hkv;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    const int parallel = threads >= 2 && units >= 2 && units * a.R * a.total * D >= mass_min_parallel;
-    a.scratch_stride = parallel ? page_scratch(&a) : 0;
-    a.scratch = malloc(sizeof(float) * (size_t)(parallel ? units * a.scratch_stride : page_scratch(&a)));
-    if (!a.scratch) return 1;
-    if (!parallel || pool_run(page_read_unit, &a, units, threads))
-        for (int64_t unit = 0; unit < units; unit++) page_read_unit(&a, unit);
-    free(a.scratch);
-    return 0;
-}

@@ -20,11 +20,13 @@ class BenchConfig:
     native: bool = True  # False: decode steps with confkv.native's kernels off (the torch code; A/B rows)
 
 
-def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = ()) -> list[str]:
+def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack: int = 0) -> list[str]:
     """The names of the memory preset's rows: ``tiered@<percent>`` per target, ``tiered@<percent>-lean`` (the
-    same through the lean decoder), then ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
+    same through the lean decoder), ``tiered@<percent>+slack<slack>-lean`` (that with eviction slack, when
+    ``slack``), then ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]
             + [f"tiered@{fraction * 100:g}-lean" for fraction in memory]
+            + ([f"tiered@{fraction * 100:g}+slack{slack}-lean" for fraction in memory] if slack else [])
             + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
 
 
@@ -65,6 +67,12 @@ def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)
     configs += [BenchConfig(f"tiered@{fraction * 100:g}-lean", "confkv", "tiered", {"memory": fraction}, lean=True,
                             note=f"the memory preset at {fraction:g}, decode steps through the lean decoder")
                 for fraction in memory]
+    if slack:  # the hot tier evicted down to its budget - slack, so ranking and compaction run once per slack + 1
+        # steps; the bytes stay under the target (the hot tier only shrinks below its share)
+        configs += [BenchConfig(f"tiered@{fraction * 100:g}+slack{slack}-lean", "confkv", "tiered", {"memory": fraction},
+                                {"evict_slack": slack}, lean=True,
+                                note=f"the lean preset row with evict_slack={slack} (opt-in, not the preset's default)")
+                    for fraction in memory]
     configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
                             note=f"the memory preset at {fraction:g}, page format {name}")
                 for name in formats for fraction in memory]

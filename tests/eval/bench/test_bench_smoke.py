@@ -1,6 +1,7 @@
 """`confkv bench` runs end to end on a tiny model (structure only: no timing is asserted)."""
 
 import pytest
+import torch
 
 from confkv.eval.bench.run import POLICY_SECTIONS, run_bench
 from confkv.models import tiny_model, tiny_tokenizer
@@ -39,6 +40,7 @@ def test_format_rows_run_the_preset_with_that_page_format():
     assert preset_rows((0.25, 0.125), ("kivi+hadamard",)) == [
         "tiered@25", "tiered@12.5", "tiered@25-lean", "tiered@12.5-lean", "tiered[kivi+hadamard]@25",
         "tiered[kivi+hadamard]@12.5"]
+    assert preset_rows((0.25,), (), 64) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean"]
     row = next(c for c in default_configs(128, 8, (0.25,), ("kivi+hadamard",)) if c.name == "tiered[kivi+hadamard]@25")
     assert row.params == {"memory": 0.25, "format": "kivi+hadamard"}
     model, tok = tiny_model("llama"), tiny_tokenizer()
@@ -75,3 +77,34 @@ def test_the_preset_through_the_lean_decoder_holds_the_same_cache_at_batch_1_and
         rows = result["throughput"][batch]
         assert rows["tiered@50-lean"]["kv_bytes"] == rows["tiered@50"]["kv_bytes"] > 0
     assert 1 in batches and 2 in batches  # the lean row's steps, at both batch sizes, went through LeanDecoder
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_preset_with_eviction_slack_stays_under_its_target_and_ranks_less_often():
+    """``tiered@<percent>+slack<S>-lean``: the preset with ``evict_slack=S`` through the lean decoder. Its hot
+    tier is evicted down to its budget - S, so its bytes stay under the target at every step, and the ranking
+    runs on fewer steps than the preset's (once per S + 1 steps instead of every step)."""
+    from confkv import profiling
+    from confkv.eval.bench.run import _Runner, default_configs
+
+    configs = {c.name: c for c in default_configs(128, 8, (0.5,))}
+    slack = configs["tiered@50+slack8-lean"]
+    assert slack.lean and slack.store == {"evict_slack": 8} and slack.params == {"memory": 0.5}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    ids = torch.randint(3, 200, (1, 1000), generator=torch.Generator().manual_seed(0))
+    ranked, kept = {}, {}
+    for name in ("tiered@50-lean", "tiered@50+slack8-lean"):  # 960 tokens: a hot tier of ~96, ~56 past the window
+        runner = _Runner(configs[name], model)
+        runner.feed_to(ids, 960, 128)
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        full = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize  # a token
+        timers = profiling.Timers()
+        with profiling.enabled(timers):
+            for _ in range(16):
+                runner.next_step(ids)
+                assert runner.kv_bytes() <= 0.5 * runner.fed * full  # the target, at every step
+        ranked[name] = timers.calls.get("ranking and top-k", 0)
+        kept[name] = runner.kept_tokens()
+    assert 0 < ranked["tiered@50+slack8-lean"] < ranked["tiered@50-lean"] / 2
+    assert kept["tiered@50+slack8-lean"] < kept["tiered@50-lean"]  # the hot tier runs below its share

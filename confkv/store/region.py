@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 import torch
 
 
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, H, L, D] at slots ``index`` [B, H, K] of each head: ``t.gather(2, index[..., None].expand(..., D))``,
+    the same values, as one ``index_select`` of whole rows (a decode step's compaction gathers a few hundred
+    rows per head: 3-4x faster than the element-wise gather)."""
+    batch, heads, length, dim = t.shape
+    rows = index.reshape(batch * heads, -1) + (torch.arange(batch * heads, device=index.device) * length)[:, None]
+    return t.reshape(batch * heads * length, dim).index_select(0, rows.reshape(-1)).reshape(batch, heads, -1, dim)
+
+
 @dataclass
 class Region:
     """Slots ``[B, Hkv, L]`` of one layer.
@@ -79,9 +88,7 @@ class Region:
         """Keep the slots ``index`` [B, Hkv, K] (per head), with new validity ``valid`` [B, K]
         (``all_valid``: the caller knows ``valid`` is all True)."""
         def take(t: torch.Tensor) -> torch.Tensor:
-            if t.ndim == 4:
-                return t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
-            return t.gather(2, index)
+            return take_rows(t, index) if t.ndim == 4 else t.gather(2, index)
         parts = {name: take(t) for name, t in self._per_slot().items()}
         return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, all_valid=all_valid, **parts)
 

@@ -208,3 +208,20 @@ def test_int8_gather_moves_scales_with_their_slots(seed):
     torch.testing.assert_close(quant.dequantize_values(kept.values, kept.value_scale),
                                full_values.gather(2, picked), rtol=0, atol=0)
     assert torch.equal(kept.valid, valid) and kept.all_valid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_take_rows_is_the_elementwise_gather_of_whole_rows(dtype):
+    """take_rows (one index_select of rows) gives what ``gather`` with the index expanded over D gives: per
+    head its own slots, repeats allowed, a view that is not contiguous, batch 2, and no slot at all."""
+    from confkv.store.region import take_rows
+
+    gen = torch.Generator().manual_seed(0)
+    base = (torch.randn(2, 3, 11, 10, generator=gen) * 50).to(dtype)
+    t = base[:, :, :, 1:9]  # not contiguous
+    for width in (0, 1, 7):
+        index = torch.randint(0, 11, (2, 3, width), generator=gen)
+        index[0, 0, :] = index[0, 0, :1].expand(width) if width else index[0, 0, :]  # repeats
+        want = t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
+        got = take_rows(t, index)
+        assert got.shape == want.shape and got.dtype == dtype and torch.equal(got, want)

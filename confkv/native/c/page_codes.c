@@ -164,14 +164,12 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;
         if (page < 0) {
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t t = 0; t < P; t++) s[r * total + t] = -INFINITY;
+            hide_slots(s, R, P, total);
             continue;
         }
-        const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
-        const uint8_t *kc = (const uint8_t *)p[3] + b * m[14] + j * m[15] + page * m[16];
-        const uint16_t *ks = (const uint16_t *)p[4] + b * m[17] + j * m[18] + page * m[19];
-        const uint16_t *km = (const uint16_t *)p[5] + b * m[20] + j * m[21] + page * m[22];
+        const page_view v = view_page(p, m, b, j, page);
+        const uint8_t *valid = v.valid, *kc = v.key_codes;
+        const uint16_t *ks = v.key_scale, *km = v.key_min;
         for (int64_t first = 0; first < P; first += G) {
             int any = 0;
             for (int64_t t = first; t < first + G; t++) any |= valid[t];
@@ -209,10 +207,9 @@ static void planar_values(const void *const *p, const int64_t *m, const int32_t 
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         if (page < 0) continue;
-        const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
-        const uint8_t *vc = (const uint8_t *)p[6] + b * m[23] + j * m[24] + page * m[25];
-        const uint16_t *vs = (const uint16_t *)p[7] + b * m[26] + j * m[27] + page * m[28];
-        const uint16_t *vm = (const uint16_t *)p[8] + b * m[29] + j * m[30] + page * m[31];
+        const page_view v = view_page(p, m, b, j, page);
+        const uint8_t *valid = v.valid, *vc = v.value_codes;
+        const uint16_t *vs = v.value_scale, *vm = v.value_min;
         const float *w = probs + k * P;
         int64_t slot[VALUE_BLOCK], n = 0;
         for (int64_t t = 0; t <= P; t++) {

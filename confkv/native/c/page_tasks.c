@@ -237,7 +237,8 @@ static void run_tasks(void (*fn)(const void *, int64_t), const page_args *a, int
  *   rotation [D, D] float32 row-major, an orthogonal matrix (or NULL): the pages whose meta[32] is set hold
  *       keys and values coded as k @ rotation, v @ rotation (a Hadamard-rotated format, confkv.tiers.hadamard);
  *       their scores take (query @ rotation) and their weighted values are turned back by rotation^T.
- * Scores (query * scaling) . key, one softmax and the weighted sum in float32. The B * Hkv pairs run on up to
+ * Scores (query * scaling) . key, one softmax and the weighted sum in float32 (every score held at once: B * Hq
+ * * Q * total floats, which the read plan caps). The B * Hkv units, or their slices (page_parts), run on up to
  * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
  * bit width or group it does not take. */
 int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,

@@ -129,6 +129,30 @@ static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b,
     return k < count ? page : -1;
 }
 
+/* the tensors of page `page` of sequence b, KV head j (ptrs p, meta m; within a page every tensor is contiguous) */
+typedef struct {
+    const uint8_t *valid, *key_codes, *value_codes;
+    const uint16_t *key_scale, *key_min, *value_scale, *value_min;
+} page_view;
+
+static page_view view_page(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t page) {
+    page_view v;
+    v.valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
+    v.key_codes = (const uint8_t *)p[3] + b * m[14] + j * m[15] + page * m[16];
+    v.key_scale = (const uint16_t *)p[4] + b * m[17] + j * m[18] + page * m[19];
+    v.key_min = (const uint16_t *)p[5] + b * m[20] + j * m[21] + page * m[22];
+    v.value_codes = (const uint8_t *)p[6] + b * m[23] + j * m[24] + page * m[25];
+    v.value_scale = (const uint16_t *)p[7] + b * m[26] + j * m[27] + page * m[28];
+    v.value_min = (const uint16_t *)p[8] + b * m[29] + j * m[30] + page * m[31];
+    return v;
+}
+
+/* the P slots of a rank with no page, hidden in the R score rows s[r * total + t] */
+static void hide_slots(float *s, int64_t R, int64_t P, int64_t total) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t t = 0; t < P; t++) s[r * total + t] = -INFINITY;
+}
+
 static void page_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0,
                         int64_t k1, const float *qf, float *scores, float *buf) {
     const int64_t P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total;
@@ -138,14 +162,12 @@ static void page_scores(const page_args *a, const void *const *p, const int64_t 
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;
         if (page < 0) {
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t t = 0; t < P; t++) s[r * total + t] = -INFINITY;
+            hide_slots(s, R, P, total);
             continue;
         }
-        const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
-        const uint8_t *kc = (const uint8_t *)p[3] + b * m[14] + j * m[15] + page * m[16];
-        const uint16_t *ks = (const uint16_t *)p[4] + b * m[17] + j * m[18] + page * m[19];
-        const uint16_t *km = (const uint16_t *)p[5] + b * m[20] + j * m[21] + page * m[22];
+        const page_view v = view_page(p, m, b, j, page);
+        const uint8_t *valid = v.valid, *kc = v.key_codes;
+        const uint16_t *ks = v.key_scale, *km = v.key_min;
         int64_t loaded = -1; /* the key group whose scale and minimum are in the buffers */
         for (int64_t t = 0; t < P; t++) {
             if (!valid[t]) {
@@ -172,10 +194,9 @@ static void page_values(const page_args *a, const void *const *p, const int64_t 
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         if (page < 0) continue;
-        const uint8_t *valid = (const uint8_t *)p[2] + b * m[11] + j * m[12] + page * m[13];
-        const uint8_t *vc = (const uint8_t *)p[6] + b * m[23] + j * m[24] + page * m[25];
-        const uint16_t *vs = (const uint16_t *)p[7] + b * m[26] + j * m[27] + page * m[28];
-        const uint16_t *vm = (const uint16_t *)p[8] + b * m[29] + j * m[30] + page * m[31];
+        const page_view v = view_page(p, m, b, j, page);
+        const uint8_t *valid = v.valid, *vc = v.value_codes;
+        const uint16_t *vs = v.value_scale, *vm = v.value_min;
         const float *w = probs + k * P;
         for (int64_t t = 0; t < P; t++) {
             if (!valid[t]) continue;

@@ -41,7 +41,8 @@ def add_eval_subcommands(sub: Any, add_common: Callable[[argparse.ArgumentParser
     niah = sub.add_parser("niah", help="needle-in-a-haystack grid (query-aware and streaming protocols)")
     model_args(niah)
     niah.add_argument("--policies", type=strs, default=["full", "streaming", "confkv"],
-                      help="comma-separated policy names; add +int8 for an INT8 store (e.g. confkv+int8)")
+                      help="comma-separated policy names; add +int8 for an INT8 store (e.g. confkv+int8), "
+                           "+slack<N> for evict_slack=N (e.g. tiered+slack64)")
     niah.add_argument("--protocols", type=strs, default=["query-aware", "streaming"])
     niah.add_argument("--lengths", type=ints, default=[1024, 2048])
     niah.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])

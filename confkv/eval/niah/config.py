@@ -1,7 +1,7 @@
 """The NIAH grid's settings: protocols, :class:`NiahConfig`, and grid entries (``"confkv+int8"``).
 
 Grid entries are policy or preset names, optionally with ``+int8`` (INT8 store, e.g.
-``confkv+int8``), each run under the same memory target: the cache holds ``memory`` of the
+``confkv+int8``) and ``+slack<N>`` (``evict_slack=N``, e.g. ``tiered+slack64``), each run under the same memory target: the cache holds ``memory`` of the
 full cache's bytes at the end of every step (:mod:`confkv.eval.niah.budgets`).
 """
 
@@ -61,21 +61,39 @@ class NiahConfig:
             memory_params(parse_spec(spec)[0], self.memory, self.extra_params)
 
 
+def _suffixes(spec: str) -> list[str]:
+    """The ``+``-suffixes of a grid entry, checked: ``int8`` and ``slack<N>`` (N >= 0), each at most once."""
+    suffixes = spec.split("+")[1:]
+    for suffix in suffixes:
+        if suffix != "int8" and not (suffix.startswith("slack") and suffix[5:].isdigit()):
+            raise ValueError(f"NIAH policy {spec!r}: a suffix is '+int8' (INT8 store) or '+slack<N>' (evict_slack=N), "
+                             f"e.g. 'confkv+int8' or 'tiered+slack64'; got {suffix!r}")
+    if len(set(suffixes)) < len(suffixes) or sum(s.startswith("slack") for s in suffixes) > 1:
+        raise ValueError(f"NIAH policy {spec!r}: each suffix at most once")
+    return suffixes
+
+
 def parse_spec(spec: str) -> tuple[str, bool]:
-    """A grid entry -> (policy name, INT8 store): ``"confkv+int8"`` -> ``("confkv", True)``."""
+    """A grid entry -> (policy name, INT8 store): ``"confkv+int8"`` -> ``("confkv", True)``; ``"tiered+slack64"``
+    -> ``("tiered", False)`` (its slack: :func:`slack_of`)."""
     from confkv.policies import POLICIES
     from confkv.presets import PRESETS
 
-    name, plus, suffix = spec.partition("+")
-    if plus and suffix != "int8":
-        raise ValueError(f"NIAH policy {spec!r}: the only suffix is '+int8' (INT8 store), e.g. 'confkv+int8'")
+    name = spec.partition("+")[0]
+    suffixes = _suffixes(spec)
     if name not in POLICIES and name not in PRESETS:
         raise ConfigError(f"unknown policy {name!r} in NIAH policy {spec!r}; known: "
                           f"{', '.join(sorted(POLICIES))}; presets (with --memory): {', '.join(PRESETS)}")
-    return name, bool(plus)
+    return name, "int8" in suffixes
+
+
+def slack_of(spec: str) -> int:
+    """The ``evict_slack`` of a grid entry: N for a ``+slack<N>`` suffix, else 0."""
+    return next((int(s[5:]) for s in _suffixes(spec) if s.startswith("slack")), 0)
 
 
 def _store_for(spec: str, config: NiahConfig) -> StoreConfig:
     _, int8 = parse_spec(spec)
-    return StoreConfig(kv_int8=int8 or config.kv_int8, fp_window=config.fp_window, prefill_chunk=config.chunk)
+    return StoreConfig(kv_int8=int8 or config.kv_int8, fp_window=config.fp_window, prefill_chunk=config.chunk,
+                       evict_slack=slack_of(spec))
 

@@ -250,7 +250,8 @@ def _groups(specs: list[str], protocol: str, config: NiahConfig) -> list[list[st
         return [[s] for s in specs]
     by_store: dict[tuple, list[str]] = {}
     for spec in specs:  # one prefill per store setting and storage (a fork keeps the shared cache's storage)
-        by_store.setdefault((_store_for(spec, config).kv_int8, _storage_of(spec, config)), []).append(spec)
+        store = _store_for(spec, config)
+        by_store.setdefault((store.kv_int8, store.evict_slack, _storage_of(spec, config)), []).append(spec)
     return list(by_store.values())
 
 

@@ -187,6 +187,16 @@ def test_policy_specs_are_checked():
         parse_spec("confkv+int4")
     with pytest.raises(ConfigError, match="known: .*confkv"):
         parse_spec("nope")
+    from confkv.eval.niah.config import _store_for, slack_of
+
+    assert parse_spec("tiered+slack64") == ("tiered", False) and slack_of("tiered+slack64") == 64
+    assert parse_spec("confkv+int8+slack8") == ("confkv", True) and slack_of("confkv+int8+slack8") == 8
+    assert slack_of("confkv+int8") == 0
+    for bad in ("tiered+slack", "tiered+slack-1", "tiered+slack8+slack8", "tiered+slack8+slack9", "tiered+int8+int8"):
+        with pytest.raises(ValueError, match="suffix"):
+            parse_spec(bad)
+    config = _small_config(policies=("tiered+slack16",))
+    assert _store_for("tiered+slack16", config).evict_slack == 16 and _store_for("tiered", config).evict_slack == 0
 
 
 def test_collect_only_reads_records_without_running(tmp_path):

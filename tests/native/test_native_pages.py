@@ -318,9 +318,10 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
 # unpacked in plane order (or, with AVX-512 VBMI and a head of a multiple of 64 channels, in channel order, 64
 # codes per multishift), a value block of 4 rows per pass. The cases: plane order (32 channels, groups of 8),
 # a head that is not a multiple of 16 (the dot product's tail), channel order (64 and 128 channels, one and
-# two value groups, and groups of 32), every bit width; page rows 64 so that every block size and a partial
-# last block occur.
-FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32)]
+# two value groups, and groups of 32), a value group of 264 channels (3-bit words unpacked 32 at a time: a
+# second, partial run of them), every bit width; page rows 64 so that every block size and a partial last
+# block occur.
+FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264)]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

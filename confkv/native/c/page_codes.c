@@ -26,7 +26,6 @@ static inline int64_t planar_channel(int64_t p, int bits, int64_t Gv) {
     return g * Gv + (rest % W) * n + rest / W;
 }
 
-/* the channel of every plane position of a segment's rows: channel[p] = planar_channel(p, bits, Gv) */
 /* 1 when rows of D codes are unpacked by unpack_simd (in channel order) */
 static inline int unpacks_in_channel_order(int64_t D) {
 #if defined(CONFKV_VBMI)
@@ -37,22 +36,34 @@ static inline int unpacks_in_channel_order(int64_t D) {
 #endif
 }
 
+/* the channel of every plane position of a segment's rows (channel order with unpack_simd) */
 static void planar_channels(int bits, int64_t D, int64_t Gv, int32_t *channel) {
     for (int64_t p = 0; p < D; p++)
         channel[p] = unpacks_in_channel_order(D) ? (int32_t)p : (int32_t)planar_channel(p, bits, Gv);
 }
 
 #if defined(CONFKV_VBMI)
+/* unpack_simd's byte spread and shifts per bit width (index 2, 3, 4; 8 needs none), built once before any read
+ * (simd_tables, from confkv_page_read) */
+static uint8_t simd_spread[5][64], simd_shift[5][64];
+static int simd_tables_built;
+
+static void simd_tables(void) {
+    if (simd_tables_built) return;
+    for (int bits = 2; bits <= 4; bits++)
+        for (int i = 0; i < 64; i++) {
+            simd_spread[bits][i] = (uint8_t)(i % 8 < bits ? bits * (i / 8) + i % 8 : 0);
+            simd_shift[bits][i] = (uint8_t)(bits * (i % 8));
+        }
+    simd_tables_built = 1;
+}
+
 /* D % 64 == 0 codes of one packed row, in channel order, 64 at a time: the 8 * bits bytes of 64 codes are
  * spread so that 64-bit lane k holds the `bits` bytes of codes 8k .. 8k + 7, one multishift takes each code's
  * 8 bits at bit bits * c of its lane, and the mask keeps its `bits` */
 static void unpack_simd(const uint8_t *restrict src, int bits, int64_t D, float *restrict dst) {
-    uint8_t spread[64], shift[64];
-    for (int i = 0; i < 64; i++) {
-        spread[i] = (uint8_t)(i % 8 < bits ? bits * (i / 8) + i % 8 : 0);
-        shift[i] = (uint8_t)(bits * (i % 8));
-    }
-    const __m512i spread_index = _mm512_loadu_si512(spread), shifts = _mm512_loadu_si512(shift);
+    const int table = bits == 8 ? 2 : bits; /* 8 bits: no spread, no shift */
+    const __m512i spread_index = _mm512_loadu_si512(simd_spread[table]), shifts = _mm512_loadu_si512(simd_shift[table]);
     const __m512i keep = _mm512_set1_epi8((char)((1 << bits) - 1));
     const __mmask64 bytes = bits == 8 ? ~(__mmask64)0 : ((__mmask64)1 << (8 * bits)) - 1;
     for (int64_t d = 0; d < D; d += 64, src += 8 * bits) {
@@ -65,6 +76,8 @@ static void unpack_simd(const uint8_t *restrict src, int bits, int64_t D, float 
         _mm512_storeu_ps(dst + d + 48, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 3))));
     }
 }
+#else
+static void simd_tables(void) {}
 #endif
 
 /* dot product in 16 running sums (term i goes to sum i % 16), then the sums added as a tree: sum l + sum l + 8,
@@ -112,21 +125,19 @@ static void unpack_planar(const uint8_t *restrict src, int bits, int64_t D, int6
     }
     for (int64_t g = 0; g < D / Gv; g++) {
         float *restrict o = dst + g * Gv;
-        if (bits == 3) {
+        if (bits == 3) { /* words of 3 bytes, 8 codes each, 32 words at a time */
             const int64_t W = Gv / 8;
             const uint8_t *s = src + g * 3 * W;
-            uint32_t word[32]; /* W <= 32 for groups up to 256 channels; larger groups go word by word */
-            if (W > 32) {
-                for (int64_t w = 0; w < W; w++) {
-                    const uint32_t x = (uint32_t)s[3 * w] | (uint32_t)s[3 * w + 1] << 8 | (uint32_t)s[3 * w + 2] << 16;
-                    for (int c = 0; c < 8; c++) o[c * W + w] = (float)((x >> (3 * c)) & 7u);
+            uint32_t word[32];
+            for (int64_t w0 = 0; w0 < W; w0 += 32) {
+                const int64_t n = W - w0 < 32 ? W - w0 : 32;
+                for (int64_t w = 0; w < n; w++) {
+                    const uint8_t *b = s + 3 * (w0 + w);
+                    word[w] = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
                 }
-                continue;
+                for (int c = 0; c < 8; c++)
+                    for (int64_t w = 0; w < n; w++) o[c * W + w0 + w] = (float)((word[w] >> (3 * c)) & 7u);
             }
-            for (int64_t w = 0; w < W; w++)
-                word[w] = (uint32_t)s[3 * w] | (uint32_t)s[3 * w + 1] << 8 | (uint32_t)s[3 * w + 2] << 16;
-            for (int c = 0; c < 8; c++)
-                for (int64_t w = 0; w < W; w++) o[c * W + w] = (float)((word[w] >> (3 * c)) & 7u);
         } else if (bits == 4) {
             const int64_t W = Gv / 2;
             const uint8_t *restrict s = src + g * W;

@@ -255,6 +255,7 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
         a.total += m[1];
     }
     build_code_tables();
+    simd_tables();
     const int64_t units = B * Hkv;
     a.parts = page_parts(units, units * a.R * a.total * D);
     const int64_t tasks = units * a.parts;

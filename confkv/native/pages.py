@@ -73,6 +73,8 @@ def _rotations(segments: Sequence) -> list[Tensor]:
 
 def _inner_contiguous(t: Tensor, lead: int) -> Tensor:
     """``t`` itself when its dimensions past the first ``lead`` are contiguous (row-major), else a copy."""
+    if t.is_contiguous():  # the usual case, checked in C
+        return t
     expected, step = [], 1
     for size in reversed(t.shape[lead:]):
         expected.append(step)

@@ -356,6 +356,7 @@ def test_fast_pages_in_a_rotation_are_read_in_their_basis(page, dim, group):
     _compare(query, [_pages_of(gen, 4, page, dim, group), turned], dim ** -0.5)
 
 
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
 def test_the_portable_build_reads_as_the_torch_read(tmp_path):
     """Built without AVX-512 (no VBMI unpacking, no vector dot product): the plane-order unpacking and the
     portable dot product serve every head, and read what the torch read reads."""

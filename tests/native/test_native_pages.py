@@ -1,10 +1,12 @@
-"""The native read of packed KIVI cold pages (issue 32): confkv/native/c/pages.c, confkv/native/pages.py,
+"""The native read of packed KIVI cold pages (issue 32): confkv/native/c/pages.c, page_codes.c, page_tasks.c,
+confkv/native/pages.py,
 the read plan (confkv/attention/read_plan.py) and its fallback counts.
 
 The reference is the torch read the store ran before: gather and dequantize every selected page
 (``PagedSegment.to_dense``), then the block-wise online-softmax read. Both sum in float32, in different
 orders (the C read: one softmax over every slot, its denominators and weighted values summed per slice of
-a unit's pages, dot products of one token row at a time; torch: bmm and its online rescaling), so they agree to float32 rounding, not bit for bit: outputs to
+a unit's pages, dot products of one token row at a time; torch: bmm and its online rescaling), so they
+agree to float32 rounding, not bit for bit: outputs to
 ``atol=2e-6, rtol=1e-5`` (values are O(1)), masses to ``atol=1e-6`` (masses are <= 1). The measured
 differences are about 3e-7 and 5e-8.
 """
@@ -319,8 +321,8 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
 # codes per multishift), a value block of 4 rows per pass. The cases: plane order (32 channels, groups of 8),
 # a head that is not a multiple of 16 (the dot product's tail), channel order (64 and 128 channels, one and
 # two value groups, and groups of 32), a value group of 264 channels (3-bit words unpacked 32 at a time: a
-# second, partial run of them), every bit width; page rows 64 so that every block size and a partial last
-# block occur.
+# second, partial run of them), every bit width; pages of 8 to 264 slots with about a fifth invalid, so that
+# full and partial value blocks occur.
 FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264)]
 
 

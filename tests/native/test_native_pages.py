@@ -1,6 +1,5 @@
 """The native read of packed KIVI cold pages (issue 32): confkv/native/c/pages.c, page_codes.c, page_tasks.c,
-confkv/native/pages.py,
-the read plan (confkv/attention/read_plan.py) and its fallback counts.
+confkv/native/pages.py, the read plan (confkv/attention/read_plan.py) and its fallback counts.
 
 The reference is the torch read the store ran before: gather and dequantize every selected page
 (``PagedSegment.to_dense``), then the block-wise online-softmax read. Both sum in float32, in different

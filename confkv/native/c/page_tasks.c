@@ -26,6 +26,9 @@ static task_work work_of(const page_args *a, int64_t task) {
     return w;
 }
 
+/* the larger of a and b, NaN if either is (the row maxima of the slices combined as max_or_nan does) */
+static inline float larger_or_nan(float a, float b) { return a != a || b != b ? NAN : (a > b ? a : b); }
+
 /* the pages [*k0, *k1) of the K of a page segment that slice `part` reads */
 static inline void slice_pages(const page_args *a, int64_t K, int64_t part, int64_t *k0, int64_t *k1) {
     *k0 = K * part / a->parts;
@@ -91,10 +94,8 @@ static void task_scores(const void *ctx, int64_t task) {
         int64_t first, end;
         slice_slots(a, m, part, &first, &end);
         if (first < end)
-            for (int64_t r = 0; r < R; r++) {
-                const float top = max_or_nan(scores + r * total + offset + first, end - first);
-                tops[r] = top != top || tops[r] != tops[r] ? NAN : (top > tops[r] ? top : tops[r]);
-            }
+            for (int64_t r = 0; r < R; r++)
+                tops[r] = larger_or_nan(tops[r], max_or_nan(scores + r * total + offset + first, end - first));
         offset += m[1];
     }
 }
@@ -110,10 +111,8 @@ static void task_values(const void *ctx, int64_t task) {
     float *scores = a->scores + unit * R * total, *sums = a->sums + task * R, *top = w.rows;
     for (int64_t r = 0; r < R; r++) {
         float t = -INFINITY;
-        for (int64_t other = 0; other < a->parts; other++) {
-            const float v = a->tops[(unit * a->parts + other) * R + r];
-            t = v != v || t != t ? NAN : (v > t ? v : t);
-        }
+        for (int64_t other = 0; other < a->parts; other++)
+            t = larger_or_nan(t, a->tops[(unit * a->parts + other) * R + r]);
         top[r] = t < -1e30f ? -1e30f : t;
         sums[r] = 0.0f;
     }

@@ -199,6 +199,16 @@ def test_policy_specs_are_checked():
     assert _store_for("tiered+slack16", config).evict_slack == 16 and _store_for("tiered", config).evict_slack == 0
 
 
+def test_a_shared_prefill_keeps_slacks_apart():
+    """Query-aware policies share one prefill per store setting (forked per policy): a fork keeps the shared
+    cache's store, so an entry with slack must not share a prefill with the same policy without it."""
+    from confkv.eval.niah.runner import _groups
+
+    config = _small_config(policies=("window", "window+slack8", "window+int8"), memory=0.5)
+    groups = _groups(["window", "window+slack8", "window+int8"], "query-aware", config)
+    assert sorted(map(sorted, groups)) == [["window"], ["window+int8"], ["window+slack8"]]
+
+
 def test_collect_only_reads_records_without_running(tmp_path):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     path = tmp_path / "niah.jsonl"

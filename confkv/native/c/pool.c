@@ -24,6 +24,10 @@ static struct {
     const void *ctx;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .spin_ns = 50000};
 
+#ifndef POOL_PAUSE_WHILE_ARMING
+#define POOL_PAUSE_WHILE_ARMING()
+#endif
+
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
 static int64_t now_ns(void) {
@@ -123,12 +127,17 @@ static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_
         STORE(&pool.busy, 0);
         return 1;
     }
-    pool.task = task;
-    pool.ctx = ctx;
-    pool.chunks = chunks;
-    STORE(&pool.done, 0);
+    /* the ticket takes the new generation's tag first: a worker still in pool_claim for the previous call
+     * (it just finished its last chunk) then finds no chunk of its generation, whatever `chunks` is; with the
+     * old tag still there, a larger `chunks` let it claim a chunk of this call as one of the last call's,
+     * and count it done once too often (the caller then returned before a chunk was written) */
     const uint64_t generation = LOAD(&pool.generation) + 1;
     STORE(&pool.ticket, (generation & 0xFFFFFFFFu) << 32);
+    pool.task = task;
+    pool.ctx = ctx;
+    STORE(&pool.chunks, chunks);
+    POOL_PAUSE_WHILE_ARMING(); /* nothing, except in tests/native/pool_stress.c, which widens this window */
+    STORE(&pool.done, 0);
     STORE(&pool.generation, generation);
     if (LOAD(&pool.sleepers)) {
         pthread_mutex_lock(&pool.lock);

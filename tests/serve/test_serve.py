@@ -481,6 +481,45 @@ def test_requests_past_the_deadline_are_not_sent_and_not_lost(tiny):
     assert "not sent 3 (past --max-seconds)" in summary_lines(result)[0]
 
 
+def test_two_runs_of_a_load_compare_their_answers_request_by_request(tiny):
+    from confkv.eval.bench.serve_load import run_load, same_answers
+
+    model, tokenizer = tiny
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(34, 250, (int(n),), generator=gen).tolist() for n in (20, 45, 33, 50)]
+    news = [5, 7, 4, 6]
+    runs = []
+    for max_batch in (1, 3):  # one at a time, then batched: greedy answers must not change
+        running = Running(model, tokenizer, memory=0.25, max_batch=max_batch)
+        try:
+            runs.append(run_load(f"http://127.0.0.1:{running.port}", prompts, news, clients=3, memory=0.25,
+                                 timeout=60, log=lambda line: None))
+        finally:
+            running.stop()
+    solo, batched = runs
+    assert sorted(o["index"] for o in solo["outcomes"]) == [0, 1, 2, 3]
+    assert all(len(o["token_ids"]) == o["tokens"] == news[o["index"]] for o in solo["outcomes"])
+    assert same_answers(batched, solo) == {"compared": 4, "equal": 4, "different": []}
+    changed = next(o for o in batched["outcomes"] if o["index"] == 2)
+    changed["token_ids"][-1] += 1
+    assert same_answers(batched, solo) == {"compared": 4, "equal": 3, "different": [2]}
+    changed["status"] = "failed"  # only requests both runs completed are compared
+    assert same_answers(batched, solo)["compared"] == 3
+
+
+def test_answers_are_compared_only_between_runs_of_the_same_load():
+    from confkv.eval.bench.serve_load import build_parser, comparable
+
+    args = build_parser().parse_args(["--requests", "8", "--seed", "3", "--ray"])
+    earlier = {"command": "python -m confkv.eval.bench.serve_load --requests 8 --seed 3 --threads 2",
+               "outcomes": [{"token_ids": [5, 6]}]}
+    assert comparable(earlier, args) is None  # threads and --ray are how it is served, not what is asked
+    assert "--seed 4" in comparable(dict(earlier, command=earlier["command"].replace("3", "4")), args)
+    assert "--memory 0.5" in comparable(dict(earlier, command=earlier["command"] + " --memory 0.5"), args)
+    assert "no answers" in comparable(dict(earlier, outcomes=[{"token_ids": []}]), args)
+    assert "not the JSON of a serve_load run" in comparable({"outcomes": []}, args)
+
+
 def test_flat_memory_compares_rss_after_n_requests_with_the_last():
     from confkv.eval.bench.serve_load import flat_memory
 

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,6 +48,8 @@ class Outcome:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
+    index: int = -1  # the request's place in the load (its prompt and length follow from --seed)
+    token_ids: list[int] = field(default_factory=list)  # the answer (a confkv server streams its token ids)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -87,7 +90,9 @@ def one_request(client: Any, ids: list[int], new_tokens: int, memory: float, tim
         for chunk in stream:
             choice = chunk.choices[0]
             if text is None:
-                count = len((choice.model_extra or {}).get("token_ids") or [])
+                ids_now = (choice.model_extra or {}).get("token_ids") or []
+                outcome.token_ids.extend(ids_now)
+                count = len(ids_now)
             else:
                 count = 1 if choice.text else 0
             if count:
@@ -148,6 +153,7 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
                 return
             outcomes[index] = one_request(client, prompts[index], new_tokens[index], memory, timeout, text)
             o = outcomes[index]
+            o.index = index
             if proc is not None and (rss := server_rss()) is not None:
                 with lock:
                     rss_by_requests.append((len(rss_by_requests) + 1, rss))
@@ -238,6 +244,43 @@ def flat_memory(result: dict[str, Any], after: int) -> dict[str, float] | None:
             "growth": rss_last / rss_after - 1}
 
 
+def same_answers(result: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """The answers of two runs of the same load (same ``--seed``, prompts and lengths), request by request:
+    ``{"compared": requests completed in both, "equal": of them with the same token ids, "different":
+    the first 10 indices that differ}``. :func:`comparable` checks ``other`` before the load is run."""
+    def answers(run: dict[str, Any]) -> dict[int, list[int]]:
+        return {o["index"]: o["token_ids"] for o in run["outcomes"]
+                if o["status"] == "completed" and o.get("index", -1) >= 0}
+    mine, theirs = answers(result), answers(other)
+    common = sorted(set(mine) & set(theirs))
+    different = [i for i in common if mine[i] != theirs[i]]
+    return {"compared": len(common), "equal": len(common) - len(different), "different": different[:10]}
+
+
+#: the options that make a load: two runs with the same values send the same requests
+LOAD_OPTIONS = ("model", "requests", "prompt_tokens", "new_tokens", "memory", "seed", "corpus")
+
+
+def comparable(earlier: dict[str, Any], load: argparse.Namespace) -> str | None:
+    """Why the answers of run ``earlier`` (a ``--out`` JSON) cannot be compared with a run of ``load`` (this
+    run's options), or None when they can: its command is parsed again and its load options compared."""
+    words = shlex.split(earlier.get("command", ""))
+    if words[:3] != ["python", "-m", "confkv.eval.bench.serve_load"]:
+        return "it is not the JSON of a serve_load run (no command recorded)"
+    try:
+        theirs = build_parser().parse_args(words[3:])
+    except SystemExit:
+        return f"its command does not parse: {earlier['command']}"
+    for key in LOAD_OPTIONS:
+        if getattr(theirs, key) != getattr(load, key):
+            return (f"it ran another load (--{key.replace('_', '-')} {getattr(theirs, key)}, this run "
+                    f"{getattr(load, key)}): give both runs the same load options")
+    if not any(o.get("token_ids") for o in earlier.get("outcomes", [])):
+        return ("it holds no answers (a text-only peer, or a run from before answers were recorded): "
+                "compare with a confkv run made by this version")
+    return None
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     def ms(value: float | None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
@@ -260,6 +303,10 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{result['target_bytes_at_peak']:.0f} at that step"
         if result.get("peak_kv_bytes") is not None else "peak KV bytes: n/a",
     ]
+    same = result.get("same_answers")
+    if same:
+        lines.append(f"answers equal to {same['against']}'s: {same['equal']} of the {same['compared']} requests "
+                     f"both runs completed" + (f" (differ: {same['different']})" if same["different"] else ""))
     flat = result.get("flat_memory")
     if flat:
         lines.append(f"server RSS after {flat['after']} requests {mib(flat['rss_after'])}, after {flat['last']} "
@@ -287,7 +334,7 @@ def _stop(server: subprocess.Popen) -> None:
         server.kill()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m confkv.eval.bench.serve_load", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -308,10 +355,33 @@ def main(argv: list[str] | None = None) -> int:
                              "model's GGUF, its default KV, --threads threads (confkv.eval.bench.serve_peer)")
     parser.add_argument("--flat-after", type=int, default=100,
                         help="compare the server's RSS after this many requests with its RSS after the last")
+    parser.add_argument("--ray", action="store_true",
+                        help="start the server as a Ray Serve deployment (`confkv serve --ray`); its /metrics "
+                             "answer for the replica a request reaches, so its KV figures are one replica's")
+    parser.add_argument("--replicas", type=int, default=2, help="with --ray: the server's replicas")
+    parser.add_argument("--replica-cpus", type=float, default=None, help="with --ray: CPUs Ray reserves per replica")
+    parser.add_argument("--same-answers-as", type=Path, default=None, metavar="JSON",
+                        help="an earlier run's --out of the same load: compare the answers request by request")
     parser.add_argument("--out", type=Path, default=None, help="write the summary as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.url is not None and not args.url.startswith(("http://127.", "http://localhost")):
         parser.error("--url must be a loopback address (http://127.0.0.1:PORT)")
+    if args.ray and (args.peer or args.url):
+        parser.error("--ray starts confkv's own server: it does not go with --peer or --url")
+    earlier = None
+    if args.same_answers_as is not None:
+        try:
+            earlier = json.loads(args.same_answers_as.read_text())
+        except (OSError, ValueError) as error:
+            parser.error(f"--same-answers-as {args.same_answers_as}: {error}")
+        why = comparable(earlier, args)
+        if why:
+            parser.error(f"--same-answers-as {args.same_answers_as}: {why}")
 
     tokenizer = load_tokenizer(args.model)
     prompts, news = make_prompts(tokenizer, args.requests, tuple(args.prompt_tokens), tuple(args.new_tokens),
@@ -334,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
                            str(args.requests), "--chunk", str(args.chunk), "--log-level", "warning"]
                 if args.threads:
                     command += ["--threads", str(args.threads)]
+                if args.ray:
+                    command += ["--ray", "--replicas", str(args.replicas)]
+                    if args.replica_cpus is not None:
+                        command += ["--replica-cpus", str(args.replica_cpus)]
                 print("server: " + " ".join(command[1:]), flush=True)
                 server = subprocess.Popen(command)
                 stack.callback(_stop, server)
@@ -346,9 +420,12 @@ def main(argv: list[str] | None = None) -> int:
                           timeout=args.request_timeout, max_seconds=args.max_seconds,
                           server_pid=server.pid if server is not None else None,
                           log=lambda line: print(line, flush=True), text=text)
-    result["server"] = "llama.cpp (llama_cpp.server, its default KV)" if args.peer == "llamacpp" else "confkv serve"
+    result["server"] = ("llama.cpp (llama_cpp.server, its default KV)" if args.peer == "llamacpp"
+                        else f"confkv serve --ray --replicas {args.replicas}" if args.ray else "confkv serve")
+    if earlier is not None:
+        result["same_answers"] = same_answers(result, earlier) | {"against": str(args.same_answers_as)}
     result["flat_memory"] = flat_memory(result, args.flat_after)
-    result["command"] = "python -m confkv.eval.bench.serve_load " + " ".join(argv if argv is not None else sys.argv[1:])
+    result["command"] = "python -m confkv.eval.bench.serve_load " + shlex.join(argv if argv is not None else sys.argv[1:])
     result["load_average"] = os.getloadavg()
     for line in summary_lines(result):
         print(line)

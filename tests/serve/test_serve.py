@@ -393,7 +393,8 @@ def test_the_serve_subcommand_is_registered(capsys):
 
 
 def test_the_load_generator_counts_every_request(tiny):
-    from confkv.eval.bench.serve_load import run_load, summary_lines
+    from confkv.eval.bench.serve_load import run_load
+    from confkv.eval.bench.serve_results import summary_lines
 
     model, tokenizer = tiny
     gen = torch.Generator().manual_seed(0)
@@ -426,7 +427,8 @@ def test_the_load_generator_counts_every_request(tiny):
 def test_the_load_generator_samples_the_servers_rss_as_requests_end(tiny):
     import os
 
-    from confkv.eval.bench.serve_load import flat_memory, run_load, summary_lines
+    from confkv.eval.bench.serve_load import run_load
+    from confkv.eval.bench.serve_results import flat_memory, summary_lines
 
     model, tokenizer = tiny
     gen = torch.Generator().manual_seed(1)
@@ -468,7 +470,8 @@ def test_the_load_generator_speaks_to_a_text_only_server(tiny):
 
 
 def test_requests_past_the_deadline_are_not_sent_and_not_lost(tiny):
-    from confkv.eval.bench.serve_load import run_load, summary_lines
+    from confkv.eval.bench.serve_load import run_load
+    from confkv.eval.bench.serve_results import summary_lines
 
     model, tokenizer = tiny
     running = Running(model, tokenizer, memory=0.25, max_batch=2)
@@ -482,7 +485,8 @@ def test_requests_past_the_deadline_are_not_sent_and_not_lost(tiny):
 
 
 def test_two_runs_of_a_load_compare_their_answers_request_by_request(tiny):
-    from confkv.eval.bench.serve_load import run_load, same_answers
+    from confkv.eval.bench.serve_load import run_load
+    from confkv.eval.bench.serve_results import same_answers
 
     model, tokenizer = tiny
     gen = torch.Generator().manual_seed(2)
@@ -521,7 +525,7 @@ def test_answers_are_compared_only_between_runs_of_the_same_load():
 
 
 def test_flat_memory_compares_rss_after_n_requests_with_the_last():
-    from confkv.eval.bench.serve_load import flat_memory
+    from confkv.eval.bench.serve_results import flat_memory
 
     result = {"rss_by_requests": [[1, 900], [2, 1000], [3, 1020], [4, 1030]]}
     assert flat_memory(result, 2) == {"after": 2, "rss_after": 1000, "last": 4, "rss_last": 1030,

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from confkv.eval.bench.serve_results import flat_memory, same_answers, summary_lines
+
 
 @dataclass
 class Outcome:
@@ -230,33 +232,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def flat_memory(result: dict[str, Any], after: int) -> dict[str, float] | None:
-    """The server's RSS once ``after`` requests had ended against its RSS once the last had ended.
-
-    Returns ``{"after": n, "rss_after": bytes, "last": N, "rss_last": bytes, "growth": fraction}``, or
-    None when the run ended fewer than ``after`` requests (or sampled no RSS: a ``--url`` server).
-    """
-    samples = result.get("rss_by_requests") or []
-    if after < 1 or len(samples) <= after:
-        return None
-    rss_after, (last, rss_last) = samples[after - 1][1], samples[-1]
-    return {"after": after, "rss_after": rss_after, "last": last, "rss_last": rss_last,
-            "growth": rss_last / rss_after - 1}
-
-
-def same_answers(result: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
-    """The answers of two runs of the same load (same ``--seed``, prompts and lengths), request by request:
-    ``{"compared": requests completed in both, "equal": of them with the same token ids, "different":
-    the first 10 indices that differ}``. :func:`comparable` checks ``other`` before the load is run."""
-    def answers(run: dict[str, Any]) -> dict[int, list[int]]:
-        return {o["index"]: o["token_ids"] for o in run["outcomes"]
-                if o["status"] == "completed" and o.get("index", -1) >= 0}
-    mine, theirs = answers(result), answers(other)
-    common = sorted(set(mine) & set(theirs))
-    different = [i for i in common if mine[i] != theirs[i]]
-    return {"compared": len(common), "equal": len(common) - len(different), "different": different[:10]}
-
-
 #: the options that make a load: two runs with the same values send the same requests
 LOAD_OPTIONS = ("model", "requests", "prompt_tokens", "new_tokens", "memory", "seed", "corpus")
 
@@ -279,39 +254,6 @@ def comparable(earlier: dict[str, Any], load: argparse.Namespace) -> str | None:
         return ("it holds no answers (a text-only peer, or a run from before answers were recorded): "
                 "compare with a confkv run made by this version")
     return None
-
-
-def summary_lines(result: dict[str, Any]) -> list[str]:
-    def ms(value: float | None) -> str:
-        return "n/a" if value is None else f"{value * 1000:.0f} ms"
-
-    def mib(value: float | None) -> str:
-        return "n/a" if not value else f"{value / 2**20:.1f} MiB"
-
-    lines = [
-        f"requests {result['requests']} from {result['clients']} clients "
-        + (f"to {result['server']}: " if result.get("server", "confkv serve") != "confkv serve"
-           else f"at memory {result['memory']}: ")
-        + f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}"
-        + (f", not sent {result['not_sent']} (past --max-seconds)" if result.get("not_sent") else ""),
-        f"time to first token p50 {ms(result['ttft_p50_s'])}, p99 {ms(result['ttft_p99_s'])}",
-        f"inter-token latency p50 {ms(result['itl_p50_s'])}, p99 {ms(result['itl_p99_s'])}",
-        f"generated {result['generated_tokens']} tokens in {result['wall_s']:.1f} s: "
-        f"{result['tokens_per_s']:.2f} tokens/s ({result['prompt_tokens']} prompt tokens)",
-        f"peak RSS of the server {mib(result['peak_rss_bytes'])}",
-        f"peak KV bytes held {result['peak_kv_bytes']:.0f} against the running requests' targets summed "
-        f"{result['target_bytes_at_peak']:.0f} at that step"
-        if result.get("peak_kv_bytes") is not None else "peak KV bytes: n/a",
-    ]
-    same = result.get("same_answers")
-    if same:
-        lines.append(f"answers equal to {same['against']}'s: {same['equal']} of the {same['compared']} requests "
-                     f"both runs completed" + (f" (differ: {same['different']})" if same["different"] else ""))
-    flat = result.get("flat_memory")
-    if flat:
-        lines.append(f"server RSS after {flat['after']} requests {mib(flat['rss_after'])}, after {flat['last']} "
-                     f"{mib(flat['rss_last'])} ({flat['growth']:+.2%})")
-    return lines
 
 
 def _wait_ready(url: str, server: subprocess.Popen, seconds: float = 900) -> bool:

@@ -49,7 +49,7 @@ DOC = ROOT / "docs" / "MUTATION.md"
 OUT = ROOT / "mutants-native"
 BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
-TESTS = ["tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
+TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
          "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
          "tests/store/test_window_buffer.py", "tests/native/test_native_pages.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
@@ -61,7 +61,9 @@ TESTS_FOR = {
     "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/layer.c": ["test_native_contracts", "test_native_layer"],
     "c/pages.c": ["test_native_pages"],
-    "c/pool.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
+    "c/page_codes.c": ["test_native_pages"],
+    "c/page_tasks.c": ["test_native_pages"],
+    "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
                  "test_native_layer"],
 }
 #: loader tests that build libraries of their own and test no kernel

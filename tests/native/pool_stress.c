@@ -5,9 +5,9 @@
  * in about half the calls. Built and run by test_native_pool.py; prints "<wrong> of <calls> calls wrong". */
 #include <stdio.h>
 #include <unistd.h>
-#include "../../confkv/native/c/common.h"
+#include "c/common.h" /* from the kernels' source directory (-I): a mutated copy in mutation runs */
 #define POOL_PAUSE_WHILE_ARMING() usleep(30)
-#include "../../confkv/native/c/pool.c"
+#include "c/pool.c"
 
 typedef struct { int *counts; } counted;
 

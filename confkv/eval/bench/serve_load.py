@@ -16,7 +16,14 @@ tokens drawn from ``--new-tokens LO HI`` (EOS ignored, so every request runs its
   at a step boundary against the sum of the running requests' targets at that moment;
 - the server's RSS each time a request ends (``rss_by_requests``: [requests ended, bytes]), and
   the flat-memory check: RSS after all requests against RSS after the first ``--flat-after``
-  (issue 34 asks for 1,000 against 100 within 5%).
+  (issue 34 asks for 1,000 against 100 within 5%);
+- every request's answer (``outcomes``: its index in the load and its token ids), and with
+  ``--same-answers-as RUN.json`` the answers compared request by request with an earlier run of the
+  same load (same load options, checked before anything is sent).
+
+``--ray --replicas N`` serves the load from ``confkv serve --ray`` (N replicas behind Ray Serve's
+router on the same loopback port); the RSS then covers the local Ray's processes too, and the KV
+figures come from the replica that answered ``/metrics``.
 """
 
 from __future__ import annotations

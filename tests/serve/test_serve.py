@@ -512,16 +512,44 @@ def test_two_runs_of_a_load_compare_their_answers_request_by_request(tiny):
 
 
 def test_answers_are_compared_only_between_runs_of_the_same_load():
-    from confkv.eval.bench.serve_load import build_parser, comparable
+    from confkv.eval.bench.serve_load import build_parser
+    from confkv.eval.bench.serve_results import comparable
 
-    args = build_parser().parse_args(["--requests", "8", "--seed", "3", "--ray"])
+    parser = build_parser()
+    args = parser.parse_args(["--requests", "8", "--seed", "3", "--ray"])
     earlier = {"command": "python -m confkv.eval.bench.serve_load --requests 8 --seed 3 --threads 2",
                "outcomes": [{"token_ids": [5, 6]}]}
-    assert comparable(earlier, args) is None  # threads and --ray are how it is served, not what is asked
-    assert "--seed 4" in comparable(dict(earlier, command=earlier["command"].replace("3", "4")), args)
-    assert "--memory 0.5" in comparable(dict(earlier, command=earlier["command"] + " --memory 0.5"), args)
-    assert "no answers" in comparable(dict(earlier, outcomes=[{"token_ids": []}]), args)
-    assert "not the JSON of a serve_load run" in comparable({"outcomes": []}, args)
+    assert comparable(earlier, args, parser) is None  # threads and --ray are how it is served, not what is asked
+    assert "--seed 4" in comparable(dict(earlier, command=earlier["command"].replace("3", "4")), args, parser)
+    assert "--memory 0.5" in comparable(dict(earlier, command=earlier["command"] + " --memory 0.5"), args, parser)
+    assert "no answers" in comparable(dict(earlier, outcomes=[{"token_ids": []}]), args, parser)
+    assert "not the JSON of a serve_load run" in comparable({"outcomes": []}, args, parser)
+
+
+def test_a_stopped_load_sends_no_more_and_counts_the_running_requests(tiny):
+    import threading
+
+    from confkv.eval.bench.serve_load import run_load
+    from confkv.eval.bench.serve_results import summary_lines
+
+    model, tokenizer = tiny
+    stop = threading.Event()
+    logged = []
+
+    def log(line):  # the first request to end stops the load (as Ctrl-C would): the other running one finishes
+        logged.append(line)
+        stop.set()
+
+    running = Running(model, tokenizer, memory=0.25, max_batch=2)
+    try:
+        result = run_load(f"http://127.0.0.1:{running.port}", [[40, 41, 42, 43]] * 6, [3, 12, 3, 3, 3, 3], clients=2,
+                          memory=0.25, timeout=60, log=log, stop=stop)
+    finally:
+        running.stop()
+    assert (result["completed"], result["lost"], result["not_sent"]) == (2, 0, 4)  # both sent ones answered in full
+    assert result["generated_tokens"] == 15 and len(logged) == 2
+    result["stopped_by"] = "SIGINT"
+    assert "not sent 4 (stopped by SIGINT)" in summary_lines(result)[0]
 
 
 def test_flat_memory_compares_rss_after_n_requests_with_the_last():

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confkv.eval.bench.serve_results import flat_memory, same_answers, summary_lines
+from confkv.eval.bench.serve_results import comparable, flat_memory, same_answers, summary_lines
 
 
 @dataclass
@@ -123,9 +123,10 @@ def one_request(client: Any, ids: list[int], new_tokens: int, memory: float, tim
 
 def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clients: int, memory: float,
              timeout: float = 1800.0, max_seconds: float = 3600.0, server_pid: int | None = None,
-             log=print, text: dict[str, Any] | None = None) -> dict[str, Any]:
+             log=print, text: dict[str, Any] | None = None, stop: threading.Event | None = None) -> dict[str, Any]:
     """Send ``prompts`` (with ``new_tokens`` each) from ``clients`` threads; returns the summary.
-    ``text``: the server is a text-only peer (see :func:`one_request`); it has no confkv metrics."""
+    ``text``: the server is a text-only peer (see :func:`one_request`); it has no confkv metrics.
+    ``stop``: once set, no client sends another request; the running ones finish and are counted."""
     import openai
 
     client = openai.OpenAI(base_url=url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=timeout)
@@ -155,7 +156,7 @@ def run_load(url: str, prompts: list[list[int]], new_tokens: list[int], *, clien
             done.wait(0.25)
 
     def worker() -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
             with lock:
                 index = next(next_index, None)
             if index is None:
@@ -239,30 +240,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-#: the options that make a load: two runs with the same values send the same requests
-LOAD_OPTIONS = ("model", "requests", "prompt_tokens", "new_tokens", "memory", "seed", "corpus")
-
-
-def comparable(earlier: dict[str, Any], load: argparse.Namespace) -> str | None:
-    """Why the answers of run ``earlier`` (a ``--out`` JSON) cannot be compared with a run of ``load`` (this
-    run's options), or None when they can: its command is parsed again and its load options compared."""
-    words = shlex.split(earlier.get("command", ""))
-    if words[:3] != ["python", "-m", "confkv.eval.bench.serve_load"]:
-        return "it is not the JSON of a serve_load run (no command recorded)"
-    try:
-        theirs = build_parser().parse_args(words[3:])
-    except SystemExit:
-        return f"its command does not parse: {earlier['command']}"
-    for key in LOAD_OPTIONS:
-        if getattr(theirs, key) != getattr(load, key):
-            return (f"it ran another load (--{key.replace('_', '-')} {getattr(theirs, key)}, this run "
-                    f"{getattr(load, key)}): give both runs the same load options")
-    if not any(o.get("token_ids") for o in earlier.get("outcomes", [])):
-        return ("it holds no answers (a text-only peer, or a run from before answers were recorded): "
-                "compare with a confkv run made by this version")
-    return None
-
-
 def _wait_ready(url: str, server: subprocess.Popen, seconds: float = 900) -> bool:
     deadline = time.monotonic() + seconds
     while True:
@@ -328,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             earlier = json.loads(args.same_answers_as.read_text())
         except (OSError, ValueError) as error:
             parser.error(f"--same-answers-as {args.same_answers_as}: {error}")
-        why = comparable(earlier, args)
+        why = comparable(earlier, args, parser)
         if why:
             parser.error(f"--same-answers-as {args.same_answers_as}: {why}")
 
@@ -358,17 +335,30 @@ def main(argv: list[str] | None = None) -> int:
                     if args.replica_cpus is not None:
                         command += ["--replica-cpus", str(args.replica_cpus)]
                 print("server: " + " ".join(command[1:]), flush=True)
-                server = subprocess.Popen(command)
+                server = subprocess.Popen(command, start_new_session=True)  # a terminal's Ctrl-C reaches only us
                 stack.callback(_stop, server)
                 ready = "/health"
             url = f"http://127.0.0.1:{port}"
             if not _wait_ready(url + ready, server):
                 print("the server did not start", file=sys.stderr)
                 return 1
+        stop, stopped_by = threading.Event(), []
+
+        def stop_sending(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal's handler signature
+            if stop.is_set():  # the second one: leave now (the running requests' answers are lost)
+                raise KeyboardInterrupt
+            stop.set()
+            stopped_by.append(signal.Signals(signum).name)
+            print(f"{stopped_by[0]}: no new request is sent; the running ones finish, then the summary is written "
+                  "(send it again to leave at once)", flush=True)
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            stack.callback(signal.signal, signum, signal.signal(signum, stop_sending))
         result = run_load(url, prompts, news, clients=args.clients, memory=args.memory,
                           timeout=args.request_timeout, max_seconds=args.max_seconds,
                           server_pid=server.pid if server is not None else None,
-                          log=lambda line: print(line, flush=True), text=text)
+                          log=lambda line: print(line, flush=True), text=text, stop=stop)
+        result["stopped_by"] = stopped_by[0] if stopped_by else None
     result["server"] = ("llama.cpp (llama_cpp.server, its default KV)" if args.peer == "llamacpp"
                         else f"confkv serve --ray --replicas {args.replicas}" if args.ray else "confkv serve")
     if earlier is not None:

@@ -1,10 +1,13 @@
 """What a finished run of :mod:`confkv.eval.bench.serve_load` says: its summary lines, the flat-memory
-check (RSS after N requests against after the last) and the answers of two runs of one load compared.
+check (RSS after N requests against after the last), and the answers of two runs of one load compared
+(:func:`comparable` says whether they can be).
 
 Every function takes the run's result (the dict ``serve_load`` prints and writes with ``--out``)."""
 
 from __future__ import annotations
 
+import argparse
+import shlex
 from typing import Any
 
 
@@ -47,7 +50,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         + (f"to {result['server']}: " if result.get("server", "confkv serve") != "confkv serve"
            else f"at memory {result['memory']}: ")
         + f"completed {result['completed']}, failed {result['failed']}, lost {result['lost']}"
-        + (f", not sent {result['not_sent']} (past --max-seconds)" if result.get("not_sent") else ""),
+        + (f", not sent {result['not_sent']} ("
+           + (f"stopped by {result['stopped_by']}" if result.get("stopped_by") else "past --max-seconds") + ")"
+           if result.get("not_sent") else ""),
         f"time to first token p50 {ms(result['ttft_p50_s'])}, p99 {ms(result['ttft_p99_s'])}",
         f"inter-token latency p50 {ms(result['itl_p50_s'])}, p99 {ms(result['itl_p99_s'])}",
         f"generated {result['generated_tokens']} tokens in {result['wall_s']:.1f} s: "
@@ -66,3 +71,28 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"server RSS after {flat['after']} requests {mib(flat['rss_after'])}, after {flat['last']} "
                      f"{mib(flat['rss_last'])} ({flat['growth']:+.2%})")
     return lines
+
+
+#: the options that make a load: two runs with the same values send the same requests
+LOAD_OPTIONS = ("model", "requests", "prompt_tokens", "new_tokens", "memory", "seed", "corpus")
+
+
+def comparable(earlier: dict[str, Any], load: argparse.Namespace, parser: argparse.ArgumentParser) -> str | None:
+    """Why the answers of run ``earlier`` (a ``--out`` JSON) cannot be compared with a run of ``load`` (this
+    run's options), or None when they can: its command is parsed again by ``parser`` (serve_load's) and its
+    load options compared."""
+    words = shlex.split(earlier.get("command", ""))
+    if words[:3] != ["python", "-m", "confkv.eval.bench.serve_load"]:
+        return "it is not the JSON of a serve_load run (no command recorded)"
+    try:
+        theirs = parser.parse_args(words[3:])
+    except SystemExit:
+        return f"its command does not parse: {earlier['command']}"
+    for key in LOAD_OPTIONS:
+        if getattr(theirs, key) != getattr(load, key):
+            return (f"it ran another load (--{key.replace('_', '-')} {getattr(theirs, key)}, this run "
+                    f"{getattr(load, key)}): give both runs the same load options")
+    if not any(o.get("token_ids") for o in earlier.get("outcomes", [])):
+        return ("it holds no answers (a text-only peer, or a run from before answers were recorded): "
+                "compare with a confkv run made by this version")
+    return None

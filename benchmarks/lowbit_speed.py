@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from confkv.attention.paged import gather_pages
+from confkv.attention.segments import gather_pages
 from confkv.tiers.formats import build_format
 
 

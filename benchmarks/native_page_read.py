@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from confkv.attention.blockwise import KVSegment, blockwise_attention
-from confkv.attention.paged import PagedSegment, densify
+from confkv.attention.blockwise import blockwise_attention
+from confkv.attention.segments import KVSegment, PagedSegment, densify
 from confkv.native import pages as native_pages
 from confkv.tiers import lowbit
 

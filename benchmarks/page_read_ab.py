@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from native_page_read import DIM, KV_HEADS, page_segment  # noqa: E402
 
-from confkv.attention.blockwise import KVSegment  # noqa: E402
+from confkv.attention.segments import KVSegment  # noqa: E402
 from confkv.native import loader  # noqa: E402
 from confkv.native import pages as native_pages  # noqa: E402
 

@@ -15,7 +15,7 @@ import atexit
 import sys
 
 from confkv.attention import DEFAULT_BLOCK_SIZE, blockwise_attention
-from confkv.attention.paged import densify
+from confkv.attention.segments import densify
 from confkv.native import pages
 
 _native_read = pages.page_read

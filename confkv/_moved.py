@@ -33,6 +33,7 @@ MOVED: dict[str, str] = {
     "confkv.cold": "confkv.tiers.cold",
     "confkv.lowbit": "confkv.tiers.lowbit",
     "confkv.page_file": "confkv.tiers.page_file",
+    "confkv.attention.paged": "confkv.attention.segments",
     "confkv.agent": "confkv.eval.agent",
     "confkv.eval.ppl": "confkv.eval.quality.ppl",
     "confkv.eval.sweep": "confkv.eval.quality.sweep",

@@ -32,11 +32,12 @@ All arithmetic is float32; the output is cast to ``query.dtype``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
+
+from confkv.attention.segments import KVSegment
 
 # Running-max start value.  Masked scores are -inf; starting the running max
 # at a finite value keeps exp(-inf - m) = 0 and exp(m_old - m_new) finite even
@@ -48,49 +49,6 @@ _MAX_START = -1e30
 DEFAULT_BLOCK_SIZE = 1024
 # Automatic tile cap, in score entries (B * Hkv * G*Q * tile floats): 16 MiB.
 _TILE_SCORE_BUDGET = 1 << 22
-
-
-@dataclass
-class KVSegment:
-    """One contiguous run of cached tokens, in FP or INT8 storage.
-
-    Attributes:
-        keys: [B, Hkv, L, D] float (model dtype) or int8.
-        values: [B, Hkv, L, D] float or int8.
-        visible: bool, broadcastable to [B, Hkv, Q, L]; True = the query may
-            attend this slot.  None = all visible.
-        key_token_scale: [B, Hkv, L] float32, iff keys are int8.
-        key_channel_scale: [B, Hkv, D] float32, iff keys are int8.
-        value_token_scale: [B, Hkv, L] float32, iff values are int8.
-    """
-
-    keys: Tensor
-    values: Tensor
-    visible: Tensor | None
-    key_token_scale: Tensor | None = None
-    key_channel_scale: Tensor | None = None
-    value_token_scale: Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[2]
-
-    @property
-    def keys_int8(self) -> bool:
-        return self.keys.dtype == torch.int8
-
-    @property
-    def values_int8(self) -> bool:
-        return self.values.dtype == torch.int8
-
-    def validate(self) -> None:
-        """Raise ValueError if the scales do not match the storage dtypes."""
-        if self.keys.shape != self.values.shape:
-            raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ")
-        if self.keys_int8 != (self.key_token_scale is not None and self.key_channel_scale is not None):
-            raise ValueError("int8 keys need key_token_scale and key_channel_scale (and fp keys must have none)")
-        if self.values_int8 != (self.value_token_scale is not None):
-            raise ValueError("int8 values need value_token_scale (and fp values must have none)")
 
 
 def _visible_4d(visible: Tensor | None) -> Tensor | None:

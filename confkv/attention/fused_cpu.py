@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from confkv.attention.blockwise import KVSegment
+from confkv.attention.segments import KVSegment
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from confkv.attention.blockwise import KVSegment
+from confkv.attention.segments import KVSegment
 
 #: most float32 scores (B * Hq * Q * L) the read materialises at once; larger reads use the block-wise one
 MAX_SCORES = 1 << 22

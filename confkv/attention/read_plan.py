@@ -1,4 +1,5 @@
-"""Which backend an attention read takes, decided in one place (issue 32).
+"""Which backend an attention read takes, decided in one place (issue 32), and the read:
+:func:`attention_read` plans, then calls the backend the plan names.
 
 :func:`plan` looks at the query, the segments and the settings and names the path:
 
@@ -25,10 +26,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from confkv import native
+from confkv import native, profiling
+from confkv.attention import fused_cpu
+from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, blockwise_attention
 from confkv.attention.fused_cpu import fused_read_eligible
-from confkv.attention.mass_read import MAX_SCORES, mass_read_eligible
-from confkv.attention.paged import PagedSegment
+from confkv.attention.mass_read import MAX_SCORES, mass_read, mass_read_eligible
+from confkv.attention.segments import KVSegment, PagedSegment, densify
 from confkv.native import pages as native_pages
 
 BACKENDS = ("auto", "torch", "fused", "triton")
@@ -118,3 +121,63 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
     if native_pages.score_entries(query, segments) > MAX_SCORES:
         return ReadPlan("torch", "scores over MAX_SCORES")
     return ReadPlan("native_pages")
+
+
+def reads_pages(query: Tensor, backend: str) -> bool:
+    """True when ``attention_read(query, ..., backend=backend)`` runs the Triton read, which
+    takes a :class:`PagedSegment` without a host-side gather + dequantize (the native page read
+    takes them too: :func:`hands_pages` asks both)."""
+    return triton_reads(query, backend)
+
+
+def attention_read(
+    query: Tensor,
+    segments: Sequence[KVSegment | PagedSegment],
+    scaling: float,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    softcap: float | None = None,
+    need_mass: bool = True,
+    backend: str = "auto",
+) -> tuple[Tensor, list[Tensor] | None]:
+    """Run the read on the path :func:`plan` names; same contract as
+    :func:`blockwise_attention`.
+
+    Args:
+        backend: "torch" (the block-wise reference, always available), "fused"
+            (PyTorch's fused CPU kernel; raises unless
+            :func:`~confkv.attention.fused_cpu.fused_read_eligible`), "triton" (CUDA
+            tensors and the ``triton`` package required; raises otherwise), or "auto":
+            triton when the query is on CUDA and triton imports, else fused where
+            eligible, else (the mass needed) :func:`mass_read` where eligible (in its native
+            version, :func:`confkv.native.mass_read`, when available), else, with packed pages,
+            the native page read (:func:`confkv.native.pages.page_read`), else torch.
+            ``block_size`` only applies to the torch backend.
+            The torch paths read a :class:`PagedSegment` via its ``to_dense``.
+    A plan that leaves the native path is counted with its reason (:func:`confkv.profiling.left_native`).
+    """
+    chosen = plan(query, segments, softcap, need_mass, backend)
+    if chosen.reason is not None:
+        profiling.left_native(chosen.reason)
+    path = chosen.path
+    if path == "triton":
+        from confkv.attention.triton_read import triton_attention
+
+        return triton_attention(query, segments, scaling, softcap=softcap, need_mass=need_mass)
+    if path == "native_pages":
+        fast_pages = native_pages.page_read(query, segments, scaling, need_mass)
+        if fast_pages is not None:
+            return fast_pages
+        profiling.left_native("native page read declined")
+        path = "torch"
+    segments = densify(list(segments))  # the torch paths read packed pages gathered and dequantized
+    if path == "fused":
+        return fused_cpu.fused_attention(query, segments, scaling), None
+    if path == "native_mass":
+        fast = native.mass_read(query, segments, scaling)
+        if fast is not None:
+            return fast
+        profiling.left_native("native mass read declined")
+        path = "mass"
+    if path == "mass":
+        return mass_read(query, segments, scaling)
+    return blockwise_attention(query, segments, scaling, block_size, softcap=softcap, need_mass=need_mass)

@@ -8,7 +8,7 @@ little-endian so that channel ``d``'s code starts at bit ``d * bits`` of the tok
 (:mod:`confkv.tiers.lowbit`). Each decode step reads, per sequence and KV head, the ``K``
 pages whose key digest bounds ``q . k`` highest (Tang et al. 2024, "Quest: Query-Aware
 Sparsity for Efficient Long-Context LLM Inference"); the selection arrives as a
-:class:`~confkv.attention.paged.PagedSegment` (page numbers [B, H, K] plus a per-sequence
+:class:`~confkv.attention.segments.PagedSegment` (page numbers [B, H, K] plus a per-sequence
 count; -1 or ranks >= count are not read).
 
 Instead of gathering and dequantizing the pages on the host, one program per
@@ -26,7 +26,7 @@ rank-``j`` page, what :meth:`confkv.tiers.cold.ColdTier.observe` and promotion c
 
 Shapes of :func:`paged_partials`: query rows [B*H, R, D] float32 (R = G_q * Q, already
 scaled), partial buffers part_max / part_sum [B*H, S, R], part_acc [B*H, S, R, D];
-the storage as in :mod:`confkv.attention.paged`. Storage and page numbers must be on
+the storage as in :mod:`confkv.attention.segments`. Storage and page numbers must be on
 the query's device (CUDA, or anything under TRITON_INTERPRET=1).
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from confkv.attention.paged import PagedSegment
+from confkv.attention.segments import PagedSegment
 
 try:  # optional dependency
     import triton

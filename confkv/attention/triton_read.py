@@ -20,7 +20,7 @@ a prefill-sized query block - the call falls back to the torch reference
 ``blockwise_attention`` (documented, not an error).  Head dims up to 256.
 Keys / values may be int8, float16, bfloat16 or float32, with any strides.
 
-A segment may also be a :class:`~confkv.attention.paged.PagedSegment` (selected
+A segment may also be a :class:`~confkv.attention.segments.PagedSegment` (selected
 cold pages, still packed low-bit): :mod:`confkv.attention.triton_pages` reads it
 with its own kernel into the same partial buffers, so hot segments and cold pages
 meet in one merge.
@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from confkv.attention import triton_pages
-from confkv.attention.blockwise import KVSegment, _visible_4d, blockwise_attention
-from confkv.attention.paged import PagedSegment, densify
+from confkv.attention.blockwise import _visible_4d, blockwise_attention
+from confkv.attention.segments import KVSegment, PagedSegment, densify
 
 try:  # optional dependency
     import triton

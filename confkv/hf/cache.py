@@ -178,6 +178,7 @@ class ConfKVCache(Cache):
         self._policy_at: dict[int, Policy] = {}
         self.last_plan: StepPlan | None = None
         self._cap_checked = 0  # the batch size the cap was checked against (its floor grows with the batch)
+        self._byte_terms_of: tuple | None = None  # (heads, head_dim, element size) and their byte terms
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -305,18 +306,16 @@ class ConfKVCache(Cache):
         if first is None or not first.is_initialized:
             return torch.full((conf.shape[0], len(self.managed)), UNLIMITED, dtype=torch.int64)
         keys = first.recent.keys
-        shape = KVShape(keys.shape[1], keys.shape[3], keys.element_size(), self.layout.sliding_windows)
-        token, reserve = shape.token_bytes, keys.shape[0] * reserve_bytes(shape, self.store_config)
+        shape, token, row_reserve = self._byte_terms(keys)
         if self.target.max_kv_bytes is not None and self._cap_checked != keys.shape[0]:
             check_cap(self.target.max_kv_bytes, floor_bytes(shape, self.layout, self.floor_tokens, self.store_config,
                                                             batch=keys.shape[0]))
             self._cap_checked = keys.shape[0]
         with profiling.section("memory plan"):
             plan = plan_step(self.target, self.storage, batch=keys.shape[0], seen=first.seen_tokens,
-                             token_bytes=token,
-                             managed=len(self.managed),
+                             token_bytes=token, managed=len(self.managed),
                              sliding_bytes=sum(s.kv_bytes() for i, s in enumerate(stores) if i not in managed),
-                             floor_tokens=self.floor_tokens, reserve_bytes=reserve)
+                             floor_tokens=self.floor_tokens, reserve_bytes=keys.shape[0] * row_reserve)
         self.last_plan = plan
         hot = plan.hot_budget
         row = None if hot is None else torch.full(first.seen_real.shape, hot, dtype=torch.int64)
@@ -329,6 +328,15 @@ class ConfKVCache(Cache):
             store.end_step(row, cold_read)
             store.fit(plan.layer_bytes)
         return torch.full((conf.shape[0], len(self.managed)), UNLIMITED if hot is None else hot, dtype=torch.int64)
+
+    def _byte_terms(self, keys: torch.Tensor) -> tuple[KVShape, int, int]:
+        """(KV shape, bytes of a full-precision token, reserve per sequence) for keys [B, Hkv, L, D], fixed by the
+        model and store config: worked out once, kept while heads, width and dtype hold."""
+        key = (keys.shape[1], keys.shape[3], keys.element_size())
+        if self._byte_terms_of is None or self._byte_terms_of[0] != key:
+            shape = KVShape(*key, self.layout.sliding_windows)
+            self._byte_terms_of = (key, (shape, shape.token_bytes, reserve_bytes(shape, self.store_config)))
+        return self._byte_terms_of[1]
 
     def _ranking_policy(self, budget: int) -> Policy:
         """The policy with its ``budget`` set to the planned one (policies whose ranking depends on it,

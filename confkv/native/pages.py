@@ -131,7 +131,7 @@ def _paged(segment, keep: list) -> tuple[list, list]:
 def page_read(query: Tensor, segments: Sequence, scaling: float,
               need_mass: bool = True) -> tuple[Tensor, list[Tensor] | None] | None:
     """Attention of ``query`` over ``segments`` (:class:`~confkv.attention.KVSegment` s, masks allowed, and
-    :class:`~confkv.attention.paged.PagedSegment` s of 2-8 bits), the contract of ``blockwise_attention``.
+    :class:`~confkv.attention.segments.PagedSegment` s of 2-8 bits), the contract of ``blockwise_attention``.
 
     Args:
         query: [B, Hq, Q, D] on CPU (converted to float32), Hq = Hkv * G.

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from confkv.tiers import lowbit
-from confkv.attention.paged import gather_pages as _gather_pages
+from confkv.attention.segments import gather_pages as _gather_pages
 from confkv.tiers.cold_read import PageRead
 from confkv.config import ColdConfig
 from confkv.tiers.page_file import PageFile
@@ -71,7 +71,7 @@ class ColdTier(PageRead):
         self.step_confidence: Tensor | None = None  # [B] the model's confidence at this step (page metadata)
         #: (bytes of one sealed page, of its digest), all KV heads: fixed once the tier holds tokens (its format,
         #: config and head count never change after), asked at every kv_bytes() (every step), so worked out once
-        self._page_sizes: tuple[int, int] | None = None
+        self._page_sizes: tuple[int, int, int] | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
@@ -91,12 +91,14 @@ class ColdTier(PageRead):
         """Bytes of one sealed page of one sequence (all KV heads): the format's data and side data, digest."""
         return self._sizes()[0]
 
-    def _sizes(self) -> tuple[int, int]:
-        """(:meth:`page_nbytes`, :meth:`_digest_nbytes`), worked out at the first call (the tier holds tokens)."""
+    def _sizes(self) -> tuple[int, int, int]:
+        """(:meth:`page_nbytes`, :meth:`_digest_nbytes`, the format's per-layer bytes), worked out at the first
+        call (the tier holds tokens, so its format is fixed: a format's codebook size never changes)."""
         if self._page_sizes is None:
             heads = self.open["keys"].shape[1]
             digest = 2 * heads * self.head_dim * 2 if self.config.needs_digest else 0
-            self._page_sizes = (self.format.page_nbytes(heads, self.head_dim, self.config.page_size) + digest, digest)
+            self._page_sizes = (self.format.page_nbytes(heads, self.head_dim, self.config.page_size) + digest, digest,
+                                self.format.layer_nbytes())
         return self._page_sizes
 
     def kv_bytes(self) -> int:
@@ -105,8 +107,8 @@ class ColdTier(PageRead):
         if self.open is None:
             return 0
         batch = self.open["keys"].shape[0]
-        return (self.open["keys"].nbytes + self.open["values"].nbytes + batch * self.num_pages * self.page_nbytes()
-                + self.format.layer_nbytes())
+        page, _, layer = self._sizes()
+        return self.open["keys"].nbytes + self.open["values"].nbytes + batch * self.num_pages * page + layer
 
     def offloaded_bytes(self) -> int:
         """Bytes of sealed page data kept in the page file (0 in RAM); digests stay resident."""

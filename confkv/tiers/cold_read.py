@@ -19,7 +19,7 @@ from torch import Tensor
 
 from confkv import profiling
 from confkv.attention import KVSegment
-from confkv.attention.paged import PagedSegment, gather_pages as _gather_pages
+from confkv.attention.segments import PagedSegment, gather_pages as _gather_pages
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig

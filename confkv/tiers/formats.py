@@ -48,7 +48,7 @@ from confkv.tiers.hadamard import shared_rotation
 
 #: the techniques a format may add to KIVI
 TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope")
-#: the storage of plain KIVI pages (what :class:`~confkv.attention.paged.PagedSegment` reads)
+#: the storage of plain KIVI pages (what :class:`~confkv.attention.segments.PagedSegment` reads)
 KIVI_STORAGE = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
 
 
@@ -79,7 +79,7 @@ class PageFormat:
     Attributes:
         name: the canonical format name ("kivi", "kivi+hadamard", ..., "fp16").
         bits: code width (16: unquantized).
-        paged: True when :class:`~confkv.attention.paged.PagedSegment` (and the Triton read) can
+        paged: True when :class:`~confkv.attention.segments.PagedSegment` (and the Triton read) can
             read the storage as it is; otherwise reads decode with :meth:`decode`.
         paged_when_rotated: True when the storage is plain KIVI codes in the basis of :attr:`read_rotation`
             (``kivi+hadamard``): a packed read takes it either in that basis (the read folds the rotation

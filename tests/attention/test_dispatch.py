@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import confkv.attention as attention
+import confkv.attention.read_plan as attention  # the read and the names it calls
 from confkv import native
 from confkv.attention import KVSegment, attention_read, reads_pages, triton_read
 

@@ -73,7 +73,7 @@ def test_only_unmasked_full_precision_reads_are_eligible():
 
 
 def test_dispatch_uses_it_for_the_mass_and_keeps_the_reference_otherwise(monkeypatch):
-    import confkv.attention as attention
+    import confkv.attention.read_plan as attention  # the read and the names it calls
 
     monkeypatch.setattr(native, "mass_read", lambda *a: None)  # the torch one (native: tests/native/test_native_kernels.py)
     calls = []
@@ -96,7 +96,7 @@ def test_dispatch_uses_it_for_the_mass_and_keeps_the_reference_otherwise(monkeyp
 def test_a_mass_ranked_policy_evicts_the_same_tokens_with_either_read(policy, params, monkeypatch):
     """The store's decode reads take the mass read under "auto"; the kept tokens and the logits
     equal those of the block-wise read ("torch")."""
-    import confkv.attention as attention
+    import confkv.attention.read_plan as attention  # the read and the names it calls
 
     monkeypatch.setattr(native, "mass_read", lambda *a: None)  # the torch one (native: tests/native/test_native_kernels.py)
     calls = []

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from confkv.tiers import lowbit  # noqa: E402
 from confkv.attention import KVSegment, attention_read, blockwise_attention  # noqa: E402
 from confkv.attention import triton_pages, triton_read  # noqa: E402
-from confkv.attention.paged import PagedSegment  # noqa: E402
+from confkv.attention.segments import PagedSegment  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # the kernel runs interpreted on CPU tensors, or compiled on CUDA ones (TRITON_INTERPRET=0 on a GPU machine)

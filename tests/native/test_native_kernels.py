@@ -171,7 +171,7 @@ def test_tensors_off_the_cpu_return_none_for_the_torch_path():
 
 @needs_native
 def test_auto_dispatch_takes_the_native_read_for_the_mass(monkeypatch):
-    import confkv.attention as attention
+    import confkv.attention.read_plan as attention  # the read and the names it calls
 
     calls, original = [], native.mass_read
     monkeypatch.setattr(native, "mass_read", lambda *a: calls.append(1) or original(*a))

@@ -18,7 +18,7 @@ import torch
 from confkv import profiling
 from confkv.attention import KVSegment, attention_read, read_plan
 from confkv.attention.blockwise import blockwise_attention
-from confkv.attention.paged import PagedSegment, densify
+from confkv.attention.segments import PagedSegment, densify
 from confkv.native import pages as native_pages
 from confkv.native.loader import available, disabled
 from confkv.tiers import lowbit

@@ -319,7 +319,7 @@ def test_a_triton_backend_store_hands_its_cold_pages_over_packed(monkeypatch):
     # the Triton read takes the cold tier's pages still packed (a PagedSegment); the read itself is
     # replaced here by the torch read of the same pages unpacked, so no Triton kernel runs
     from confkv.store import read as store_module
-    from confkv.attention.paged import PagedSegment
+    from confkv.attention.segments import PagedSegment
 
     seen = []
     real = store_module.attention_read

@@ -19,7 +19,7 @@ from confkv.hf import ConfKVCache, generate
 from confkv.models import SUPPORTED_TINY_ARCHS, tiny_model
 from confkv.policies import make_policy
 from confkv.attention import KVSegment
-from confkv.attention.paged import PagedSegment
+from confkv.attention.segments import PagedSegment
 from confkv import profiling
 from confkv.tiers.page_file import PageFile
 

@@ -283,7 +283,7 @@ def test_a_format_pages_read_through_the_decode_on_every_backend(name):
 def test_hadamard_pages_reach_a_packed_read_packed_with_their_rotation():
     """``kivi+hadamard`` pages are KIVI codes of rotated keys / values: a backend that takes packed pages gets
     them packed, carrying the rotation (the native read turns the query); decoded, they are the format's decode."""
-    from confkv.attention.paged import PagedSegment
+    from confkv.attention.segments import PagedSegment
 
     keys, values, _, positions = _pages(6, count=4)
     tier = _tier("hadamard", 4)

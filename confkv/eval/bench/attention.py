@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, KVSegment, blockwise_attention
+from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, blockwise_attention
+from confkv.attention.segments import KVSegment
 from confkv.quant import key_channel_scale, quantize_keys, quantize_values
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

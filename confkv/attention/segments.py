@@ -1,12 +1,16 @@
-"""A read segment made of selected cold pages, still in their packed storage.
+"""The segments an attention read takes: a run of cached tokens in the model's dtype or INT8
+(:class:`KVSegment`), and selected cold pages still in their packed storage (:class:`PagedSegment`).
 
-The cold tier (:mod:`confkv.tiers.cold`) keeps demoted tokens in fixed-size pages, low-bit and
+**KVSegment**: keys and values [B, Hkv, L, D], float or int8 (with per-token and per-channel scales,
+:mod:`confkv.quant`), and an optional visibility mask broadcastable to [B, Hkv, Q, L].
+
+**PagedSegment**: the cold tier (:mod:`confkv.tiers.cold`) keeps demoted tokens in fixed-size pages, low-bit and
 KIVI-style (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV
 Cache"; packing in :mod:`confkv.tiers.lowbit`), and picks per sequence and KV head the ``K``
 pages whose key digest bounds ``q . k`` highest (Tang et al. 2024, "Quest"). A
 :class:`PagedSegment` names those pages without copying them: the Triton paged read
-(:mod:`confkv.attention.triton_pages`) reads the codes straight from the page storage;
-every other backend calls :meth:`PagedSegment.to_dense` (gather + dequantize with torch,
+(:mod:`confkv.attention.triton_pages`) and the native page read (:mod:`confkv.native.pages`) read the codes
+straight from the page storage; the torch reads call :meth:`PagedSegment.to_dense` (gather + dequantize,
 the reference).
 
 Shapes (``B`` sequences, ``H`` KV heads, ``N`` pages of storage, ``P`` tokens per page,
@@ -34,7 +38,49 @@ import torch
 from torch import Tensor
 
 from confkv.tiers import lowbit
-from confkv.attention.blockwise import KVSegment
+
+
+@dataclass
+class KVSegment:
+    """One contiguous run of cached tokens, in FP or INT8 storage.
+
+    Attributes:
+        keys: [B, Hkv, L, D] float (model dtype) or int8.
+        values: [B, Hkv, L, D] float or int8.
+        visible: bool, broadcastable to [B, Hkv, Q, L]; True = the query may
+            attend this slot.  None = all visible.
+        key_token_scale: [B, Hkv, L] float32, iff keys are int8.
+        key_channel_scale: [B, Hkv, D] float32, iff keys are int8.
+        value_token_scale: [B, Hkv, L] float32, iff values are int8.
+    """
+
+    keys: Tensor
+    values: Tensor
+    visible: Tensor | None
+    key_token_scale: Tensor | None = None
+    key_channel_scale: Tensor | None = None
+    value_token_scale: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    @property
+    def keys_int8(self) -> bool:
+        return self.keys.dtype == torch.int8
+
+    @property
+    def values_int8(self) -> bool:
+        return self.values.dtype == torch.int8
+
+    def validate(self) -> None:
+        """Raise ValueError if the scales do not match the storage dtypes."""
+        if self.keys.shape != self.values.shape:
+            raise ValueError(f"keys {tuple(self.keys.shape)} and values {tuple(self.values.shape)} differ")
+        if self.keys_int8 != (self.key_token_scale is not None and self.key_channel_scale is not None):
+            raise ValueError("int8 keys need key_token_scale and key_channel_scale (and fp keys must have none)")
+        if self.values_int8 != (self.value_token_scale is not None):
+            raise ValueError("int8 values need value_token_scale (and fp values must have none)")
 
 
 def gather_pages(tensor: Tensor, index: Tensor) -> Tensor:

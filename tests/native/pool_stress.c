@@ -3,9 +3,9 @@
  * POOL_PAUSE_WHILE_ARMING widens the window in which the caller arms a call (a loaded machine can deschedule
  * the caller there for as long): before the fix a worker leaving the last call claimed a chunk of the new one
  * in about half the calls. Built and run by test_native_pool.py; prints "<wrong> of <calls> calls wrong". */
+#include "c/common.h" /* first: it defines _GNU_SOURCE (usleep); from the kernels' source directory (-I) */
 #include <stdio.h>
 #include <unistd.h>
-#include "c/common.h" /* from the kernels' source directory (-I): a mutated copy in mutation runs */
 #define POOL_PAUSE_WHILE_ARMING() usleep(30)
 #include "c/pool.c"
 

@@ -21,8 +21,8 @@ def test_every_chunk_of_every_call_runs_exactly_once(tmp_path):
     source = Path(__file__).with_name("pool_stress.c")
     binary = tmp_path / "pool_stress"
     # the pool of the kernels' source ($CONFKV_NATIVE_SOURCE: a mutated copy, benchmarks/mutate_native.py)
-    subprocess.run([cc, "-O2", "-std=c99", "-pthread", f"-I{loader.PARTS.parent}", str(source), "-o", str(binary),
-                    "-lm"], check=True)
+    subprocess.run([cc, "-O2", "-std=c99", "-pthread", "-Werror=implicit-function-declaration",
+                    f"-I{loader.PARTS.parent}", str(source), "-o", str(binary), "-lm"], check=True)
     run = subprocess.run([str(binary), "1000"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip() == "0 of 1000 calls wrong"

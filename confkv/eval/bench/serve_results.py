@@ -28,7 +28,7 @@ def flat_memory(result: dict[str, Any], after: int) -> dict[str, float] | None:
 def same_answers(result: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """The answers of two runs of the same load (same ``--seed``, prompts and lengths), request by request:
     ``{"compared": requests completed in both, "equal": of them with the same token ids, "different":
-    the first 10 indices that differ}``. ``serve_load.comparable`` checks ``other`` before the load is run."""
+    the first 10 indices that differ}``. :func:`comparable` checks ``other`` before the load is run."""
     def answers(run: dict[str, Any]) -> dict[int, list[int]]:
         return {o["index"]: o["token_ids"] for o in run["outcomes"]
                 if o["status"] == "completed" and o.get("index", -1) >= 0}

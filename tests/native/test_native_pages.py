@@ -298,6 +298,32 @@ def test_the_smallest_and_the_largest_group_are_read_as_the_torch_read(bits, gro
     _compare(query, [*_hot(gen), _pages_of(gen, bits, PAGE, DIM, group)])
 
 
+@pytest.mark.parametrize("page, dim, group", [(16, 32, 8), (16, 32, 4)])  # the fast path; the row-by-row readers
+def test_a_key_group_with_one_valid_slot_at_either_end_is_read_with_its_own_scales(page, dim, group):
+    """Each key group of slots has its own per-channel scale and minimum, loaded when any of its slots is valid. Here
+    the groups hold no valid slot, only their first, only their last, or all, in turn (random validity almost never
+    gives a group whose only valid slot is an end one), and each group's keys sit at their own offset: a reader
+    that looks at too few slots before loading a group's scales reads the last group's instead."""
+    gen = torch.Generator().manual_seed(page + group)
+    groups = page // group
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    keys = keys + 4.0 * torch.arange(groups).repeat_interleave(group)[:, None]  # a group's own range
+    values = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    pattern = torch.zeros(4, group, dtype=torch.bool)
+    pattern[1, 0] = pattern[2, -1] = True  # none, first only, last only, all
+    pattern[3] = True
+    which = (torch.arange(PAGES * groups).reshape(PAGES, groups) + torch.arange(BATCH * KV_HEADS)[:, None, None]) % 4
+    valid = pattern[which].reshape(BATCH, KV_HEADS, PAGES, page)
+    qk = lowbit.quantize_keys(keys, valid, 3, group)
+    qv = lowbit.quantize_values(values, 3, group)
+    index = torch.arange(PAGES).expand(BATCH, KV_HEADS, PAGES).contiguous()
+    pages = PagedSegment(index, torch.full((BATCH,), PAGES), valid, 3, group, dim, key_codes=qk.codes,
+                         key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
+                         value_min=qv.minimum)
+    query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen) * 0.3
+    _compare(query, [pages], dim ** -0.5)
+
+
 @pytest.mark.parametrize("page, dim, group", [
     (8, 32, 0),    # no group at all
     (8, 32, 16),   # the keys' group longer than the page (the values' 16 channels would divide 32)

@@ -52,11 +52,13 @@ def test_a_buffer_holds_the_region_and_appends_in_place():
 
 
 def test_a_buffer_refuses_too_little_room_and_int8_regions():
-    with pytest.raises(ValueError, match="4 slots cannot hold a region of 5"):
+    with pytest.raises(ValueError, match="^a window buffer of 4 slots cannot hold a region of 5$"):
         WindowBuffer.around(_region(5), 4)
+    exact = WindowBuffer.around(_region(5), 5)  # as many slots as the region: taken, and full
+    assert exact.capacity == 5 and torch.equal(exact.keys, _region(5).keys)
     region = _region(5)
     region.key_scale = region.value_scale = torch.ones(2, 3, 5)
-    with pytest.raises(ValueError, match="not an INT8 one"):
+    with pytest.raises(ValueError, match="^a window buffer holds a full-precision region, not an INT8 one$"):
         WindowBuffer.around(region, 8)
 
 

@@ -54,3 +54,22 @@ def test_the_model_dtype_is_part_of_a_grids_run_key():
     assert ruler_key(RulerConfig(), "smollm2") != ruler_key(RulerConfig(dtype="bfloat16"), "smollm2")
     assert '"dtype": "bfloat16"' in ruler_key(RulerConfig(dtype="bfloat16"), "smollm2")
     assert agent_key(AgentConfig(), "smollm2") != agent_key(AgentConfig(dtype="bfloat16"), "smollm2")
+
+
+def test_a_policy_gets_only_the_parameters_it_takes_and_the_named_policy_is_checked():
+    """Unscoped keys that a policy does not take are left out for it (``bits`` is KIVI's, not TOVA's); the
+    check under the target is of the policy named, not of the default preset (a policy with its own cold
+    tier is refused by name); a key with two colons names the policy before the first one."""
+    from confkv.policies.registry import accepted_parameters
+
+    assert _policy_extra("tova", {"bits": 3, "budget": 4}) == {"budget": 4}
+    assert memory_params("h2o", 0.25, {"bits": 3}) == {"memory": 0.25}
+    with pytest.raises(ConfigError, match=r"^confkv-r at memory 0.25: storage: policy 'confkv-r' brings its own"):
+        memory_params("confkv-r", 0.25, None)
+    takes = ", ".join(sorted(accepted_parameters("tova")))
+    with pytest.raises(ConfigError) as refused:
+        memory_params("tova", 0.25, {"tova:ladder:x": 1})
+    assert str(refused.value) == f"--param tova:ladder:x: tova has no parameter 'ladder:x'; it takes {takes}"
+    with pytest.raises(ConfigError, match=r"^--param tova:ladder:x: tova has no parameter 'ladder:x'"):
+        check_scoped_params({"tova:ladder:x": 1}, ["tova"])
+    check_scoped_params({"tova:protect": 2}, ["tova+int8+slack64"])  # a spec's policy: before its first "+"

@@ -260,6 +260,24 @@ def test_two_threads_give_the_same_bits_as_one():
     assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
 
 
+def test_the_fast_path_gives_the_same_bits_at_two_threads_in_every_read():
+    """The fast readers' work buffers (the query and weighted sum in plane order, the unpacked rows) are each
+    task's own: tasks that shared them would give other bits only when two ran at once, so the read is repeated."""
+    gen = torch.Generator().manual_seed(7)
+    segments = [_pages_of(gen, 3, 64, 64, 64), _pages_of(gen, 4, 64, 64, 64)]
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_mass = native_pages.page_read(query, segments, 64 ** -0.5)
+        torch.set_num_threads(2)
+        for _ in range(20):
+            two, two_mass = native_pages.page_read(query, segments, 64 ** -0.5)
+            assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_mask_that_differs_per_kv_head_and_per_query_is_read_as_given():
     """The store's causal mask over its recent slots is [B, Hkv, Q, L]: each KV head keeps other positions, and
     each query of a prefill sees other slots. The kernel reads the mask by its head, query and slot strides."""

@@ -13,11 +13,15 @@ replaces the text between the ``<!-- mutation-table -->`` markers of docs/MUTATI
 * not run: not checked yet (an interrupted or partial run), excluded from the percentage.
 
 Usage: ``python benchmarks/mutation_table.py [--check]`` (``--check``: print only, do not write).
+A run of some modules only (``make mutate MUTANTS="confkv.tiers.ladder.* ..."``) gets a table of its own:
+``--modules confkv/tiers/ladder.py ...`` (globs) keeps those modules' rows, ``--table NAME`` writes between
+``<!-- mutation-table:NAME -->`` markers, ``--mutants DIR`` reads another checkout's ``mutants/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 import sys
@@ -91,10 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="print the table, do not write docs/MUTATION.md")
     parser.add_argument("--survivors", action="store_true", help="also list the non-equivalent survivors")
+    parser.add_argument("--modules", nargs="+", help="only these modules' rows (globs: confkv/tiers/*.py)")
+    parser.add_argument("--table", help="write between <!-- mutation-table:TABLE --> markers instead")
+    parser.add_argument("--mutants", type=Path, default=ROOT / "mutants", help="mutmut's directory (default: ./mutants)")
     args = parser.parse_args(argv)
-    results = load_results(ROOT / "mutants")
+    results = load_results(args.mutants)
+    if args.modules:
+        results = {name: code for name, code in results.items()
+                   if any(fnmatch.fnmatch(module_of(name), pattern) for pattern in args.modules)}
     if not results:
-        print("no mutmut results under mutants/: run `make mutate` first", file=sys.stderr)
+        print(f"no mutmut results under {args.mutants}{' for those modules' if args.modules else ''}: "
+              "run `make mutate` first", file=sys.stderr)
         return 1
     doc = DOC.read_text()
     text, survivors = table(results, equivalent_mutants(doc))
@@ -102,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.survivors:
         print("\n".join(survivors))
     if not args.check:
-        if BEGIN not in doc or END not in doc:
-            print(f"{DOC}: markers {BEGIN} / {END} missing", file=sys.stderr)
+        begin, end = (f"<!-- mutation-table:{args.table} -->", f"<!-- /mutation-table:{args.table} -->") if args.table \
+            else (BEGIN, END)
+        if begin not in doc or end not in doc:
+            print(f"{DOC}: markers {begin} / {end} missing", file=sys.stderr)
             return 1
-        head, rest = doc.split(BEGIN, 1)
-        DOC.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+        head, rest = doc.split(begin, 1)
+        DOC.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
     return 0
 
 

@@ -30,3 +30,22 @@ def test_table_counts_each_outcome_per_module(tmp_path):
     assert row == "| confkv/policies/h2o.py | 6 | 1 | 1 | 1 | 2 | 1 | 50.0 |"
     assert survivors == ["confkv.policies.h2o.x_f__mutmut_3 (exit 0)", "confkv.policies.h2o.x_f__mutmut_5 (exit 33)"]
     assert script.module_of("confkv.attention.x_attention_read__mutmut_1") == "confkv/attention/__init__.py"
+
+
+def test_a_run_of_some_modules_writes_their_rows_into_a_table_of_its_own(tmp_path, monkeypatch):
+    script = _script()
+    for module, code in (("h2o", 1), ("tova", 0)):
+        meta = tmp_path / "mutants" / "confkv" / "policies" / f"{module}.py.meta"
+        meta.parent.mkdir(parents=True, exist_ok=True)
+        meta.write_text(json.dumps({"exit_code_by_key": {f"confkv.policies.{module}.x_f__mutmut_1": code}}))
+    doc = tmp_path / "MUTATION.md"
+    doc.write_text("<!-- mutation-table -->\nold\n<!-- /mutation-table -->\n"
+                   "<!-- mutation-table:late -->\n<!-- /mutation-table:late -->\n")
+    monkeypatch.setattr(script, "DOC", doc)
+    assert script.main(["--mutants", str(tmp_path / "mutants"), "--modules", "confkv/policies/h2o.py",
+                        "--table", "late"]) == 0
+    text = doc.read_text()
+    assert "<!-- mutation-table -->\nold\n<!-- /mutation-table -->" in text  # the main table untouched
+    late = text.split("<!-- mutation-table:late -->\n", 1)[1]
+    assert "| confkv/policies/h2o.py | 1 | 1 | 0 | 0 | 0 | 0 | 100.0 |" in late and "tova" not in late
+    assert script.main(["--mutants", str(tmp_path / "mutants"), "--modules", "confkv/nothing.py", "--check"]) == 1

@@ -166,6 +166,20 @@ def test_a_cheap_open_page_loses_only_its_oldest_slots(seal_early):
     assert tier.kv_bytes() == (count - 1) * SLOT_BYTES
 
 
+def test_an_open_page_that_costs_exactly_a_bottom_page_is_trimmed_not_sealed():
+    """Sealing saves bytes only when the open tokens cost more than a bottom-rung page: at exactly its cost the
+    sealed page would be dropped whole at the bottom, so the oldest slots go instead. Pages of 16 slots, 16
+    channels, 2 bits at the bottom, float32: 2 open tokens cost what one bottom page does."""
+    tier = LadderTier(Storage(ladder=(8, 2), page_size=16, group_size=16))
+    slot = 2 * B * H * 16 * 4
+    assert 2 * slot == B * lowbit.page_bytes(H, 16, 16, 2, 16, 4, digest=False)
+    keys = torch.randn(B, H, 2, 16, generator=torch.Generator().manual_seed(4))
+    tier.demote(keys, keys.flip(-1), (100 + torch.arange(2)).expand(B, H, 2).clone(), torch.ones(B, 2, dtype=torch.bool))
+    tier.fit(slot, torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [0, 0] and tier.top.open_length == 1
+    assert tier.top.open["positions"].eq(101).all() and tier.kv_bytes() == slot
+
+
 def test_token_count_adds_every_rung_per_sequence():
     """[B] valid tokens over all rungs: sequence 1 has 8 empty slots (left padding), wherever its pages sit."""
     tier = LadderTier(Storage(ladder=(8, 4), page_size=P, group_size=P))

@@ -17,6 +17,7 @@ draw themselves (loading weights, downloads).
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import IO, Iterable, Iterator, TypeVar
@@ -93,11 +94,21 @@ def _plain_lines(iterable: Iterable[T], *, desc: str, total: int | None, stream:
 def quiet_library_bars(stream: IO[str] | None = None) -> None:
     """Turn off transformers' and huggingface_hub's own tqdm bars when ``stream`` is not a terminal.
 
-    Called before a model is loaded (their "Loading weights" bar). On a terminal, or in a
+    Called before a model is loaded (their "Loading weights" bar, and the bar of a GGUF file's
+    conversion, which transformers draws with tqdm whatever its own setting). On a terminal, or in a
     notebook, it changes nothing.
     """
     if is_terminal(stream) or _in_notebook():
         return
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_loading
+
+        if not getattr(gguf_loading.tqdm, "confkv_quiet", False):
+            quiet = functools.partial(gguf_loading.tqdm, disable=True)
+            quiet.confkv_quiet = True  # type: ignore[attr-defined]
+            gguf_loading.tqdm = quiet
+    except ImportError:
+        pass
     try:
         from transformers.utils import logging as transformers_logging
 

@@ -39,3 +39,25 @@ def test_disabled_writes_nothing_and_a_terminal_gets_the_bar():
     terminal = _Terminal()
     list(progress(range(10), desc="bar", stream=terminal))
     assert "\r" in terminal.getvalue() and "bar" in terminal.getvalue()  # tqdm's redraws
+
+
+def test_library_bars_are_quiet_when_the_output_is_not_a_terminal(monkeypatch, capsys):
+    """transformers' own bars go off, and so does the bar of a GGUF file's conversion, which transformers draws
+    with tqdm whatever its setting (a 339-line carriage-return bar in every log of a GGUF model's run)."""
+    import io
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_loading
+    from transformers.utils import logging as transformers_logging
+
+    from confkv.progress import quiet_library_bars
+
+    monkeypatch.setattr(gguf_loading, "tqdm", gguf_loading.tqdm)  # restored after the test
+    try:
+        quiet_library_bars(io.StringIO())
+        assert not transformers_logging.is_progress_bar_enabled()
+        assert list(gguf_loading.tqdm(range(3), desc="Converting")) == [0, 1, 2]
+        assert "Converting" not in capsys.readouterr().err
+        quiet_library_bars(io.StringIO())  # twice: still one wrapper
+        assert gguf_loading.tqdm.func.__module__.startswith("tqdm")
+    finally:
+        transformers_logging.enable_progress_bar()

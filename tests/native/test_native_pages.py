@@ -260,6 +260,24 @@ def test_two_threads_give_the_same_bits_as_one():
     assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
 
 
+@pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (64, 64, 64)])  # the row-by-row readers; the fast path
+def test_scores_in_the_tens_are_read_as_the_torch_read(page, dim, group):
+    """Attention scores of real models reach tens (a softmax that did not subtract each row's maximum first
+    would overflow where a score plus the row's maximum passes 88): queries scaled up so that scores span about
+    -60 to 60. A score of size S carries S * 2^-24 of rounding into its weight, so the bound is wider than
+    elsewhere (1e-4), and still far below what an overflow gives (inf, NaN, or weights off by orders)."""
+    gen = torch.Generator().manual_seed(page + dim)
+    segments = [_pages_of(gen, 4, page, dim, group), _pages_of(gen, 8, page, dim, group)]
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen) * 7.0
+    out, mass = native_pages.page_read(query, segments, dim ** -0.5)
+    ref, ref_mass = blockwise_attention(query, densify(list(segments)), dim ** -0.5)
+    scores = torch.einsum("bhqd,bhld->bhql", query[:, ::3], densify(list(segments))[0].keys) * dim ** -0.5
+    assert 48.0 < float(scores.abs().max()) < 100.0  # the range the test is about
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for got, want in zip(mass, ref_mass):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_the_fast_path_gives_the_same_bits_at_two_threads_in_every_read():
     """The fast readers' work buffers (the query and weighted sum in plane order, the unpacked rows) are each
     task's own: tasks that shared them would give other bits only when two ran at once, so the read is repeated."""

@@ -437,6 +437,26 @@ def test_the_portable_build_reads_as_the_torch_read(tmp_path):
         loader._state["lib"] = saved
 
 
+def test_each_unit_combines_the_maxima_of_its_own_slices():
+    """Batch 1, 3 KV heads: each unit read in 4 slices. KV head 0's scores sit near +56 and the others' near -56
+    (keys with a positive mean, queries along it or against it), so a unit that took another unit's slice maxima
+    would subtract a maximum over 100 above its scores: every exp would clamp at the same floor, and its weights
+    would come out flat instead of following its scores."""
+    gen = torch.Generator().manual_seed(9)
+    dim, page, group, heads, count = 64, 64, 64, 3, 7
+    keys = torch.randn(1, heads, count, page, dim, generator=gen) * 0.5 + 1.0
+    values = torch.randn(1, heads, count, page, dim, generator=gen)
+    valid = torch.ones(1, heads, count, page, dtype=torch.bool)
+    qk, qv = lowbit.quantize_keys(keys, valid, 8, group), lowbit.quantize_values(values, 8, group)
+    pages = PagedSegment(torch.arange(count).expand(1, heads, count).contiguous(), torch.tensor([count]), valid, 8,
+                         group, dim, key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
+                         value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
+    sign = torch.tensor([1.0, -1.0, -1.0]).repeat_interleave(3)  # query heads 0-2 read KV head 0, ...
+    query = 7.0 * sign[None, :, None, None] * torch.ones(1, heads * 3, 1, dim)
+    query = query + torch.randn(1, heads * 3, 1, dim, generator=gen)
+    _compare(query, [pages], dim ** -0.5)
+
+
 @pytest.mark.parametrize("pages_per_segment", [(2, 7), (1, 12)])
 def test_a_few_units_pages_are_read_in_slices_as_the_torch_read(pages_per_segment):
     """Batch 1 with 3 KV heads is 3 units: big enough, each unit's pages are read in 4 slices (page_tasks.c's

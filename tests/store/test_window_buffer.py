@@ -217,3 +217,45 @@ def test_the_native_step_writes_slot_0_and_refuses_slots_outside_the_window():
         with pytest.raises(RuntimeError, match="outside the window"):
             plan.step(query, key, value, position, outside, 0.5)
     torch.testing.assert_close(window.keys, before, rtol=0, atol=0, equal_nan=True)  # slot 1 still the poison (NaN)
+
+
+def _region_with(length: int, stats: tuple[str, ...], gen: torch.Generator, batch=2, heads=3, dim=8) -> Region:
+    return Region(keys=torch.randn(batch, heads, length, dim, generator=gen),
+                  values=torch.randn(batch, heads, length, dim, generator=gen),
+                  positions=torch.arange(length).expand(batch, heads, length).clone(),
+                  valid=torch.ones(batch, length, dtype=torch.bool),
+                  stats={name: torch.rand(batch, heads, length, generator=gen) for name in stats}, all_valid=True)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_native_step_updates_each_of_several_statistics_by_its_own_rule(threads):
+    """A plan lists every statistic with its own (scale, gain); the C step updates each, in the older region and in
+    the window, as ``stat * scale + mass * gain`` from the masses the same step returns without a rule. Today's
+    linear policies keep one statistic each, so a second one's place in the kernel's list had no test. B 2, Hkv 3,
+    6 query heads, D 64, 300 older slots (big enough for the pool at two threads)."""
+    rules = {"a": (0.9, 0.1), "b": (1.0, 2.0)}
+    runs = []
+    for linear in (None, rules):
+        gen = torch.Generator().manual_seed(21)
+        old = _region_with(300, tuple(rules), gen, dim=64)
+        window = WindowBuffer.around(_region_with(5, tuple(rules), gen, dim=64), 8)
+        query = torch.randn(2, 6, 1, 64, generator=gen)
+        key, value = torch.randn(2, 3, 1, 64, generator=gen), torch.randn(2, 3, 1, 64, generator=gen)
+        before = {name: (old.stats[name].clone(), window.stats[name][:, :, :5].clone()) for name in rules}
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, masses = DecodePlan.build(window, old, 6, linear).step(query, key, value, torch.tensor([300, 300]), 5,
+                                                                        0.125)
+        finally:
+            torch.set_num_threads(threads_before)
+        runs.append((out, masses, old, window, before))
+    (out, masses, _, _, before), (out_linear, no_masses, old, window, _) = runs
+    assert no_masses is None and torch.equal(out, out_linear)
+    for name, (scale, gain) in rules.items():
+        old_before, window_before = before[name]
+        window_before = torch.cat([window_before, torch.zeros(2, 3, 1)], dim=-1)  # the new slot's statistic starts at 0
+        torch.testing.assert_close(old.stats[name], old_before * scale + masses[0] * gain, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(window.stats[name][:, :, :6], window_before * scale + masses[1] * gain,
+                                   rtol=1e-6, atol=1e-7)

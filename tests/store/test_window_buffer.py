@@ -229,12 +229,16 @@ def _region_with(length: int, stats: tuple[str, ...], gen: torch.Generator, batc
 
 @pytest.mark.skipif(not native.available(), reason="the native decode step")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_native_step_updates_each_of_several_statistics_by_its_own_rule(threads):
+@pytest.mark.parametrize("count", [2, 8])  # 8: MAX_STATS, the most a plan takes
+def test_the_native_step_updates_each_of_several_statistics_by_its_own_rule(threads, count):
     """A plan lists every statistic with its own (scale, gain); the C step updates each, in the older region and in
     the window, as ``stat * scale + mass * gain`` from the masses the same step returns without a rule. Today's
-    linear policies keep one statistic each, so a second one's place in the kernel's list had no test. B 2, Hkv 3,
-    6 query heads, D 64, 300 older slots (big enough for the pool at two threads)."""
-    rules = {"a": (0.9, 0.1), "b": (1.0, 2.0)}
+    linear policies keep one statistic each, so a second one's place in the kernel's list, and the most it takes,
+    had no test. B 2, Hkv 3, 6 query heads, D 64, 300 older slots (big enough for the pool at two threads)."""
+    from confkv.native.decode import MAX_STATS
+
+    assert count <= MAX_STATS
+    rules = {f"s{k}": (1.0 - 0.1 * k, 0.5 + k) for k in range(count)}
     runs = []
     for linear in (None, rules):
         gen = torch.Generator().manual_seed(21)

@@ -13,7 +13,8 @@ replaces the text between the ``<!-- mutation-table -->`` markers of docs/MUTATI
 * not run: not checked yet (an interrupted or partial run), excluded from the percentage.
 
 Usage: ``python benchmarks/mutation_table.py [--check]`` (``--check``: print only, do not write).
-A run of some modules only (``make mutate MUTANTS="confkv.tiers.ladder.* ..."``) gets a table of its own:
+A run of some modules only (``mutmut run "confkv.tiers.ladder.*" ...``; ``make mutate MUTANTS=...`` would also
+rewrite the whole-core table from its partial results) gets a table of its own:
 ``--modules confkv/tiers/ladder.py ...`` (globs) keeps those modules' rows, ``--table NAME`` writes between
 ``<!-- mutation-table:NAME -->`` markers, ``--mutants DIR`` reads another checkout's ``mutants/``.
 """

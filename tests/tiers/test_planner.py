@@ -21,3 +21,18 @@ def test_an_int8_store_adds_its_key_channel_scale_to_every_managed_layer():
     # the frozen channel scale: 2 heads x 8 channels x 4 bytes (float32) = 64 bytes per managed layer
     assert floor_bytes(SHAPE, LAYOUT, 10, StoreConfig(kv_int8=True)) == 1_280 + 2 * 64 + 512
     assert floor_bytes(SHAPE, LAYOUT, 10, StoreConfig(kv_int8=True), batch=2) == 2 * (1_280 + 2 * 64 + 512)
+
+
+def test_a_full_target_without_a_reserve_keeps_every_token_to_the_byte():
+    """memory=1 with nothing held besides the tokens (no INT8 scale, the default ``reserve_bytes``): the layer's
+    share is exactly its full bytes, and not one byte more is asked, so nothing is evicted; one byte less is a
+    plan that evicts. B 2, 100 positions, 1,536-byte tokens, 4 managed layers."""
+    from confkv.tiers.planner import plan_step
+    from confkv.tiers.storage import MemoryTarget, Storage
+
+    shape = dict(batch=2, seen=100, token_bytes=1536, managed=4, sliding_bytes=0, floor_tokens=4)
+    full = 4 * 2 * 100 * 1536
+    kept = plan_step(MemoryTarget(1.0, None), Storage(), **shape)
+    assert kept.hot_budget is None and kept.layer_bytes == 2 * 100 * 1536 and kept.full_bytes == full
+    tight = plan_step(MemoryTarget(None, full - 4), Storage(), **shape)
+    assert tight.hot_budget is not None

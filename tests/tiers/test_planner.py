@@ -36,3 +36,18 @@ def test_a_full_target_without_a_reserve_keeps_every_token_to_the_byte():
     assert kept.hot_budget is None and kept.layer_bytes == 2 * 100 * 1536 and kept.full_bytes == full
     tight = plan_step(MemoryTarget(None, full - 4), Storage(), **shape)
     assert tight.hot_budget is not None
+
+
+def test_with_a_ladder_the_hot_tier_gets_its_share_of_the_layer_after_the_reserve():
+    """Under a ladder the hot tier takes ``hot_share`` of each layer's bytes once the reserve is out, in whole
+    tokens of every sequence: worked out by hand for memory=0.25, B 2, 1,000 positions, 1,536-byte tokens,
+    4 managed layers, a 60,000-byte reserve per layer."""
+    from confkv.tiers.planner import plan_step
+    from confkv.tiers.storage import MemoryTarget, Storage
+
+    storage = Storage()
+    plan = plan_step(MemoryTarget(0.25, None), storage, batch=2, seen=1000, token_bytes=1536, managed=4,
+                     sliding_bytes=0, floor_tokens=4, reserve_bytes=60_000)
+    layer = 2 * 1000 * 1536 // 4  # the target of one layer: a quarter of its full bytes (768,000)
+    assert plan.layer_bytes == layer
+    assert plan.hot_budget == int(storage.hot_share * (layer - 60_000)) // (2 * 1536) > 4

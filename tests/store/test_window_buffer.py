@@ -25,11 +25,12 @@ RANKED = [
 ]
 
 
-def _region(length: int, seed: int = 0) -> Region:
+def _region(length: int, seed: int = 0, stats: tuple[str, ...] = ("ema",), dim: int = 8) -> Region:
+    """B 2, Hkv 3, ``dim`` channels, every slot valid, each statistic random in [0, 1)."""
     gen = torch.Generator().manual_seed(seed)
-    return Region(keys=torch.randn(2, 3, length, 8, generator=gen), values=torch.randn(2, 3, length, 8, generator=gen),
+    return Region(keys=torch.randn(2, 3, length, dim, generator=gen), values=torch.randn(2, 3, length, dim, generator=gen),
                   positions=torch.arange(length).expand(2, 3, length).clone(), valid=torch.ones(2, length, dtype=torch.bool),
-                  stats={"ema": torch.rand(2, 3, length, generator=gen)}, all_valid=True)
+                  stats={name: torch.rand(2, 3, length, generator=gen) for name in stats}, all_valid=True)
 
 
 def test_a_buffer_holds_the_region_and_appends_in_place():
@@ -219,14 +220,6 @@ def test_the_native_step_writes_slot_0_and_refuses_slots_outside_the_window():
     torch.testing.assert_close(window.keys, before, rtol=0, atol=0, equal_nan=True)  # slot 1 still the poison (NaN)
 
 
-def _region_with(length: int, stats: tuple[str, ...], gen: torch.Generator, batch=2, heads=3, dim=8) -> Region:
-    return Region(keys=torch.randn(batch, heads, length, dim, generator=gen),
-                  values=torch.randn(batch, heads, length, dim, generator=gen),
-                  positions=torch.arange(length).expand(batch, heads, length).clone(),
-                  valid=torch.ones(batch, length, dtype=torch.bool),
-                  stats={name: torch.rand(batch, heads, length, generator=gen) for name in stats}, all_valid=True)
-
-
 @pytest.mark.skipif(not native.available(), reason="the native decode step")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("count", [2, 8])  # 8: MAX_STATS, the most a plan takes
@@ -241,9 +234,9 @@ def test_the_native_step_updates_each_of_several_statistics_by_its_own_rule(thre
     rules = {f"s{k}": (1.0 - 0.1 * k, 0.5 + k) for k in range(count)}
     runs = []
     for linear in (None, rules):
-        gen = torch.Generator().manual_seed(21)
-        old = _region_with(300, tuple(rules), gen, dim=64)
-        window = WindowBuffer.around(_region_with(5, tuple(rules), gen, dim=64), 8)
+        old = _region(300, seed=21, stats=tuple(rules), dim=64)
+        window = WindowBuffer.around(_region(5, seed=22, stats=tuple(rules), dim=64), 8)
+        gen = torch.Generator().manual_seed(23)
         query = torch.randn(2, 6, 1, 64, generator=gen)
         key, value = torch.randn(2, 3, 1, 64, generator=gen), torch.randn(2, 3, 1, 64, generator=gen)
         before = {name: (old.stats[name].clone(), window.stats[name][:, :, :5].clone()) for name in rules}

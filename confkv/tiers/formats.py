@@ -30,6 +30,9 @@ the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques bel
   (:mod:`confkv.tiers.codebook`).
 - ``prerope``: keys stored before the rotary embedding, re-rotated at decode from each
   token's position (:mod:`confkv.tiers.prerope`; needs the model's rotary parameters).
+- ``clip``: at 2 and 3 bits, each group's range chosen by least squared error instead of its minimum and
+  maximum (:mod:`confkv.tiers.clipping`); the stored form is KIVI's, so it reads as the format without it
+  (``kivi+clip`` as ``kivi``, ``kivi+hadamard+clip`` as ``kivi+hadamard``).
 
 At ``bits=16`` every format is the unquantized page in the model's dtype (:class:`FullPrecisionFormat`).
 """
@@ -42,12 +45,15 @@ import torch
 from torch import Tensor
 
 from confkv.tiers import lowbit
+from confkv.tiers import clipping as _clipping
 from confkv.tiers import codebook as _codebook
 from confkv.tiers import outliers as _outliers
 from confkv.tiers.hadamard import shared_rotation
 
 #: the techniques a format may add to KIVI
-TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope")
+TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope", "clip")
+#: techniques that change only how codes are chosen, not what is stored or how it is read
+STORAGE_NEUTRAL = frozenset({"clip"})
 #: the storage of plain KIVI pages (what :class:`~confkv.attention.segments.PagedSegment` reads)
 KIVI_STORAGE = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
 
@@ -169,8 +175,9 @@ class KiviFormat(PageFormat):
         self.bits, self.group_size, self.head_dim = bits, group_size, head_dim
         self.techniques = frozenset(techniques)
         self.name = canonical_name(self.techniques)
-        self.paged = not self.techniques
-        self.paged_when_rotated = self.techniques == frozenset({"hadamard"})  # KIVI codes of rotated keys / values
+        stored = self.techniques - STORAGE_NEUTRAL  # what changes the pages' storage or read
+        self.paged = not stored
+        self.paged_when_rotated = stored == frozenset({"hadamard"})  # KIVI codes of rotated keys / values
         self.outlier_fraction = outlier_fraction
         self.rotation = shared_rotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
@@ -252,6 +259,8 @@ class KiviFormat(PageFormat):
         empty = ~torch.isfinite(top)
         top = torch.where(empty, torch.zeros_like(top), top)
         bottom = torch.where(empty, torch.zeros_like(bottom), bottom)
+        if "clip" in self.techniques and self.bits <= _clipping.MAX_BITS:
+            bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, self.bits, lowbit.SCALE_DTYPE)
         minimum = bottom.to(lowbit.SCALE_DTYPE)
         scale = ((top - minimum.float()) / top_code).to(lowbit.SCALE_DTYPE)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()

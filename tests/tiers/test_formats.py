@@ -38,7 +38,8 @@ from confkv.tiers.prerope import Rope
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FORMATS = ["kivi", "hadamard", "outliers", "codebook", "prerope", "hadamard+outliers+codebook+prerope"]
+FORMATS = ["kivi", "hadamard", "outliers", "codebook", "prerope", "hadamard+outliers+codebook+prerope", "clip",
+           "hadamard+clip"]
 #: a rotary embedding of head_dim 32 (theta 10,000, as Llama's)
 ROPE = Rope(1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32)))
 FP16_EPS = 2.0 ** -11  # float16 relative rounding (round to nearest)
@@ -107,13 +108,15 @@ def _level_distance(levels: torch.Tensor, top: int) -> float:
     return float(max(levels[0].item(), top - levels[-1].item(), gaps.max().item()))
 
 
-def _element_bounds(fmt, data, which: str, shape) -> torch.Tensor:
+def _element_bounds(fmt, data, which: str, shape, basis=None) -> torch.Tensor:
     """Worked-out bound on |x - x_hat| of each entry, in the basis the format quantizes in.
 
     With the stored float16 minimum m and scale s of the entry's group (s = (max - min) / (L - 1)
     rounded to float16): an entry inside [m, m + (L - 1) s] lands within s * (distance to the
     nearest level) of its decode; the float16 rounding of m (at most 2^-11 |min|) and of s (at most
     2^-11 of (L - 1) s, at the top of the range) can put the range's ends up to that far outside.
+    With ``clip`` the range may leave a group's extremes outside: such an entry decodes to the nearer end,
+    so its bound adds its distance beyond that end (``basis``: the entries in the quantized basis).
     """
     top = (1 << fmt.bits) - 1
     levels = fmt.levels[which] if fmt.levels[which] is not None else codebook.even_levels(fmt.bits)
@@ -127,7 +130,10 @@ def _element_bounds(fmt, data, which: str, shape) -> torch.Tensor:
         vgroup = min(fmt.group_size, dim)
         scale, minimum = scale.repeat_interleave(vgroup, dim=-1), minimum.repeat_interleave(vgroup, dim=-1)
     slack = 1.01 * FP16_EPS * (top * scale + minimum.abs()) + 1e-6
-    return scale * reach + slack
+    bound = scale * reach + slack
+    if "clip" in fmt.techniques:
+        bound = bound + (minimum - basis).clamp_min(0) + (basis - (minimum + top * scale)).clamp_min(0)
+    return bound
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -137,8 +143,9 @@ def test_encode_decode_stays_within_the_worked_out_bound(name, bits):
     fmt = build_format(bits, 8, 32, torch.bfloat16, name, outlier_fraction=2 / (16 * 32), rope=ROPE)
     data = fmt.encode(keys, values, valid, positions)
     decoded_keys, decoded_values = fmt.decode(data, positions)
+    basis = dict(zip(("key", "value"), fmt._basis(keys, values, positions)))
     for which, original, decoded in (("key", keys, decoded_keys), ("value", values, decoded_values)):
-        bound = _element_bounds(fmt, data, which, original.shape)
+        bound = _element_bounds(fmt, data, which, original.shape, basis[which])
         turned = fmt.rotation is not None or (which == "key" and fmt.rope is not None)
         if not turned:  # entry by entry
             error = (decoded - original).abs()
@@ -280,13 +287,15 @@ def test_a_format_pages_read_through_the_decode_on_every_backend(name):
         assert (segment.keys - keys.reshape(1, 2, 64, 32)).abs().max() < 0.5 * keys.abs().max()
 
 
-def test_hadamard_pages_reach_a_packed_read_packed_with_their_rotation():
+@pytest.mark.parametrize("name", ["hadamard", "hadamard+clip"])
+def test_hadamard_pages_reach_a_packed_read_packed_with_their_rotation(name):
     """``kivi+hadamard`` pages are KIVI codes of rotated keys / values: a backend that takes packed pages gets
-    them packed, carrying the rotation (the native read turns the query); decoded, they are the format's decode."""
+    them packed, carrying the rotation (the native read turns the query); decoded, they are the format's decode.
+    ``clip`` changes only which codes are chosen: its pages go the same way."""
     from confkv.attention.segments import PagedSegment
 
     keys, values, _, positions = _pages(6, count=4)
-    tier = _tier("hadamard", 4)
+    tier = _tier(name, 4)
     tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
                 torch.ones(1, 64, dtype=torch.bool))
     query = torch.randn(1, 4, 1, 32)
@@ -318,12 +327,14 @@ def test_pages_taken_from_a_rung_are_put_into_a_rung_of_fewer_bits(name):
     got_keys, got_values = low._dequantized(live, torch.tensor([[[0, 1], [0, 1]]]))
     # the 2-bit pages decode near the 4-bit pages they were made from (within the 2-bit bound)
     data = {n: live[n] for n in low.format.storage}
+    basis = dict(zip(("key", "value"), low.format._basis(taken["keys"], taken["values"], taken["positions"])))
     if low.format.rotation is None and low.format.rope is None:
-        assert ((got_keys - taken["keys"]).abs() <= _element_bounds(low.format, data, "key", got_keys.shape)).all()
+        assert ((got_keys - taken["keys"]).abs()
+                <= _element_bounds(low.format, data, "key", got_keys.shape, basis["key"])).all()
         assert ((got_values - taken["values"]).abs()
-                <= _element_bounds(low.format, data, "value", got_values.shape)).all()
+                <= _element_bounds(low.format, data, "value", got_values.shape, basis["value"])).all()
     else:
-        bound = _element_bounds(low.format, data, "key", got_keys.shape).norm(dim=-1)
+        bound = _element_bounds(low.format, data, "key", got_keys.shape, basis["key"]).norm(dim=-1)
         assert ((got_keys - taken["keys"]).norm(dim=-1) <= bound * 1.0001 + 1e-5).all()
 
 

@@ -10,7 +10,8 @@ Here each group's ends are moved towards each other, independently, on a small g
 with the least squared reconstruction error over the group's valid entries is kept. The stored form does not
 change (codes in ``[0, L - 1]``, a float16 minimum and scale per group; entries outside the range take the end
 codes), so every read that takes KIVI pages takes clipped pages as they are; only encoding (at demotion) costs
-more: one quantize-dequantize of the group per pair of ratios.
+more: one quantize-dequantize of the group per pair of ratios. Only codes of at most :data:`MAX_BITS` bits are
+clipped.
 
 Shapes: ``x`` is any float tensor, grouped along ``axis``; ``mask`` (bool, broadcastable to ``x``) marks the
 entries that count. Returns ``bottom`` and ``top`` with ``axis`` kept as size 1.
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 #: the shrink ratios each end of a group's range is tried at (1.0: the end stays at the group's extreme), chosen
-#: on pydoc-topics' replay at 2 bits among eight grids (results/lowbit/README.md, "Clipped ranges")
+#: on pydoc-topics' replay at 2 bits among ten grids (results/lowbit/README.md, "Clipped ranges")
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 #: the widest codes clipped: at 4 bits the replay gained nothing, so 4- and 8-bit pages keep min / max (and
 #: their encoding its cost: the search quantizes every group once per pair of ratios)

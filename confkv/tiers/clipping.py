@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from confkv.tiers import lowbit
+
 #: the shrink ratios each end of a group's range is tried at (1.0: the end stays at the group's extreme), chosen
 #: on pydoc-topics' replay at 2 bits among ten grids (results/lowbit/README.md, "Clipped ranges")
 RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
@@ -30,19 +32,16 @@ RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 MAX_BITS = 3
 
 
-def _squared_error(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tensor, top_code: int,
-                   scale_dtype: torch.dtype) -> Tensor:
+def _squared_error(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tensor, bits: int) -> Tensor:
     """Summed squared error over ``axis`` of quantizing ``x`` to ``[bottom, top]`` as it is stored (float16 ends)."""
-    minimum = bottom.to(scale_dtype).float()
-    scale = ((top - minimum) / top_code).to(scale_dtype).float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((x - minimum) / safe).clamp_(0, top_code)
-    error = (minimum + codes * scale - x).square()
+    scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
+    codes = torch.round(lowbit.levels_in_range(x, scale, minimum, bits))
+    error = (minimum.float() + codes * scale.float() - x).square()
     return error.masked_fill(~mask, 0.0).sum(dim=axis, keepdim=True)
 
 
 def clipped_range(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tensor, bits: int,
-                  scale_dtype: torch.dtype = torch.float16, ratios: tuple[float, ...] = RATIOS) -> tuple[Tensor, Tensor]:
+                  ratios: tuple[float, ...] = RATIOS) -> tuple[Tensor, Tensor]:
     """The range ``[bottom', top']`` inside ``[bottom, top]`` (a group's extremes, ``axis`` kept as size 1) with the
     least squared error of ``x``'s ``mask`` entries quantized to ``2**bits`` even levels, each end moved towards the
     group's middle by one of ``ratios``. Ties go to the pair tried first (the extremes themselves, ``ratios[0]`` =
@@ -50,7 +49,6 @@ def clipped_range(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tenso
 
     Every pair is tried at once along a new leading dimension (``len(ratios)**2`` copies of ``x``'s groups).
     """
-    top_code = (1 << bits) - 1
     middle = (bottom + top) / 2
     shrink = torch.tensor(ratios, dtype=bottom.dtype, device=bottom.device)
     shrink = shrink.reshape(-1, *([1] * bottom.dim()))
@@ -60,6 +58,6 @@ def clipped_range(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tenso
     low = lows.repeat_interleave(count, dim=0)  # pair (a, b) at a * count + b
     high = highs.repeat(count, *([1] * bottom.dim()))
     error = _squared_error(x.float().unsqueeze(0), mask.expand_as(x).unsqueeze(0), axis if axis < 0 else axis + 1,
-                           low, high, top_code, scale_dtype)
+                           low, high, bits)
     best = error.argmin(dim=0, keepdim=True)  # the first of equal errors
     return low.gather(0, best).squeeze(0), high.gather(0, best).squeeze(0)

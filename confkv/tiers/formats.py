@@ -253,18 +253,11 @@ class KiviFormat(PageFormat):
 
     def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
         """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries): codes uint8, scale, min float16."""
-        top_code = (1 << self.bits) - 1
-        top = x.masked_fill(~mask, float("-inf")).amax(dim=axis, keepdim=True)
-        bottom = x.masked_fill(~mask, float("inf")).amin(dim=axis, keepdim=True)
-        empty = ~torch.isfinite(top)
-        top = torch.where(empty, torch.zeros_like(top), top)
-        bottom = torch.where(empty, torch.zeros_like(bottom), bottom)
+        bottom, top = lowbit.masked_extremes(x, mask, axis)
         if "clip" in self.techniques and self.bits <= _clipping.MAX_BITS:
-            bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, self.bits, lowbit.SCALE_DTYPE)
-        minimum = bottom.to(lowbit.SCALE_DTYPE)
-        scale = ((top - minimum.float()) / top_code).to(lowbit.SCALE_DTYPE)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
-        u = ((x - minimum.float()) / safe).clamp_(0, top_code)
+            bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, self.bits)
+        scale, minimum = lowbit.scale_and_minimum(bottom, top, self.bits)
+        u = lowbit.levels_in_range(x, scale, minimum, self.bits)
         if "codebook" in self.techniques:
             if self.levels[which] is None:  # the layer's first pages calibrate its codebook
                 self.levels[which] = _codebook.fit_levels(u[mask], self.bits)

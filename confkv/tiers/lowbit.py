@@ -129,17 +129,33 @@ class Quantized:
     minimum: Tensor
 
 
-def _asymmetric(x: Tensor, valid: Tensor, dim: int, bits: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Codes, scale, minimum of ``x`` [float32] with the range taken over ``dim`` (valid entries only)."""
+def masked_extremes(x: Tensor, valid: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """The smallest and largest ``valid`` entries of ``x`` over ``dim`` (kept as size 1); 0 and 0 for a group
+    without a valid entry."""
     top = x.masked_fill(~valid, float("-inf")).amax(dim=dim, keepdim=True)
     bottom = x.masked_fill(~valid, float("inf")).amin(dim=dim, keepdim=True)
-    empty = ~torch.isfinite(top)  # a group without a valid entry
-    top = torch.where(empty, torch.zeros_like(top), top)
-    bottom = torch.where(empty, torch.zeros_like(bottom), bottom)
+    empty = ~torch.isfinite(top)
+    return torch.where(empty, torch.zeros_like(bottom), bottom), torch.where(empty, torch.zeros_like(top), top)
+
+
+def scale_and_minimum(bottom: Tensor, top: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    """The stored (:data:`SCALE_DTYPE`) scale and minimum of ``2**bits`` even levels from ``bottom`` to ``top``; the
+    scale is taken from the minimum as stored, so the top level lands on ``top`` as nearly as float16 allows."""
     minimum = bottom.to(SCALE_DTYPE)
-    scale = ((top - minimum.float()) / ((1 << bits) - 1)).to(SCALE_DTYPE)
+    return ((top - minimum.float()) / ((1 << bits) - 1)).to(SCALE_DTYPE), minimum
+
+
+def levels_in_range(x: Tensor, scale: Tensor, minimum: Tensor, bits: int) -> Tensor:
+    """``x`` in units of ``scale`` above ``minimum``, clamped to ``[0, 2**bits - 1]`` (float32, not yet rounded); a
+    zero scale (a constant group) counts as 1."""
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
-    codes = torch.round((x - minimum.float()) / safe).clamp_(0, (1 << bits) - 1)
+    return ((x - minimum.float()) / safe).clamp_(0, (1 << bits) - 1)
+
+
+def _asymmetric(x: Tensor, valid: Tensor, dim: int, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes, scale, minimum of ``x`` [float32] with the range taken over ``dim`` (valid entries only)."""
+    scale, minimum = scale_and_minimum(*masked_extremes(x, valid, dim), bits)
+    codes = torch.round(levels_in_range(x, scale, minimum, bits))
     return codes.to(torch.uint8), scale, minimum
 
 

@@ -32,7 +32,9 @@ the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques bel
   token's position (:mod:`confkv.tiers.prerope`; needs the model's rotary parameters).
 - ``clip``: at 2 and 3 bits, each group's range chosen by least squared error instead of its minimum and
   maximum (:mod:`confkv.tiers.clipping`); the stored form is KIVI's, so it reads as the format without it
-  (``kivi+clip`` as ``kivi``, ``kivi+hadamard+clip`` as ``kivi+hadamard``).
+  (``kivi+clip`` as ``kivi``, ``kivi+hadamard+clip`` as ``kivi+hadamard``). It lowers perplexity and loses
+  exact recall: on the 8/4/3 ladder at 25% it found 10 of 20 needles at 4K where the preset found 16 of the same 20
+  (results/memory/README.md, "Points 2 and 3 (stop 38)"), so no preset uses it.
 
 At ``bits=16`` every format is the unquantized page in the model's dtype (:class:`FullPrecisionFormat`).
 """

@@ -187,3 +187,19 @@ def test_full_precision_page_defaults_to_two_byte_elements_and_a_digest():
     """bits=16: keys and values in the model's dtype, float16/bfloat16 (2 bytes) unless told otherwise."""
     assert lowbit.page_bytes(2, 8, 4, 16, 2) == 2 * 2 * 4 * 8 * 2 + 64
     assert lowbit.page_bytes(2, 8, 4, 16, 2, fp_element_size=4, digest=False) == 2 * 2 * 4 * 8 * 4
+
+
+def test_masked_extremes_skip_invalid_entries_and_give_zero_to_an_empty_group():
+    """The shared range helper (KIVI codes, the page formats and the clipping search take their ranges from it):
+    an invalid entry never widens a group's range, and a group without a valid entry gets [0, 0], not
+    [+inf, -inf] (which would make its scale and every code NaN). Seen to fail with the empty-group guard dropped
+    and with the mask left out of the maximum."""
+    x = torch.tensor([[-5.0, 1.0, 2.0, 9.0],
+                      [3.0, 4.0, -7.0, 8.0]])
+    valid = torch.tensor([[False, True, True, False],
+                          [False, False, False, False]])
+    bottom, top = lowbit.masked_extremes(x, valid, dim=-1)
+    assert bottom.tolist() == [[1.0], [0.0]] and top.tolist() == [[2.0], [0.0]]
+    scale, minimum = lowbit.scale_and_minimum(bottom, top, 2)
+    assert scale.tolist() == [[torch.tensor(1 / 3, dtype=torch.float16).item()], [0.0]]  # (2 - 1) / 3 levels' steps
+    assert minimum.tolist() == [[1.0], [0.0]]

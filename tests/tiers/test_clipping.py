@@ -6,7 +6,8 @@ ends as stored), and the min / max range is each group's own extremes.
 Each test was seen to fail with a bug put in by hand (then removed): a candidate taken when its error is up to
 1.5x the best's; the error summed without the mask; the low end moved away from the middle (``middle - ratio *
 ...``); ``clip`` counted as a storage technique (``STORAGE_NEUTRAL`` emptied); the format computing the clipped
-range and quantizing to the extremes anyway.
+range and quantizing to the extremes anyway; a non-negative ``axis`` not moved past the pairs' leading dimension
+(or moved the wrong way); the ratios made in float32 for bfloat16 extremes (the last two found by mutmut).
 """
 
 from __future__ import annotations
@@ -123,3 +124,32 @@ def test_four_bit_codes_keep_min_max():
     at_three = build_format(3, 8, 32, torch.bfloat16, "hadamard+clip").encode(keys, values, valid)
     assert not torch.equal(at_three["key_min"], build_format(3, 8, 32, torch.bfloat16, "hadamard").encode(
         keys, values, valid)["key_min"])
+
+
+@pytest.mark.parametrize("axis,negative", [(0, -3), (1, -2), (2, -1)])
+def test_a_positive_axis_picks_the_range_its_negative_spelling_picks(axis, negative):
+    """The search adds a leading dimension (the pairs), so a non-negative ``axis`` must move up by one."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 7, 8, generator=gen) * 3
+    x[1, 2, 3] = 25.0
+    mask = torch.rand(6, 7, 8, generator=gen) > 0.1
+    bottom, top = (x.masked_fill(~mask, float("inf")).amin(axis, keepdim=True),
+                   x.masked_fill(~mask, float("-inf")).amax(axis, keepdim=True))
+    low, high = clipped_range(x, mask, axis, bottom, top, 2)
+    low_ref, high_ref = clipped_range(x, mask, negative, bottom, top, 2)
+    assert low.shape == bottom.shape and torch.equal(low, low_ref) and torch.equal(high, high_ref)
+    assert (high < top).any()  # some group is clipped, so a wrong axis would change the pick
+
+
+def test_the_ends_keep_the_extremes_dtype():
+    """bfloat16 extremes give bfloat16 ends, moved by ratios in bfloat16 (not promoted to float32)."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(16, 64, generator=gen) * 3).bfloat16()
+    x[:, 7] = 30.0
+    mask = torch.ones_like(x, dtype=torch.bool)
+    bottom, top = _extremes(x, mask)
+    low, high = clipped_range(x, mask, -1, bottom, top, 2)
+    assert low.dtype == high.dtype == torch.bfloat16
+    middle = (bottom + top) / 2
+    candidates = {float(middle[0] + torch.tensor(r, dtype=torch.bfloat16) * (top[0] - middle[0])) for r in RATIOS}
+    assert float(high[0]) in candidates

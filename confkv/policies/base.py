@@ -103,6 +103,12 @@ class Policy:
         decode step can update them itself (:mod:`confkv.native.decode`); None otherwise (the default)."""
         return None
 
+    def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """[B, Hkv, L] float32: the attention each slot received per query, as estimated by ``stats``, or None
+        when the statistics hold no such estimate (the default). Seeds the order of a cold page not yet read
+        (:class:`confkv.tiers.storage.Storage` ``unread_by``)."""
+        return None
+
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
         """Keep-priority of each slot; higher is kept first.

@@ -73,6 +73,10 @@ class ConfKVPolicy(Policy):
             return None
         return {"ema": (self.ema_decay, (1.0 - self.ema_decay) / max(num_queries, 1))}
 
+    def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The EMA: a running mean of the attention per query (observe divides a pass's mass by its queries)."""
+        return stats["ema"]
+
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
         age = (current_position[:, None, None] - positions).clamp_min(0).float()

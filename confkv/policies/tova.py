@@ -38,6 +38,10 @@ class TOVAPolicy(FixedBudgetPolicy):
         layer_mean = mass.mean(dim=1, keepdim=True) / max(num_queries, 1)  # [B, 1, L]
         stats["attn"].copy_(layer_mean.expand_as(mass))
 
+    def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The last pass's mean attention per query (its score)."""
+        return stats["attn"]
+
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
         return stats["attn"]

@@ -339,7 +339,8 @@ class LayerStore(AttentionRead):
             index, valid = select_kept(scores, old.valid, protected, keep)
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
             if self.cold is not None:
-                tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype)
+                tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
+                                          self.policy)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
 

@@ -17,8 +17,9 @@ from confkv.store.region import Region, concat
 
 
 def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor,
-                   channel_scale: torch.Tensor | None, dtype: torch.dtype) -> None:
-    """Hand ``old``'s valid slots that are not in ``kept_index`` [B, Hkv, K] (``kept_valid`` [B, K]) to ``cold``.
+                   channel_scale: torch.Tensor | None, dtype: torch.dtype, policy: Policy | None = None) -> None:
+    """Hand ``old``'s valid slots that are not in ``kept_index`` [B, Hkv, K] (``kept_valid`` [B, K]) to ``cold``,
+    with the attention ``policy`` estimates each received per query (:meth:`Policy.attention_per_read`).
 
     INT8 slots are dequantized to ``dtype`` with their per-token scales and ``channel_scale`` [B, Hkv, D].
     """
@@ -33,7 +34,8 @@ def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_v
 
             keys = quant.dequantize_keys(keys, dropped.key_scale, channel_scale, dtype)
             values = quant.dequantize_values(values, dropped.value_scale, dtype)
-        cold.demote(keys, values, dropped.positions, valid)
+        attention = policy.attention_per_read(dropped.stats) if policy is not None else None
+        cold.demote(keys, values, dropped.positions, valid, attention)
 
 
 def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: tuple[str, ...],

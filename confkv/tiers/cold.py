@@ -6,6 +6,7 @@ Layout (per layer; ``B`` sequences, ``H`` KV heads, ``P`` tokens per page, ``N``
     pages     : codes + float16 scales/minima (KIVI, :mod:`confkv.tiers.lowbit`) [B, H, N, P, ...]
     digest    : per-channel key min / max [B, H, N, D] float16 (Quest)
     positions : [B, H, N, P] int64 original positions;  valid: [B, H, N, P] bool
+    attention : [B, H, N] float32 what the page's tokens received per query while hot (open page: [B, H, S])
 
 Each KV head demotes its own tokens (eviction is per head), so a page holds one head's
 tokens of one sequence: pages never mix the sequences of a batch. A decode step reads,
@@ -33,10 +34,10 @@ from confkv.tiers.formats import PageFormat, format_for
 
 
 #: page tensors that stay in RAM when sealed pages are offloaded (metadata and digests)
-_RESIDENT = ("positions", "valid", "heat", "sealed_at", "confidence", "digest_min", "digest_max")
+_RESIDENT = ("positions", "valid", "heat", "sealed_at", "confidence", "attention", "digest_min", "digest_max")
 
 #: per-page tensors that describe a page rather than encode it (kept when a page changes rung)
-_METADATA = ("positions", "valid", "heat", "sealed_at", "confidence")
+_METADATA = ("positions", "valid", "heat", "sealed_at", "confidence", "attention")
 
 
 class ColdTier(PageRead):
@@ -57,7 +58,7 @@ class ColdTier(PageRead):
         self.format: PageFormat | None = None  # built at the first demotion (it needs head_dim and dtype)
         #: let reads fold the format's rotation into the query and output (False: decode every page back)
         self.fold_rotation = True
-        self.open: dict[str, Tensor] | None = None  # keys, values [B,H,S,D]; positions [B,H,S]; valid [B,S]
+        self.open: dict[str, Tensor] | None = None  # keys, values [B,H,S,D]; positions, attention [B,H,S]; valid [B,S]
         self.pages: dict[str, Tensor] = {}  # name -> [B, H, N, ...]; N = capacity
         self.num_pages = 0
         self.head_dim = 0
@@ -125,28 +126,33 @@ class ColdTier(PageRead):
         """Positions, validity and page heat (not KV)."""
         if self.open is None:
             return 0
-        total = self.open["positions"].nbytes + self.open["valid"].nbytes
-        for name in ("positions", "valid", "heat", "sealed_at", "confidence"):
+        total = self.open["positions"].nbytes + self.open["valid"].nbytes + self.open["attention"].nbytes
+        for name in _METADATA:
             if name in self.pages:
                 tensor = self.pages[name]
                 total += tensor.nbytes * self.num_pages // max(tensor.shape[2], 1)
         return total
 
     # -- demotion --------------------------------------------------------------------------------
-    def demote(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor) -> None:
+    def demote(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor,
+               attention: Tensor | None = None) -> None:
         """Take evicted tokens.
 
         Args:
             keys, values: [B, H, M, D] float (any float dtype; stored in the tier's dtype).
             positions: [B, H, M] int64 original positions.
             valid: [B, M] bool; invalid slots (padding, rows that evicted fewer) are dropped.
+            attention: [B, H, M] what each token received per query while hot (None: 0); a page keeps its
+                valid tokens' sum (:mod:`confkv.tiers.ladder` orders unread pages by it).
         """
         if self.open is None:
             batch, heads, _, head_dim = keys.shape
             self._start(head_dim, keys.dtype)
             self.open = _empty_open(batch, heads, head_dim, keys.dtype, keys.device)
+        if attention is None:
+            attention = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
         incoming = {"keys": keys.to(self.dtype), "values": values.to(self.dtype), "positions": positions,
-                    "valid": valid}
+                    "valid": valid, "attention": attention.float()}
         merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
                   for name in self.open}
         self.open = _left_align(merged)
@@ -171,7 +177,8 @@ class ColdTier(PageRead):
         meta = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
                 "heat": torch.zeros(batch, heads, count, dtype=torch.float32, device=keys.device),
                 "sealed_at": torch.full((batch, heads, count), self.reads, dtype=torch.int64, device=keys.device),
-                "confidence": self.confidence_now(batch, keys.device)[:, None, None].expand(batch, heads, count)}
+                "confidence": self.confidence_now(batch, keys.device)[:, None, None].expand(batch, heads, count),
+                "attention": tokens["attention"].reshape(batch, heads, count, page).masked_fill(~head_valid, 0).sum(-1)}
         self._append_pages({**meta, **self._encode(keys, values, head_valid, meta["positions"])}, count)
 
     def _start(self, head_dim: int, dtype: torch.dtype) -> None:
@@ -234,14 +241,10 @@ class ColdTier(PageRead):
         keep_pages = max((budget - self.open_length) // self.config.page_size, 0)
         if self.num_pages <= keep_pages:
             return
-        count = self.num_pages
-        reads = (self.reads - self.pages["sealed_at"][:, :, :count]).double()
-        total = self.pages["heat"][:, :, :count].double()
-        heat = torch.where(reads > 0, total / reads.clamp_min(1), torch.full_like(total, float("inf")))
         # ascending heat; a stable sort keeps equal heats oldest first, so the last pages are the
         # hottest and, among equals, the newest
-        coldest_first = torch.sort(heat, dim=-1, stable=True).indices
-        order = coldest_first[..., count - keep_pages:].sort(-1).values
+        coldest_first = torch.sort(self.page_value("heat"), dim=-1, stable=True).indices
+        order = coldest_first[..., self.num_pages - keep_pages:].sort(-1).values
         self._keep_pages(order)
 
     def _keep_pages(self, index: Tensor) -> None:
@@ -360,6 +363,7 @@ def _empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, devic
     return {"keys": torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device),
             "values": torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device),
             "positions": torch.empty(batch, heads, 0, dtype=torch.int64, device=device),
+            "attention": torch.empty(batch, heads, 0, dtype=torch.float32, device=device),
             "valid": torch.empty(batch, 0, dtype=torch.bool, device=device)}
 
 
@@ -373,7 +377,8 @@ def _left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {"valid": valid.gather(1, order)}
     heads = tokens["keys"].shape[1]
     head_order = order[:, None, :].expand(-1, heads, -1)
-    out["positions"] = tokens["positions"].gather(2, head_order)
+    for name in ("positions", "attention"):
+        out[name] = tokens[name].gather(2, head_order)
     for name in ("keys", "values"):
         tensor = tokens[name]
         out[name] = tensor.gather(2, head_order[..., None].expand(-1, -1, -1, tensor.shape[-1]))
@@ -382,8 +387,7 @@ def _left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _grow(old: Tensor | None, like: Tensor, capacity: int, page_file: PageFile | None) -> Tensor:
     """A tensor shaped like ``like`` with ``capacity`` pages (axis 2), holding ``old``'s pages first."""
-    axis = 2
-    shape = list(like.shape)
+    axis, shape = 2, list(like.shape)
     shape[axis] = capacity
     if page_file is not None:
         grown = page_file.allocate(shape, like.dtype)

@@ -124,9 +124,11 @@ class LadderTier:
         return sum(rung.bookkeeping_bytes() for rung in self.rungs)
 
     # -- demotion and reading --------------------------------------------------------------------
-    def demote(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor) -> None:
-        """Take tokens the hot tier lets go ([B, H, M, D], positions [B, H, M], valid [B, M]) on the top rung."""
-        self.top.demote(keys, values, positions, valid)
+    def demote(self, keys: Tensor, values: Tensor, positions: Tensor, valid: Tensor,
+               attention: Tensor | None = None) -> None:
+        """Take tokens the hot tier lets go ([B, H, M, D], positions [B, H, M], valid [B, M]; ``attention``
+        [B, H, M] or None: what each received per query while hot) on the top rung."""
+        self.top.demote(keys, values, positions, valid, attention)
 
     def set_confidence(self, confidence: Tensor | None) -> None:
         """The model's confidence [B] at this step, recorded on the pages sealed now."""
@@ -167,7 +169,7 @@ class LadderTier:
                 elif self.rungs[-1].num_pages:
                     bottom = self.rungs[-1]
                     count = min(bottom.num_pages, math.ceil(excess / self._batch_page_bytes(len(self.rungs) - 1)))
-                    bottom.drop_pages(_coldest(bottom, signal, count))
+                    bottom.drop_pages(_coldest(bottom, signal, count, self.storage.unread_by))
                 elif self.top.open_length:
                     self._fit_open(excess)
                 elif any(rung.open is not None for rung in self.rungs):
@@ -206,7 +208,7 @@ class LadderTier:
         upper, lower = self.rungs[source], self.rungs[source + 1]
         saving = self._batch_page_bytes(source) - self._batch_page_bytes(source + 1)
         count = min(upper.num_pages, max(1, math.ceil(excess / max(saving, 1))))
-        lower.put_pages(upper.take_pages(_coldest(upper, signal, count)), dtype)
+        lower.put_pages(upper.take_pages(_coldest(upper, signal, count, self.storage.unread_by)), dtype)
 
     def _batch_page_bytes(self, rung: int) -> int:
         """Bytes of one page on rung ``rung`` for every sequence of the batch."""
@@ -230,9 +232,14 @@ class LadderTier:
         return twin
 
 
-def _coldest(rung: ColdTier, signal: str, count: int) -> Tensor:
-    """[B, H, count] the ``count`` least valuable sealed pages of each head (ties: the oldest sealed)."""
+def _coldest(rung: ColdTier, signal: str, count: int, unread_by: str = "age") -> Tensor:
+    """[B, H, count] the ``count`` least valuable sealed pages of each head. Ties (pages not yet read, all
+    +inf by heat): the oldest sealed first, or with ``unread_by="attention"`` the least attention while hot."""
     value = rung.page_value(signal)
+    if unread_by == "attention" and signal == "heat":
+        by_attention = torch.sort(rung.pages["attention"][:, :, :rung.num_pages], dim=-1, stable=True).indices
+        then_by_value = torch.sort(value.gather(-1, by_attention), dim=-1, stable=True).indices
+        return by_attention.gather(-1, then_by_value)[..., :count]
     return torch.sort(value, dim=-1, stable=True).indices[..., :count]
 
 

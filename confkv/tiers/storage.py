@@ -22,6 +22,8 @@ RUNG_BITS = (16, 8, 4, 3, 2)
 STEP_DOWN_SIGNALS = ("heat", "confidence", "age")
 #: which rung steps down next (see :mod:`confkv.tiers.ladder`)
 STEP_ORDERS = ("error", "coldest")
+#: what orders pages never read since sealing (their heat unknown) among themselves (see :mod:`confkv.tiers.ladder`)
+UNREAD_ORDERS = ("age", "attention")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class Storage:
             growth of a uniform quantizer's squared step, ``4**-bits``, over the bytes freed), so that
             pages spread over the upper rungs before any reaches the bottom; ``"coldest"`` the rung
             holding the least valuable page (cold pages sink to the bottom first).
+        unread_by: with ``step_down_by="heat"``, the order among pages not read since they were sealed
+            (their heat unknown, so equal): ``"age"`` oldest first; ``"attention"`` the least attention
+            their tokens received per query while they were hot first (the ranking policy's estimate,
+            :meth:`confkv.policies.base.Policy.attention_per_read`; oldest first for a policy without one).
+            It decides which tokens of a prefill chunk a small target keeps.
         format: the page format of every rung (:mod:`confkv.tiers.formats`: ``"kivi"`` or techniques
             joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
             page's values kept apart in 16 bits by the ``outliers`` technique. Checked by
@@ -65,6 +72,7 @@ class Storage:
     group_size: int = 64
     step_down_by: str = "heat"
     step_order: str = "error"
+    unread_by: str = "age"
     format: str = "kivi"
     outlier_fraction: float = 0.01
     seal_early: bool = True
@@ -90,6 +98,8 @@ class Storage:
                  f"must be one of {', '.join(STEP_DOWN_SIGNALS)}, got {self.step_down_by!r}")
         _require(self.step_order in STEP_ORDERS, "step_order",
                  f"must be one of {', '.join(STEP_ORDERS)}, got {self.step_order!r}")
+        _require(self.unread_by in UNREAD_ORDERS, "unread_by",
+                 f"must be one of {', '.join(UNREAD_ORDERS)}, got {self.unread_by!r}")
         from confkv.config import ColdConfig  # noqa: PLC0415 - one place checks a page format
 
         ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction)

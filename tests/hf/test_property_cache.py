@@ -317,7 +317,7 @@ def _cold_bytes(store: LayerStore) -> int:
     if not (config.k_high == config.k_low == 2**31):  # digest (per-channel key min/max, float16) unless all pages are always read
         per_page += 2 * heads * dim * 2
     from_tensors = sum(t[:, :, :count].nbytes for name, t in cold.pages.items()
-                       if name not in ("positions", "valid", "heat", "sealed_at", "confidence"))
+                       if name not in ("positions", "valid", "heat", "sealed_at", "confidence", "attention"))
     assert from_tensors == batch * count * per_page, (from_tensors, batch * count * per_page)
     return cold.open["keys"].nbytes + cold.open["values"].nbytes + batch * count * per_page
 

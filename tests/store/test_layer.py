@@ -145,12 +145,12 @@ def test_bookkeeping_bytes_of_a_tiered_store_count_its_cold_tier():
     assert (store.old.length, store.recent.length, store.cold.open_length, store.cold.num_pages) == (2, 2, 1, 2)
     # hot slots (old + recent), per row: 2 heads * (int64 position + float32 EMA) + a bool
     hot = 3 * (2 + 2) * (2 * (8 + 4) + 1)
-    # open page: 1 slot per row, 2 heads * int64 position + a bool
-    cold_open = 3 * 1 * (2 * 8 + 1)
+    # open page: 1 slot per row, 2 heads * (int64 position + float32 attention while hot) + a bool
+    cold_open = 3 * 1 * (2 * (8 + 4) + 1)
     # 2 sealed pages per row and head: 2 int64 positions, 2 bools, a float32 heat, an int64 sealing time,
-    # a float32 confidence at sealing
-    sealed = 3 * 2 * 2 * (2 * 8 + 2 * 1 + 4 + 8 + 4)
-    assert store.bookkeeping_bytes() == hot + cold_open + sealed == 759
+    # a float32 confidence at sealing, a float32 attention while hot
+    sealed = 3 * 2 * 2 * (2 * 8 + 2 * 1 + 4 + 8 + 4 + 4)
+    assert store.bookkeeping_bytes() == hot + cold_open + sealed == 831
 
 
 def test_a_promoted_page_comes_back_in_the_hot_tier_s_dtype():

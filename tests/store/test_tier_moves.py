@@ -85,3 +85,23 @@ def test_demote_dropped_dequantizes_int8_slots_to_the_hot_dtype_and_times_the_de
         demote_dropped(cold, old, torch.tensor([[[0, 1, 2], [0, 1, 2]]]), torch.ones(1, 3, dtype=torch.bool),
                        channel_scale, torch.bfloat16)
     assert dict(timers.calls) == {"cold demotion (quantize + seal)": 1} and cold.open_length == 2
+
+
+def _stats_region(name: str) -> Region:
+    """3 slots in 2 heads, statistic ``name`` = 0.1 * (slot + 1) + head."""
+    keys = torch.arange(12.0).reshape(1, 2, 3, 2)
+    stat = torch.tensor([[[0.1, 0.2, 0.3], [1.1, 1.2, 1.3]]])
+    return Region(keys=keys, values=-keys, positions=torch.tensor([[[10, 11, 12], [10, 11, 12]]]),
+                  valid=torch.ones(1, 3, dtype=torch.bool), stats={name: stat}, all_valid=True)
+
+
+def test_demoted_slots_carry_the_attention_the_policy_estimates_they_received():
+    """Slot 1 kept: slots 0 and 2 wait in the open page with their statistic as the policy reads it (the EMA
+    of confkv, TOVA's last attention); a policy with no estimate (H2O's running sum) and no policy give 0."""
+    for policy_name, stat in (("confkv", "ema"), ("tova", "attn"), ("h2o", "acc"), (None, "ema")):
+        cold = ColdTier(ColdConfig(bits=16, page_size=4, group_size=4, k_high=1, k_low=1))
+        policy = make_policy(policy_name) if policy_name else None
+        demote_dropped(cold, _stats_region(stat), torch.tensor([[[1], [1]]]), torch.tensor([[True]]), None,
+                       torch.float32, policy)
+        expected = [[[0.1, 0.3], [1.1, 1.3]]] if policy_name in ("confkv", "tova") else [[[0.0, 0.0], [0.0, 0.0]]]
+        torch.testing.assert_close(cold.open["attention"], torch.tensor(expected), msg=str(policy_name))

@@ -840,19 +840,19 @@ def test_among_many_equally_cold_pages_the_oldest_are_evicted_first():
 
 # ------------------------------------------------------------------ bookkeeping_bytes
 
-def test_bookkeeping_bytes_count_positions_validity_heat_and_clock_of_used_pages():
+def test_bookkeeping_bytes_count_positions_validity_heat_clock_and_attention_of_used_pages():
     assert ColdTier(ColdConfig(bits=16, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2)).bookkeeping_bytes() == 0
     tier, _, _ = _tier(bits=8, tokens=10)  # B=1, H=2: 2 sealed pages (capacity 8) and 2 open tokens
-    # open: positions 1*2*2 int64 = 32, valid 1*2 bool = 2
+    # open: positions 1*2*2 int64 = 32, valid 1*2 bool = 2, attention while hot 1*2*2 float32 = 16
     # per page: positions 2*4 int64 = 64, valid 2*4 bool = 8, heat 2 float32 = 8, sealed_at 2 int64 = 16,
-    # confidence at sealing 2 float32 = 8
+    # confidence at sealing 2 float32 = 8, attention while hot 2 float32 = 8
     got = tier.bookkeeping_bytes()
     assert type(got) is int
-    assert got == 32 + 2 + 2 * (64 + 8 + 8 + 16 + 8)
+    assert got == 32 + 2 + 16 + 2 * (64 + 8 + 8 + 16 + 8 + 8)
     tier.demote(*(torch.zeros(1, 2, 3, DIM),) * 2, torch.zeros(1, 2, 3, dtype=torch.int64),
                 torch.ones(1, 3, dtype=torch.bool))  # 5 open tokens: one more page, 1 open
     assert tier.num_pages == 3
-    assert tier.bookkeeping_bytes() == 16 + 1 + 3 * (64 + 8 + 8 + 16 + 8)
+    assert tier.bookkeeping_bytes() == 16 + 1 + 8 + 3 * (64 + 8 + 8 + 16 + 8 + 8)
 
 
 # ------------------------------------------------------------------ select_batch
@@ -945,7 +945,8 @@ def test_sealed_pages_and_their_bookkeeping_live_on_the_device_of_the_keys():
     tokens = {"keys": torch.empty(1, 2, 2 * PAGE, DIM, device="meta"),
               "values": torch.empty(1, 2, 2 * PAGE, DIM, device="meta"),
               "positions": torch.empty(1, 2, 2 * PAGE, dtype=torch.int64, device="meta"),
-              "valid": torch.empty(1, 2 * PAGE, dtype=torch.bool, device="meta")}
+              "valid": torch.empty(1, 2 * PAGE, dtype=torch.bool, device="meta"),
+              "attention": torch.empty(1, 2, 2 * PAGE, device="meta")}
     tier._seal(tokens, 2)
     assert tier.num_pages == 2
     assert {name: tensor.device.type for name, tensor in tier.pages.items()} == {name: "meta" for name in tier.pages}

@@ -246,7 +246,7 @@ def _held_bytes(tier: ColdTier) -> int:
     digest (the first num_pages of every non-metadata tensor), and the format's codebooks."""
     held = tier.open["keys"].nbytes + tier.open["values"].nbytes
     for name, tensor in tier.pages.items():
-        if name in ("positions", "valid", "heat", "sealed_at", "confidence"):
+        if name in ("positions", "valid", "heat", "sealed_at", "confidence", "attention"):
             continue
         held += tensor.narrow(2, 0, tier.num_pages).nbytes
     for levels in getattr(tier.format, "levels", {}).values():

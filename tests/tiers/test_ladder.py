@@ -13,14 +13,14 @@ from confkv.tiers.storage import Storage
 B, H, D, P = 2, 2, 16, 8
 
 
-def _ladder(ladder=(8, 4, 2), pages=6, signal="heat", seed=0) -> LadderTier:
-    tier = LadderTier(Storage(ladder=ladder, page_size=P, group_size=P, step_down_by=signal))
+def _ladder(ladder=(8, 4, 2), pages=6, signal="heat", seed=0, unread_by="age", attention=None) -> LadderTier:
+    tier = LadderTier(Storage(ladder=ladder, page_size=P, group_size=P, step_down_by=signal, unread_by=unread_by))
     gen = torch.Generator().manual_seed(seed)
     tokens = pages * P
     keys = torch.randn(B, H, tokens, D, generator=gen)
     values = torch.randn(B, H, tokens, D, generator=gen)
     positions = torch.arange(tokens).expand(B, H, tokens).clone()
-    tier.demote(keys, values, positions, torch.ones(B, tokens, dtype=torch.bool))
+    tier.demote(keys, values, positions, torch.ones(B, tokens, dtype=torch.bool), attention)
     return tier
 
 
@@ -45,7 +45,7 @@ def test_bytes_are_the_bytes_held_on_every_rung():
     assert tier.kv_bytes() == 6 * _page_bytes(8)
     tier.fit(6 * _page_bytes(8) - 1, torch.float32)
     held = sum(t[:, :, :r.num_pages].nbytes for r in tier.rungs if r.open is not None
-               for n, t in r.pages.items() if n not in ("positions", "valid", "heat", "sealed_at", "confidence"))
+               for n, t in r.pages.items() if n not in ("positions", "valid", "heat", "sealed_at", "confidence", "attention"))
     held += sum(r.open["keys"].nbytes + r.open["values"].nbytes for r in tier.rungs if r.open is not None)
     assert tier.kv_bytes() == held == 5 * _page_bytes(8) + _page_bytes(4)
 
@@ -234,9 +234,61 @@ def test_bookkeeping_bytes_add_every_rung_s_positions_validity_and_page_metadata
     assert tier.bookkeeping_bytes() == sum(r.bookkeeping_bytes() for r in tier.rungs)
     assert all(r.bookkeeping_bytes() > 0 for r in tier.rungs)
     # per sealed page of one head: P int64 positions + P bool valid + heat (float32) + sealed_at (int64)
-    # + confidence (float32); the open page (empty after sealing) holds nothing
+    # + confidence (float32) + attention while hot (float32); the open page (empty after sealing) holds nothing
     rung0, rung1 = tier.rungs
     per_page = {n: t.element_size() * t[0, 0, 0].numel() for n, t in rung1.pages.items()
-                if n in ("positions", "valid", "heat", "sealed_at", "confidence")}
+                if n in ("positions", "valid", "heat", "sealed_at", "confidence", "attention")}
     assert rung1.bookkeeping_bytes() == B * H * rung1.num_pages * sum(per_page.values()) \
-        + rung1.open["positions"].nbytes + rung1.open["valid"].nbytes
+        + rung1.open["positions"].nbytes + rung1.open["valid"].nbytes + rung1.open["attention"].nbytes
+
+
+def _token_attention(per_page: list[float]) -> torch.Tensor:
+    """[B, H, pages * P]: every token of page j received per_page[j] / P per query while hot."""
+    return torch.tensor(per_page).repeat_interleave(P).div(P).expand(B, H, -1).clone()
+
+
+@pytest.mark.parametrize("unread_by,stepped", [("attention", [8, 24]), ("age", [0, 8])])
+def test_unread_pages_step_down_by_the_attention_they_received_while_hot_or_by_age(unread_by, stepped):
+    """No page has been read (heat unknown, all +inf): ``unread_by`` orders them."""
+    tier = _ladder(unread_by=unread_by, attention=_token_attention([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]))
+    torch.testing.assert_close(tier.rungs[0].pages["attention"][:, :, :6],
+                               torch.tensor([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]).expand(B, H, 6))
+    saving = _page_bytes(8) - _page_bytes(4)
+    tier.fit(tier.kv_bytes() - 2 * saving, torch.float32)
+    assert sorted(_first_positions(tier.rungs[1])) == stepped
+    torch.testing.assert_close(tier.rungs[1].pages["attention"][0, 0, :2].sort().values,  # kept when stepping down
+                               torch.tensor([0.1, 0.2] if unread_by == "attention" else [0.1, 5.0]))
+
+
+def test_a_read_page_s_heat_outranks_the_attention_it_had_while_hot():
+    """Attention while hot only orders pages among equals: a page read and found cold goes before an unread one,
+    and read pages go by their heat whatever they received before."""
+    tier = _ladder(unread_by="attention", attention=_token_attention([0.1, 9.0, 0.2, 8.0, 7.0, 6.0]))
+    top = tier.rungs[0]
+    top.reads = 1
+    top.pages["sealed_at"][:, :, :6] = torch.tensor([0, 0, 0, 0, 1, 1])  # pages 4 and 5 not read yet
+    top.pages["heat"][:, :, :6] = torch.tensor([3.0, 0.5, 2.0, 1.0, 0.0, 0.0])
+    saving = _page_bytes(8) - _page_bytes(4)
+    tier.fit(tier.kv_bytes() - 3 * saving, torch.float32)
+    assert sorted(_first_positions(tier.rungs[1])) == [8, 16, 24]  # heats 0.5, 1.0, 2.0
+
+
+def test_the_attention_of_a_page_counts_its_valid_tokens_only():
+    """Row 1 has one padding slot (attention 100): left-aligned, it ends row 1's second page, uncounted."""
+    tier = LadderTier(Storage(ladder=(8, 4), page_size=P, group_size=P, unread_by="attention"))
+    keys = torch.randn(2, H, 2 * P, D)
+    valid = torch.ones(2, 2 * P, dtype=torch.bool)
+    valid[1, 1] = False
+    attention = torch.ones(2, H, 2 * P)
+    attention[1, :, 1] = 100.0
+    tier.demote(keys, keys, torch.arange(2 * P).expand(2, H, -1).clone(), valid, attention)
+    top = tier.rungs[0]
+    assert top.num_pages == 2 and top.open_length == 0
+    assert top.pages["attention"][:, :, :2].tolist() == [[[P, P]] * H, [[P, P - 1]] * H]
+
+
+@pytest.mark.parametrize("unread_by,kept", [("attention", [0, 16, 32, 40]), ("age", [16, 24, 32, 40])])
+def test_unread_pages_at_the_bottom_are_dropped_by_the_attention_they_received_while_hot_or_by_age(unread_by, kept):
+    tier = _ladder(ladder=(2,), unread_by=unread_by, attention=_token_attention([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]))
+    tier.fit(tier.kv_bytes() - 2 * _page_bytes(2), torch.float32)
+    assert sorted(_first_positions(tier.rungs[0])) == kept

@@ -79,7 +79,7 @@ def _tensor_bytes(store) -> int:
                 continue
             total += rung.open["keys"].nbytes + rung.open["values"].nbytes + rung.format.layer_nbytes()
             for name, tensor in rung.pages.items():
-                if name not in ("positions", "valid", "heat", "sealed_at", "confidence"):
+                if name not in ("positions", "valid", "heat", "sealed_at", "confidence", "attention"):
                     assert tensor.shape[2] == rung.num_pages, "pages allocated beyond those held (bytes not counted)"
                     total += tensor.nbytes
     return total
@@ -118,7 +118,8 @@ def scenarios(draw):
     ladder = draw(st.sampled_from([(), (8,), (16, 4), (8, 4, 2), (8, 4, 3, 2)]))
     page = draw(st.sampled_from([8, 16]))
     storage = Storage(ladder=ladder, hot_share=draw(st.sampled_from([0.1, 0.3, 0.6])), page_size=page,
-                      group_size=page, step_down_by=draw(st.sampled_from(["heat", "confidence", "age"])))
+                      group_size=page, step_down_by=draw(st.sampled_from(["heat", "confidence", "age"])),
+                      unread_by=draw(st.sampled_from(["age", "attention"])))
     if draw(st.booleans()):
         target = {"memory": draw(st.sampled_from([0.1, 0.25, 0.5, 0.9, 1.0]))}
     else:
@@ -235,6 +236,36 @@ def test_precision_steps_down_before_a_page_is_dropped():
     assert len(rungs) == 3 and sum(rungs[1:]) > 0  # pages reached lower rungs (the preset: 8, 4, 3 bits)
 
 
+def test_a_chunk_over_its_target_drops_the_pages_its_queries_attended_least():
+    """One 256-token chunk at 30%: pages are dropped before any is read. With ``unread_by="attention"`` each
+    page carries what its tokens received per query while hot (the ranking policy's EMA, > 0) and no dropped
+    page of a head had more than a page that head kept; by age no dropped page is newer than a kept one."""
+    model = _model("llama")
+    ids = torch.randint(0, 250, (1, 256), generator=torch.Generator().manual_seed(3))
+    for order, key in (("attention", "attention"), ("age", "positions")):
+        cache = ConfKVCache.for_model(model, "tiered", memory=0.3, page_size=16, group_size=16, unread_by=order)
+        dropped = []
+
+        def drop_pages(tier, index, _drop=ColdTier.drop_pages):
+            dropped.append((tier, _page_key(tier, key).gather(-1, index)))
+            _drop(tier, index)
+
+        with torch.no_grad(), mock.patch.object(ColdTier, "drop_pages", drop_pages):
+            model(ids, cache=cache, use_cache=True)
+        bottom = cache.layers[-1].store.cold.rungs[-1]
+        assert dropped and bottom.num_pages > 0
+        if order == "attention":
+            assert bool((_page_key(bottom, key) > 0).all())
+        highest_dropped = torch.cat([values for tier, values in dropped if tier is bottom], -1)
+        assert bool((highest_dropped.amax(-1) <= _page_key(bottom, key).amin(-1)).all()), order
+
+
+def _page_key(tier: ColdTier, key: str) -> torch.Tensor:
+    """[B, H, N] a sealed page's attention while hot, or its first position."""
+    value = tier.pages[key][:, :, :tier.num_pages]
+    return value[..., 0] if key == "positions" else value
+
+
 # ----------------------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("memory", [0.0, -0.1, 1.5, float("nan"), True])
@@ -265,7 +296,8 @@ def test_a_ladder_that_is_not_strictly_decreasing_is_refused(ladder):
 
 def test_bad_storage_values_name_their_field():
     for field, value in (("hot_share", 0.0), ("hot_share", 1.2), ("page_size", 0), ("group_size", 48),
-                         ("step_down_by", "luck"), ("hot_tokens", 0), ("seal_early", "yes")):
+                         ("step_down_by", "luck"), ("hot_tokens", 0), ("seal_early", "yes"),
+                         ("unread_by", "heat")):
         with pytest.raises(ConfigError, match=rf"^{field}: "):
             Storage(**{field: value})
     with pytest.raises(ConfigError, match=r"^memory: give exactly one"):

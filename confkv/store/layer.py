@@ -92,6 +92,7 @@ class LayerStore(AttentionRead):
         self.seen_tokens = 0  # columns fed, padding included (the logical length HF sees)
         self.seen_real: torch.Tensor | None = None  # [B] int64, real (non-padding) tokens per sequence
         self.pending = 0  # tokens appended by `append` whose attention has not been read yet
+        self.last_queries = 1  # queries of the last attention read (a prefill chunk's tokens)
         self.cold: ColdTier | None = None
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
         self.window: WindowBuffer | None = None  # the recent region's slots with spare capacity (decode_step)
@@ -340,7 +341,7 @@ class LayerStore(AttentionRead):
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
             if self.cold is not None:
                 tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
-                                          self.policy)
+                                          self.policy, current, self.last_queries)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
 

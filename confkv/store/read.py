@@ -127,7 +127,7 @@ class AttentionRead:
 
     def _place_new_tokens(self, padding: torch.Tensor | None) -> torch.Tensor:
         """Set positions/validity of the pending tokens; return query positions [B, q]."""
-        new = self.pending
+        new = self.last_queries = self.pending
         device = self.recent.keys.device
         if padding is None:
             # nothing padded: positions continue from seen_real, validity stays all True

@@ -17,10 +17,14 @@ from confkv.store.region import Region, concat
 
 
 def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor,
-                   channel_scale: torch.Tensor | None, dtype: torch.dtype, policy: Policy | None = None) -> None:
+                   channel_scale: torch.Tensor | None, dtype: torch.dtype, policy: Policy | None = None,
+                   current: torch.Tensor | None = None, queries: int = 1) -> None:
     """Hand ``old``'s valid slots that are not in ``kept_index`` [B, Hkv, K] (``kept_valid`` [B, K]) to ``cold``,
     with the attention ``policy`` estimates each received per query (:meth:`Policy.attention_per_read`).
 
+    A policy divides a pass's attention by all of its ``queries``; a token of that pass (``current`` [B]: the
+    newest position) was seen only by the queries at or after it, so its estimate is scaled by ``queries /
+    seen``: otherwise a prefill chunk's earlier tokens would rank above its later ones for being older.
     INT8 slots are dequantized to ``dtype`` with their per-token scales and ``channel_scale`` [B, Hkv, D].
     """
     index, valid = dropped_slots(kept_index, kept_valid, old.valid)
@@ -35,6 +39,9 @@ def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_v
             keys = quant.dequantize_keys(keys, dropped.key_scale, channel_scale, dtype)
             values = quant.dequantize_values(values, dropped.value_scale, dtype)
         attention = policy.attention_per_read(dropped.stats) if policy is not None else None
+        if attention is not None and queries > 1 and current is not None:
+            seen = (current[:, None, None] - dropped.positions + 1).clamp(1, queries)
+            attention = attention * (queries / seen)
         cold.demote(keys, values, dropped.positions, valid, attention)
 
 

@@ -105,3 +105,18 @@ def test_demoted_slots_carry_the_attention_the_policy_estimates_they_received():
                        torch.float32, policy)
         expected = [[[0.1, 0.3], [1.1, 1.3]]] if policy_name in ("confkv", "tova") else [[[0.0, 0.0], [0.0, 0.0]]]
         torch.testing.assert_close(cold.open["attention"], torch.tensor(expected), msg=str(policy_name))
+
+
+def test_a_chunk_s_tokens_are_scaled_to_the_queries_that_could_see_them():
+    """A pass of 3 queries at positions 10-12 (``current`` 12): the policy divided each token's mass by 3, but
+    position 11 was seen by 2 queries and position 12 by 1, so their estimates grow by 3/2 and 3; an older token
+    (position 4) was seen by all 3 and keeps its estimate. Position 10 is kept hot."""
+    keys = torch.arange(16.0).reshape(1, 2, 4, 2)
+    region = Region(keys=keys, values=-keys, positions=torch.tensor([[[4, 10, 11, 12], [4, 10, 11, 12]]]),
+                    valid=torch.ones(1, 4, dtype=torch.bool), all_valid=True,
+                    stats={"ema": torch.tensor([[[0.3, 0.3, 0.3, 0.3], [0.6, 0.6, 0.6, 0.6]]])})
+    cold = ColdTier(ColdConfig(bits=16, page_size=8, group_size=8, k_high=1, k_low=1))
+    demote_dropped(cold, region, torch.tensor([[[1], [1]]]), torch.tensor([[True]]), None, torch.float32,
+                   make_policy("confkv"), torch.tensor([12]), 3)
+    assert cold.open["positions"].tolist() == [[[4, 11, 12], [4, 11, 12]]]
+    torch.testing.assert_close(cold.open["attention"], torch.tensor([[[0.3, 0.45, 0.9], [0.6, 0.9, 1.8]]]))

@@ -252,6 +252,7 @@ def test_a_chunk_over_its_target_drops_the_pages_its_queries_attended_least():
 
         with torch.no_grad(), mock.patch.object(ColdTier, "drop_pages", drop_pages):
             model(ids, cache=cache, use_cache=True)
+        assert all(layer.store.last_queries == 256 for layer in cache.layers)  # the chunk's queries, for seen counts
         bottom = cache.layers[-1].store.cold.rungs[-1]
         assert dropped and bottom.num_pages > 0
         if order == "attention":

@@ -48,13 +48,20 @@ DEFAULT_PRESET = "tiered"
 STORAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Storage))
 
 
+#: storage fields added after results were keyed by :func:`preset_signature`, each with the value that behaves as
+#: the storage did before it existed: left out of the signature at that value, so those results still resume
+STORAGE_FIELDS_ADDED_LATER = {"unread_by": "age"}
+
+
 def preset_signature(name: str) -> str | None:
     """The preset ``name``'s ranking policy, parameters and storage as one string (None for a name that
     is not a preset). Results keyed by it are not resumed under a preset whose defaults changed."""
     preset = PRESETS.get(name)
     if preset is None:
         return None
-    return f"{preset.policy} {sorted(preset.params.items())} {preset.storage!r}"
+    storage = ", ".join(f"{f.name}={getattr(preset.storage, f.name)!r}" for f in dataclasses.fields(preset.storage)
+                        if STORAGE_FIELDS_ADDED_LATER.get(f.name, object()) != getattr(preset.storage, f.name))
+    return f"{preset.policy} {sorted(preset.params.items())} Storage({storage})"
 
 
 def split_storage_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

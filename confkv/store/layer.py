@@ -340,8 +340,9 @@ class LayerStore(AttentionRead):
             index, valid = select_kept(scores, old.valid, protected, keep)
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
             if self.cold is not None:
+                ranked_by_attention = self.storage is not None and self.storage.unread_by == "attention"
                 tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
-                                          self.policy, current, self.last_queries)
+                                          self.policy if ranked_by_attention else None, current, self.last_queries)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
 

@@ -104,9 +104,10 @@ class Policy:
         return None
 
     def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor | None:
-        """[B, Hkv, L] float32: the attention each slot received per query, as estimated by ``stats``, or None
-        when the statistics hold no such estimate (the default). Seeds the order of a cold page not yet read
-        (:class:`confkv.tiers.storage.Storage` ``unread_by``)."""
+        """[B, Hkv, L] float32: the attention each slot received per query, as estimated by ``stats`` (a pass's
+        mass over all of its queries, as :meth:`observe` takes it), or None when the statistics hold no such
+        estimate (the default). Orders the cold pages not yet read (:class:`confkv.tiers.storage.Storage`
+        ``unread_by``; :func:`confkv.store.tier_moves.demote_dropped` scales a chunk's own tokens)."""
         return None
 
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,

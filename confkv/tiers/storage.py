@@ -51,8 +51,9 @@ class Storage:
         unread_by: with ``step_down_by="heat"``, the order among pages not read since they were sealed
             (their heat unknown, so equal): ``"age"`` oldest first; ``"attention"`` the least attention
             their tokens received per query while they were hot first (the ranking policy's estimate,
-            :meth:`confkv.policies.base.Policy.attention_per_read`; oldest first for a policy without one).
-            It decides which tokens of a prefill chunk a small target keeps.
+            :meth:`confkv.policies.base.Policy.attention_per_read`, a chunk's own tokens scaled to the
+            queries that could see them; oldest first for a policy without one). It decides which tokens of
+            a prefill chunk a small target keeps (results/memory/README.md, "Unread pages").
         format: the page format of every rung (:mod:`confkv.tiers.formats`: ``"kivi"`` or techniques
             joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
             page's values kept apart in 16 bits by the ``outliers`` technique. Checked by

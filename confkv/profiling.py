@@ -1,10 +1,12 @@
 """Opt-in wall-clock timers around the policy's functions (``confkv bench`` breakdown).
 
-Instrumented code wraps a section in ``with profiling.section("attention read"): ...``.
-Off by default: :func:`section` then returns a shared do-nothing context manager (one
-global read, no clock, no allocation). ``with profiling.enabled(timers): ...`` turns the
-timers on for the block; each section then adds its wall time and one call to ``timers``,
-also when the block raises (the exception propagates unchanged).
+Instrumented code wraps a section in ``with profiling.section("attention read"): ...`` (always through
+the module attribute, never a name imported from here). Off by default: :data:`section` is then
+:class:`contextlib.nullcontext` itself, so an instrumented step calls no code of this module (no clock,
+no timers; the bench's instrumentation stays out of the step's files, docs/ARCHITECTURE.md).
+``with profiling.enabled(timers): ...`` rebinds it to the timed section for the block; each section then
+adds its wall time and one call to ``timers``, also when the block raises (the exception propagates
+unchanged).
 
 Reads that leave the native path (:mod:`confkv.attention.read_plan`) are counted by reason with
 :func:`left_native`: always in :data:`FALLBACKS` (one dict update; :func:`reset_fallbacks` clears
@@ -18,10 +20,10 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterator
 
-#: the active :class:`Timers`, or None (the hot path checks this and nothing else)
+#: the active :class:`Timers`, or None
 ACTIVE: "Timers | None" = None
 
 clock = time.perf_counter
@@ -44,21 +46,6 @@ class Timers:
         self.calls[name] += 1
 
 
-class _Off:
-    """The section when no timers are active: enters and exits doing nothing."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return False
-
-
-_OFF = _Off()
-
-
 class _Timed:
     """One timed span of a section, recorded into the timers active when it was opened."""
 
@@ -77,27 +64,26 @@ class _Timed:
         return False  # an exception inside the section propagates
 
 
-def section(name: str) -> "_Off | _Timed":
-    """Context manager timing its block as section ``name`` while timers are active.
+def _timed_section(name: str) -> "_Timed":
+    """The section while timers are active: a span recorded into the timers active when it opened."""
+    return _Timed(name, ACTIVE)  # type: ignore[arg-type]
 
-    A plain class, not a generator-based ``contextmanager``: with no timers active this
-    costs one call and the ``with`` statement itself (about 0.2 us on CPython 3.11).
-    """
-    timers = ACTIVE
-    if timers is None:
-        return _OFF
-    return _Timed(name, timers)
+
+#: ``section(name)``: a context manager timing its block as section ``name`` while timers are active;
+#: :class:`contextlib.nullcontext` otherwise (one small object, no call into this module)
+section: Callable[[str], ContextManager[Any]] = nullcontext
 
 
 @contextmanager
 def enabled(timers: Timers) -> Iterator[Timers]:
     """Record the instrumented sections into ``timers`` inside the block."""
-    global ACTIVE
-    previous, ACTIVE = ACTIVE, timers
+    global ACTIVE, section
+    previous = ACTIVE, section
+    ACTIVE, section = timers, _timed_section
     try:
         yield timers
     finally:
-        ACTIVE = previous
+        ACTIVE, section = previous
 
 
 def left_native(reason: str) -> None:

@@ -61,3 +61,19 @@ def test_a_section_records_into_the_timers_active_when_it_opened(ticks):
                 with profiling.section("b"):
                     pass
     assert dict(first.calls) == {"a": 1} and dict(second.calls) == {"b": 1}
+
+
+def test_with_no_timers_the_section_is_the_standard_do_nothing_context_and_is_restored_after_a_block():
+    """Off, an instrumented step calls no code of confkv.profiling (docs/ARCHITECTURE.md counts its files)."""
+    import contextlib
+
+    assert profiling.section is contextlib.nullcontext
+    outer, inner = profiling.Timers(), profiling.Timers()
+    with profiling.enabled(outer):
+        assert profiling.section is not contextlib.nullcontext
+        with profiling.enabled(inner):
+            pass
+        with profiling.section("after the inner block"):  # still recorded: the outer block is on
+            pass
+    assert profiling.section is contextlib.nullcontext and profiling.ACTIVE is None
+    assert dict(outer.calls) == {"after the inner block": 1} and not inner.calls

@@ -46,8 +46,8 @@ from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.byte_model import KVShape
-from confkv.tiers.planner import StepPlan, floor_bytes, floor_tokens, plan_step, reserve_bytes
-from confkv.tiers.storage import MemoryTarget, Storage, check_cap
+from confkv.tiers.planner import StepPlan, check_cap, floor_bytes, floor_tokens, plan_step, reserve_bytes
+from confkv.tiers.storage import MemoryTarget, Storage
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
             "prompt lookup and other speculative methods are not supported. Generate without "

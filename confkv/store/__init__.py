@@ -5,7 +5,7 @@
 * :mod:`confkv.store.read`: the attention read of a step (``attend``, ``decode_step`` in place);
 * :mod:`confkv.store.region`: a run of KV slots (the older region, the FP window);
 * :mod:`confkv.store.window_buffer`: the FP window's slots with spare capacity;
-* :mod:`confkv.store.tier_moves`: tokens between the hot regions and a cold tier.
+* :mod:`confkv.store.eviction`: which hot slots a step keeps, and the others handed to the cold tier (and back).
 """
 
 from confkv.store.layer import LayerStore, check_store_fits

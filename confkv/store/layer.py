@@ -31,12 +31,11 @@ from confkv import profiling
 from confkv.tiers.cold import ColdTier
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
-from confkv.eviction import protected_mask, select_kept
 from confkv.native.decode import DecodePlan
 from confkv.tiers.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
-from confkv.store import tier_moves
+from confkv.store import eviction
 from confkv.store.read import AttentionRead
 from confkv.store.region import Region, concat, select_batch
 from confkv.store.window_buffer import WindowBuffer
@@ -331,17 +330,17 @@ class LayerStore(AttentionRead):
             if slack and over_budget:
                 # evict down to budget - slack: the next `slack` steps need no compaction
                 keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
-            protected = protected_mask(old.positions, old.valid, current, protect, sinks)
+            protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
             keep = torch.maximum(keep, protected.sum(-1).amax(-1))
             if self.sliding_window is not None:
                 scores = old.positions.float()
             else:
                 scores = self.policy.scores(old.stats, old.positions, current)
-            index, valid = select_kept(scores, old.valid, protected, keep)
+            index, valid = eviction.select_kept(scores, old.valid, protected, keep)
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
             if self.cold is not None:
                 ranked_by_attention = self.storage is not None and self.storage.unread_by == "attention"
-                tier_moves.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
+                eviction.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
                                           self.policy if ranked_by_attention else None, current, self.last_queries)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
@@ -354,7 +353,7 @@ class LayerStore(AttentionRead):
         taken = self.cold.take_best_read_page(page_mass, self.cold.config.promote)
         if taken is None:
             return
-        back = tier_moves.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
+        back = eviction.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
         if self.int8:
             back = self._quantize(back)
-        self.old = tier_moves.merge_in_position_order(self.old, back)
+        self.old = eviction.merge_in_position_order(self.old, back)

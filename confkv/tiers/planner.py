@@ -8,7 +8,7 @@ At the end of every step, for a cache of ``B`` sequences that has seen ``T`` pos
   2 * kv_heads * head_dim * element_size`` per token and layer), the reference of ``memory``;
 - ``floor``: the smallest hot set (``floor_tokens`` per managed layer: sinks and protected recent
   tokens, the least budget the policy accepts) in full precision, plus the sliding layers;
-- ``target = MemoryTarget.bytes_for(full, floor)``; each managed layer gets an equal share,
+- ``target = target_bytes(target, full, floor)``; each managed layer gets an equal share,
   ``layer = (target - sliding bytes) // managed layers``;
 - the hot budget: everything while ``B * T * fp_bytes <= layer`` (a target at least the full
   cache evicts nothing), else ``hot_tokens``, or ``hot_share * layer / (B * fp_bytes)`` tokens
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import dataclasses
 from typing import Any
 
-from confkv.config import StoreConfig
+from confkv.config import StoreConfig, _require
 from confkv.errors import ConfigError
 from confkv.tiers.byte_model import KVShape, channel_scale_bytes, fp_token_bytes
 from confkv.tiers.storage import MemoryTarget, Storage
 
-__all__ = ["StepPlan", "floor_bytes", "floor_tokens", "fp_token_bytes", "plan_step", "reserve_bytes",
-           "smallest_budget"]  # fp_token_bytes: from the one byte model
+__all__ = ["StepPlan", "check_cap", "floor_bytes", "floor_tokens", "fp_token_bytes", "plan_step", "reserve_bytes",
+           "smallest_budget", "target_bytes"]  # fp_token_bytes: from the one byte model
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
     per_layer_full = batch * seen * token_bytes
     full = managed * per_layer_full + sliding_bytes
     floor = managed * (batch * min(seen, floor_tokens) * token_bytes + reserve_bytes) + sliding_bytes
-    total = target.bytes_for(full, floor)
+    total = target_bytes(target, full, floor)
     layer = (total - sliding_bytes) // max(managed, 1)
     if per_layer_full + reserve_bytes <= layer:
         return StepPlan(total, full, layer, None)
@@ -75,6 +75,27 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
     else:
         hot = fits
     return StepPlan(total, full, layer, max(hot, floor_tokens))
+
+
+def target_bytes(target: MemoryTarget, full_bytes: int, floor_bytes: int) -> int:
+    """The bytes the whole cache may hold at the end of a step: ``memory`` x ``full_bytes`` (the full cache's
+    bytes at this length), or ``max_kv_bytes``; never below ``floor_bytes`` (the cache's floor).
+
+    Raises:
+        ConfigError: ``max_kv_bytes`` is below the floor (named, with the smallest cap that fits).
+    """
+    if target.memory is not None:
+        return max(int(target.memory * full_bytes), floor_bytes)
+    check_cap(target.max_kv_bytes, floor_bytes)  # type: ignore[arg-type]
+    return target.max_kv_bytes  # type: ignore[return-value]
+
+
+def check_cap(max_kv_bytes: int, floor_bytes: int) -> None:
+    """Raise :class:`~confkv.errors.ConfigError` when a cap cannot hold the smallest hot set."""
+    _require(max_kv_bytes >= floor_bytes, "max_kv_bytes",
+             f"{max_kv_bytes} bytes cannot hold the smallest hot set of this cache ({floor_bytes} bytes: the sinks "
+             f"and protected recent tokens of every layer in full precision, plus sliding-window layers); "
+             f"give max_kv_bytes >= {floor_bytes}, or lower the policy's protect / sinks")
 
 
 def smallest_budget(policy: Any, search: int = 4096) -> int:

@@ -127,7 +127,8 @@ class MemoryTarget:
     Whatever the target, a cache never holds less than its *floor*: the sinks and protected
     recent tokens of every layer in full precision, plus sliding-window layers (Gemma-3). A
     fraction of a short prefix can be below it (the first few dozen tokens); a ``max_kv_bytes``
-    below it is refused.
+    below it is refused. What the target is in bytes at a given length is the planner's
+    (:func:`confkv.tiers.planner.target_bytes`).
     """
 
     memory: float | None = None
@@ -144,22 +145,3 @@ class MemoryTarget:
             _require(isinstance(self.max_kv_bytes, int) and not isinstance(self.max_kv_bytes, bool)
                      and self.max_kv_bytes >= 1, "max_kv_bytes",
                      f"must be a positive number of bytes, got {self.max_kv_bytes!r}")
-
-    def bytes_for(self, full_bytes: int, floor_bytes: int) -> int:
-        """The target in bytes, given the full cache's bytes at this length and the cache's floor.
-
-        Raises:
-            ConfigError: ``max_kv_bytes`` is below the floor (named, with the smallest cap that fits).
-        """
-        if self.memory is not None:
-            return max(int(self.memory * full_bytes), floor_bytes)
-        check_cap(self.max_kv_bytes, floor_bytes)  # type: ignore[arg-type]
-        return self.max_kv_bytes  # type: ignore[return-value]
-
-
-def check_cap(max_kv_bytes: int, floor_bytes: int) -> None:
-    """Raise :class:`~confkv.errors.ConfigError` when a cap cannot hold the smallest hot set."""
-    _require(max_kv_bytes >= floor_bytes, "max_kv_bytes",
-             f"{max_kv_bytes} bytes cannot hold the smallest hot set of this cache ({floor_bytes} bytes: the sinks "
-             f"and protected recent tokens of every layer in full precision, plus sliding-window layers); "
-             f"give max_kv_bytes >= {floor_bytes}, or lower the policy's protect / sinks")

@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-CORE = ["confkv", "confkv.config", "confkv.confidence", "confkv.budget", "confkv.policies", "confkv.eviction",
+CORE = ["confkv", "confkv.config", "confkv.confidence", "confkv.budget", "confkv.policies", "confkv.store.eviction",
         "confkv.store.region", "confkv.store", "confkv.quant", "confkv.attention", "confkv.trace"]
 
 

@@ -1,0 +1,149 @@
+"""Eviction in one layer: which hot slots it keeps, and where the others go.
+
+* Which slots are kept, one rule for every policy: given the policy's scores, the slot validity and
+  the protection mask, keep per (sequence, KV head) the ``keep_count[b]`` best slots, protected ones
+  first, padding never (:func:`protected_mask`, :func:`select_kept`). Every head of a sequence keeps
+  the same number of slots (so a layer stays one dense [B, Hkv, K, D] tensor); which slots may differ
+  per head.
+* Where the others go: :func:`dropped_slots` names them and :func:`demote_dropped` hands them to the
+  layer's cold tier (dequantized first when INT8) instead of dropping them.
+* And back: a page the cold tier gives back becomes hot slots again (:func:`promoted_region`), merged
+  into the older region in position order (:func:`merge_in_position_order`).
+
+(Until 3 Dec the first part was ``confkv/eviction.py`` and the rest ``confkv/store/tier_moves.py``;
+both old paths still import this module.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from confkv import profiling
+from confkv.tiers.cold import ColdTier
+from confkv.policies.base import Policy
+from confkv.store.region import Region, concat
+
+
+def protected_mask(positions: torch.Tensor, valid: torch.Tensor, current_position: torch.Tensor,
+                    protect: int, sinks: int) -> torch.Tensor:
+    """Slots that must never be evicted.
+
+    Args:
+        positions: [B, Hkv, L] int64 logical token positions.
+        valid: [B, L] bool, False for padding / empty slots.
+        current_position: [B] int64, position of each sequence's newest token.
+        protect: the ``protect`` most recent positions are protected.
+        sinks: positions ``< sinks`` are protected.
+    Returns:
+        [B, Hkv, L] bool.
+    """
+    recent = positions > (current_position[:, None, None] - protect)
+    sink = positions < sinks
+    return (recent | sink) & valid[:, None, :]
+
+
+def select_kept(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor,
+                keep_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices of the slots to keep, in slot order, and the validity of the result.
+
+    Args:
+        scores: [B, Hkv, L] float, higher is kept first.
+        valid: [B, L] bool.
+        protected: [B, Hkv, L] bool, kept before anything else.
+        keep_count: [B] int64, slots each sequence keeps (clipped to its valid count).
+    Returns:
+        kept_index: [B, Hkv, K] int64 with ``K = max_b keep_count[b]``, sorted ascending
+            within the first ``keep_count[b]`` entries (the rest point at arbitrary slots
+            and are marked invalid);
+        kept_valid: [B, K] bool, ``arange(K) < keep_count[b]``.
+    """
+    batch, heads, length = scores.shape
+    keep_count = torch.minimum(keep_count, valid.sum(dim=-1))
+    width = int(keep_count.max()) if batch else 0
+    priority = scores.float().masked_fill(protected, math.inf).masked_fill(~valid[:, None, :], -math.inf)
+    top = priority.topk(width, dim=-1, sorted=True).indices  # [B, Hkv, K]
+    kept_valid = torch.arange(width, device=scores.device)[None, :] < keep_count[:, None]  # [B, K]
+    # Sort the kept slots by slot index (slot order = arrival order) and push the rest behind.
+    order_key = torch.where(kept_valid[:, None, :], top, top + length)
+    kept_index = order_key.sort(dim=-1).values % length if length else order_key
+    return kept_index, kept_valid
+
+
+def dropped_slots(kept_index: torch.Tensor, kept_valid: torch.Tensor, valid: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid slots that :func:`select_kept` did not keep, in slot order (for demotion).
+
+    Args:
+        kept_index: [B, Hkv, K] from :func:`select_kept`; kept_valid: [B, K].
+        valid: [B, L] bool, the slots' validity before eviction.
+    Returns:
+        dropped_index: [B, Hkv, M] int64, ``M = max_b dropped[b]`` (every head of a sequence
+            drops the same number of valid slots), sorted ascending in the first ``dropped[b]``
+            entries (the rest point at arbitrary slots);
+        dropped_valid: [B, M] bool, ``arange(M) < dropped[b]``.
+    """
+    batch, heads, _ = kept_index.shape
+    length = valid.shape[-1]
+    kept = torch.zeros((batch, heads, length), dtype=torch.int32, device=valid.device)
+    kept.scatter_add_(2, kept_index, kept_valid[:, None, :].expand(-1, heads, -1).to(torch.int32))
+    dropped = valid[:, None, :] & (kept == 0)  # [B, Hkv, L]
+    counts = dropped[:, 0].sum(-1)  # [B]
+    width = int(counts.max()) if batch else 0
+    order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
+    dropped_valid = torch.arange(width, device=valid.device)[None, :] < counts[:, None]
+    return order, dropped_valid
+
+
+def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor,
+                   channel_scale: torch.Tensor | None, dtype: torch.dtype, policy: Policy | None = None,
+                   current: torch.Tensor | None = None, queries: int = 1) -> None:
+    """Hand ``old``'s valid slots that are not in ``kept_index`` [B, Hkv, K] (``kept_valid`` [B, K]) to ``cold``,
+    with the attention ``policy`` estimates each received per query (:meth:`Policy.attention_per_read`).
+
+    A policy divides a pass's attention by all of its ``queries``; a token of that pass (``current`` [B]: the
+    newest position) was seen only by the queries at or after it, so its estimate is scaled by ``queries /
+    seen``: otherwise a prefill chunk's earlier tokens would rank above its later ones for being older.
+    INT8 slots are dequantized to ``dtype`` with their per-token scales and ``channel_scale`` [B, Hkv, D].
+    """
+    index, valid = dropped_slots(kept_index, kept_valid, old.valid)
+    if not bool(valid.any()):
+        return
+    with profiling.section("cold demotion (quantize + seal)"):
+        dropped = old.gather(index, valid)
+        keys, values = dropped.keys, dropped.values
+        if dropped.is_int8:
+            from confkv import quant  # noqa: PLC0415 - the INT8 path only
+
+            keys = quant.dequantize_keys(keys, dropped.key_scale, channel_scale, dtype)
+            values = quant.dequantize_values(values, dropped.value_scale, dtype)
+        attention = policy.attention_per_read(dropped.stats) if policy is not None else None
+        if attention is not None and queries > 1 and current is not None:
+            seen = (current[:, None, None] - dropped.positions + 1).clamp(1, queries)
+            attention = attention * (queries / seen)
+        cold.demote(keys, values, dropped.positions, valid, attention)
+
+
+def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: tuple[str, ...],
+                    dtype: torch.dtype) -> Region:
+    """A full-precision region from :meth:`ColdTier.take_best_read_page`'s output, its statistics
+    started from the attention the page's slots received at this step (``policy.observe``)."""
+    stats = {name: torch.zeros(taken["positions"].shape, dtype=torch.float32, device=taken["keys"].device)
+             for name in stat_names}
+    policy.observe(stats, taken["mass"], 1)
+    return Region(keys=taken["keys"].to(dtype), values=taken["values"].to(dtype), positions=taken["positions"],
+                  valid=taken["valid"], stats=stats, all_valid=bool(taken["valid"].all()))
+
+
+def merge_in_position_order(old: Region, back: Region) -> Region:
+    """``old`` and ``back`` (same precision) as one region whose slots are in position order in every head.
+
+    Invalid slots go first in every head, so validity stays one row per sequence ([B, L]).
+    """
+    merged = concat(old, back)
+    key = torch.where(merged.valid[:, None, :], merged.positions, torch.full_like(merged.positions, -1))
+    order = key.argsort(dim=-1, stable=True)
+    invalid = (~merged.valid).sum(-1)  # [B]
+    valid = torch.arange(merged.length, device=invalid.device)[None, :] >= invalid[:, None]
+    return merged.gather(order, valid, all_valid=bool(valid.all()))

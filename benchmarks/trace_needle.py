@@ -6,13 +6,17 @@ Prints, after each chunk, how many of the needle's tokens each region holds (``o
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/trace_needle.py LENGTH DEPTH TRIAL ["{'unread_by': 'attention'}"]
 """
-import sys, torch
+import ast
+import sys
+
+import torch
+
 from confkv.models.loading import load_model
 from confkv.data.needles import make_niah_sample
 from confkv.hf import ConfKVCache, prefill
 
 length = int(sys.argv[1]); depth = float(sys.argv[2]); trial = int(sys.argv[3])
-extra = eval(sys.argv[4]) if len(sys.argv) > 4 else {}
+extra = ast.literal_eval(sys.argv[4]) if len(sys.argv) > 4 else {}
 torch.set_num_threads(1)
 model, tok = load_model("smollm2", dtype=torch.bfloat16)
 s = make_niah_sample(tok, context_tokens=length, depth=depth, trial=trial)

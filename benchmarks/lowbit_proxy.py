@@ -40,6 +40,13 @@ def _sim_attention(module, query, key, value, attention_mask, scaling, dropout=0
         formats[layer] = build_format(cfg["bits"], cfg["group_size"], dim, key.dtype, cfg["format"],
                                       cfg["outlier_fraction"], rope=_STATE.get("rope"))
     fmt = formats[layer]
+    value_bits = cfg.get("value_bits") or cfg["bits"]
+    if value_bits != cfg["bits"]:  # values at their own width: a second format, whose values alone are kept
+        vkey = ("values", layer)
+        if vkey not in formats:
+            formats[vkey] = build_format(value_bits, cfg["group_size"], dim, key.dtype, cfg["format"],
+                                         cfg["outlier_fraction"], rope=_STATE.get("rope"))
+        fmt = _SplitFormat(fmt, formats[vkey])
     k = key[:, :, :pages * page].reshape(batch, heads, pages, page, dim)
     v = value[:, :, :pages * page].reshape(batch, heads, pages, page, dim)
     valid = torch.ones(batch, heads, pages, page, dtype=torch.bool)
@@ -66,6 +73,20 @@ def _sim_attention(module, query, key, value, attention_mask, scaling, dropout=0
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
+class _SplitFormat:
+    """Keys from one format, values from another (keys and values at different widths)."""
+
+    def __init__(self, key_format, value_format) -> None:
+        self.key_format, self.value_format = key_format, value_format
+
+    def encode(self, keys, values, valid, positions):
+        return (self.key_format.encode(keys, values, valid, positions),
+                self.value_format.encode(keys, values, valid, positions))
+
+    def decode(self, data, positions):
+        return self.key_format.decode(data[0], positions)[0], self.value_format.decode(data[1], positions)[1]
+
+
 def proxy_ppl(model, ids, **config) -> float:
     from transformers import AttentionInterface
 
@@ -84,6 +105,8 @@ def main() -> int:
     parser.add_argument("--corpus", default="pydoc-topics")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--bits", type=int, nargs="+", default=[3])
+    parser.add_argument("--value-bits", type=int, default=None,
+                        help="values at this width, keys at --bits (default: values at --bits too)")
     parser.add_argument("--format", nargs="+", default=["kivi"])
     parser.add_argument("--outlier-fraction", type=float, nargs="+", default=[0.01])
     parser.add_argument("--group-size", type=int, default=64)
@@ -106,8 +129,11 @@ def main() -> int:
                 for sinks in args.sinks:
                     start = time.time()
                     ppl = proxy_ppl(model, ids, bits=bits, format=fmt, group_size=args.group_size, sinks=sinks,
-                                    page_size=args.page_size, budget=args.budget, outlier_fraction=fraction)
-                    print(json.dumps({"bits": bits, "format": fmt, "outlier_fraction": fraction, "sinks": sinks,
+                                    page_size=args.page_size, budget=args.budget, outlier_fraction=fraction,
+                                    value_bits=args.value_bits)
+                    widths = {"bits": bits} if args.value_bits in (None, bits) else {
+                        "bits": bits, "value_bits": args.value_bits}
+                    print(json.dumps({**widths, "format": fmt, "outlier_fraction": fraction, "sinks": sinks,
                                       "group_size": args.group_size, "budget": args.budget, "corpus": args.corpus,
                                       "proxy_ppl": round(ppl, 4), "seconds": round(time.time() - start, 1)}), flush=True)
     return 0

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from confkv.tiers.formats import build_format, canonical_name, parse_format
+from confkv.tiers.formats import TECHNIQUES, build_format, canonical_name, parse_format
 
 BF16_BYTES = 2 * 3 * 64 * 2
 
@@ -30,21 +30,31 @@ def cold_bytes(fmt: str, bits: int, group: int, page: int, fraction: float) -> f
     return build_format(bits, group, 64, torch.bfloat16, fmt, fraction).page_nbytes(3, 64, page) / page
 
 
-def _label(fmt: str, sinks: int, fraction: float) -> str:
+def _label(fmt: str, sinks: int, fraction: float, widths: str = "") -> str:
     name = canonical_name(parse_format(fmt))
     if "outliers" in name:
         name += f" ({fraction:g})"
-    return name + (f", sinks={sinks}" if sinks else "")
+    return name + (f", sinks={sinks}" if sinks else "") + widths
+
+
+def _widths(record: dict) -> tuple[int, str, float | None]:
+    """(the column's bits, the label's suffix, the other width or None) of a replay record: keys and values
+    at different widths (``value_bits``) go in the column of their mean width, named in the label."""
+    bits, value_bits = record["bits"], record.get("value_bits", record["bits"])
+    if value_bits == bits:
+        return bits, "", None
+    return (bits + value_bits) // 2, f", keys {bits} / values {value_bits} bits", value_bits
 
 
 def _order(label: str) -> tuple:
     """kivi first, then one technique at a time, then combinations; sinks after their format."""
-    name, _, rest = label.partition(" ")
+    name = label.split(",")[0].split(" ")[0]
+    rest = label[len(name):]
     parts = name.split("+")[1:]
     return (len(parts), [TECHNIQUE_ORDER.index(p) for p in parts], "sinks" in rest, rest)
 
 
-TECHNIQUE_ORDER = ("hadamard", "outliers", "codebook", "prerope")
+TECHNIQUE_ORDER = TECHNIQUES  # the formats' own order, so a new technique cannot break the table
 
 
 def _cell(ppl: float, full: float | None, nbytes: float) -> str:
@@ -70,7 +80,7 @@ def streaming(folder: Path) -> list[str]:
         rows[corpus][(label, bits)] = (run["ppl"], cold_bytes(fmt, bits, p["group_size"], p["page_size"], fraction),
                                        path.name)
     source = {corpus: "this folder" for corpus in full}
-    for path in sorted(folder.parent.glob("tiered/ppl_*.jsonl")):  # full-KV runs of the same setting elsewhere
+    for path in sorted(folder.parent.glob("archive/tiered/ppl_*.jsonl")):  # full-KV runs of the same setting elsewhere
         for line in path.read_text().splitlines():
             run = json.loads(line)
             if (run.get("policy") == "full" and run.get("dtype") == "bfloat16" and run.get("tokens") == 2048
@@ -106,9 +116,12 @@ def proxy(folder: Path) -> list[str]:
                 full[corpus] = r["proxy_ppl"]
                 continue
             key = (corpus, r.get("budget", 32), r.get("group_size", 64))
-            label = _label(r["format"], r.get("sinks", 0), r["outlier_fraction"])
-            rows[key][(label, r["bits"])] = (r["proxy_ppl"], cold_bytes(r["format"], r["bits"], r.get("group_size", 64),
-                                                                        64, r["outlier_fraction"] or 0.01))
+            column, suffix, value_bits = _widths(r)
+            label = _label(r["format"], r.get("sinks", 0), r["outlier_fraction"], suffix)
+            nbytes = [cold_bytes(r["format"], width, r.get("group_size", 64), 64, r["outlier_fraction"] or 0.01)
+                      for width in (r["bits"], value_bits or r["bits"])]
+            # keys and values hold the same side bytes at any width, so mixed widths cost the mean of the two
+            rows[key][(label, column)] = (r["proxy_ppl"], sum(nbytes) / 2)
     out = []
     for (corpus, budget, group), cells_by in sorted(rows.items()):
         reference = full.get(corpus)

@@ -168,6 +168,10 @@ class ColdConfig:
       (non-uniform levels per layer), ``prerope`` (keys stored before the rotary embedding),
       e.g. ``"hadamard+codebook"``. Ignored at ``bits=16``.
     - ``outlier_fraction``: with ``outliers``, the share of each page's entries kept apart.
+    - ``value_bits``: values at this width (2, 3, 4 or 8) while keys stay at ``bits`` (None: values at
+      ``bits`` too). Keys decide which tokens a query finds and carry more of the loss, so 4-bit keys with
+      2-bit values cost what 3 bits each cost and lose less (results/lowbit/README.md, "Keys at 4 bits,
+      values at 2"). Pages of two widths are read through the torch decode: the packed readers take one.
     """
 
     bits: int = 2
@@ -181,6 +185,7 @@ class ColdConfig:
     promote: float | None = None
     format: str = "kivi"
     outlier_fraction: float = 0.01
+    value_bits: int | None = None
 
     def __post_init__(self) -> None:
         from confkv.tiers.formats import parse_format  # noqa: PLC0415
@@ -194,6 +199,11 @@ class ColdConfig:
                  f"must be a share of a page's entries in [0, 0.25], got {self.outlier_fraction!r}")
         _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
                  f"must be one of 2, 3, 4, 8 (KIVI-style) or 16 (unquantized), got {self.bits!r}")
+        if self.value_bits is not None:
+            _require(self.value_bits in (2, 3, 4, 8) and not isinstance(self.value_bits, bool), "value_bits",
+                     f"must be None (values at bits) or one of 2, 3, 4, 8, got {self.value_bits!r}")
+            _require(self.bits != 16, "value_bits",
+                     "applies to quantized pages only; with bits=16 leave it None")
         check_pages(self.page_size, self.group_size)
         for name in ("k_high", "k_low"):
             value = getattr(self, name)

@@ -157,17 +157,21 @@ class KiviFormat(PageFormat):
     of ``min(group_size, head_dim)`` channels, float16 scales and minima), with optional techniques.
 
     Args:
-        bits: 2, 3, 4 or 8.
+        bits: 2, 3, 4 or 8 (the keys' width, and the values' unless ``value_bits`` is given).
         group_size: the KIVI group.
         head_dim: channels per KV head.
         techniques: a subset of :data:`TECHNIQUES`.
         outlier_fraction: with ``outliers``, the share of each page's entries kept apart.
         rope: with ``prerope``, the model's :class:`~confkv.tiers.prerope.Rope`.
+        value_bits: the values' width (None: ``bits``). Pages of two widths are not read packed
+            (:attr:`paged` and :attr:`paged_when_rotated` False): every packed reader takes one width.
     """
 
     def __init__(self, bits: int, group_size: int, head_dim: int, techniques: frozenset[str] = frozenset(),
-                 outlier_fraction: float = 0.01, rope: Any = None) -> None:
-        lowbit.check_packable(head_dim, bits)
+                 outlier_fraction: float = 0.01, rope: Any = None, value_bits: int | None = None) -> None:
+        self.widths = {"key": bits, "value": bits if value_bits is None else value_bits}
+        for width in self.widths.values():
+            lowbit.check_packable(head_dim, width)
         if head_dim % min(group_size, head_dim):
             raise ValueError(f"group_size: must divide head_dim={head_dim} (values are grouped by channels), "
                              f"got {group_size}")
@@ -178,8 +182,9 @@ class KiviFormat(PageFormat):
         self.techniques = frozenset(techniques)
         self.name = canonical_name(self.techniques)
         stored = self.techniques - STORAGE_NEUTRAL  # what changes the pages' storage or read
-        self.paged = not stored
-        self.paged_when_rotated = stored == frozenset({"hadamard"})  # KIVI codes of rotated keys / values
+        one_width = self.widths["key"] == self.widths["value"]
+        self.paged = not stored and one_width
+        self.paged_when_rotated = stored == frozenset({"hadamard"}) and one_width  # KIVI codes of rotated K / V
         self.outlier_fraction = outlier_fraction
         self.rotation = shared_rotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
@@ -200,12 +205,16 @@ class KiviFormat(PageFormat):
 
     def page_nbytes(self, kv_heads, head_dim, page_size):
         total = lowbit.page_bytes(kv_heads, head_dim, page_size, self.bits, self.group_size, digest=False)
+        if self.widths["value"] != self.bits:  # the value codes at their own width; scales and minima alike
+            total += kv_heads * page_size * (lowbit.packed_width(head_dim, self.widths["value"])
+                                             - lowbit.packed_width(head_dim, self.bits))
         return total + 2 * kv_heads * self.outliers_per_page(page_size) * _outliers.ENTRY_BYTES
 
     def layer_nbytes(self):
         if "codebook" not in self.techniques:
             return 0
-        return 2 * (1 << self.bits) * torch.empty((), dtype=_codebook.LEVEL_DTYPE).element_size()
+        levels = sum(1 << width for width in self.widths.values())
+        return levels * torch.empty((), dtype=_codebook.LEVEL_DTYPE).element_size()
 
     # -- encode -----------------------------------------------------------------------------------
     def _check_rope(self) -> None:
@@ -225,8 +234,8 @@ class KiviFormat(PageFormat):
 
     def encode(self, keys, values, valid, positions=None):
         if not self.techniques:
-            qk = lowbit.quantize_keys(keys, valid, self.bits, self.group_size)
-            qv = lowbit.quantize_values(values, self.bits, self.group_size)
+            qk = lowbit.quantize_keys(keys, valid, self.widths["key"], self.group_size)
+            qv = lowbit.quantize_values(values, self.widths["value"], self.group_size)
             return dict(key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
                         value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
         keys, values = self._basis(keys, values, positions)
@@ -249,20 +258,22 @@ class KiviFormat(PageFormat):
                 kept[which] = kept[which] & ~picked
         for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
             codes, scale, minimum = self._quantize(which, grouped, kept[which], axis)
-            out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim), self.bits)
+            out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim), self.widths[which])
             out[f"{which}_scale"], out[f"{which}_min"] = scale.squeeze(axis), minimum.squeeze(axis)
         return out
 
     def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries): codes uint8, scale, min float16."""
+        """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries) at ``which``'s width:
+        codes uint8, scale, min float16."""
+        bits = self.widths[which]
         bottom, top = lowbit.masked_extremes(x, mask, axis)
-        if "clip" in self.techniques and self.bits <= _clipping.MAX_BITS:
-            bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, self.bits)
-        scale, minimum = lowbit.scale_and_minimum(bottom, top, self.bits)
-        u = lowbit.levels_in_range(x, scale, minimum, self.bits)
+        if "clip" in self.techniques and bits <= _clipping.MAX_BITS:
+            bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, bits)
+        scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
+        u = lowbit.levels_in_range(x, scale, minimum, bits)
         if "codebook" in self.techniques:
             if self.levels[which] is None:  # the layer's first pages calibrate its codebook
-                self.levels[which] = _codebook.fit_levels(u[mask], self.bits)
+                self.levels[which] = _codebook.fit_levels(u[mask], bits)
             codes = _codebook.nearest(u, self.levels[which].to(u.device))
         else:
             codes = torch.round(u)
@@ -270,14 +281,14 @@ class KiviFormat(PageFormat):
 
     # -- decode -----------------------------------------------------------------------------------
     def _codes(self, which: str, packed: Tensor) -> Tensor:
-        """[..., packed] uint8 -> [..., D] float32 levels (code values for even levels)."""
-        levels = self.levels[which]
+        """[..., packed] uint8 -> [..., D] float32 levels (code values for even levels), at ``which``'s width."""
+        bits, levels = self.widths[which], self.levels[which]
         if levels is None:
-            return lowbit.unpack_float(packed, self.bits, self.head_dim)
+            return lowbit.unpack_float(packed, bits, self.head_dim)
         key = (which, packed.device)
         if key not in self._tables:
-            self._tables[key] = lowbit.code_table(self.bits, levels, packed.device)
-        return lowbit.lookup_codes(packed, self.bits, self.head_dim, self._tables[key])
+            self._tables[key] = lowbit.code_table(bits, levels, packed.device)
+        return lowbit.lookup_codes(packed, bits, self.head_dim, self._tables[key])
 
     def decode(self, data, positions=None, rotated=False):
         if rotated and self.read_rotation is None:
@@ -312,7 +323,7 @@ def _need_positions(positions: Tensor | None) -> Tensor:
 
 
 def build_format(bits: int, group_size: int, head_dim: int, dtype: torch.dtype, format: str = "kivi",
-                 outlier_fraction: float = 0.01, rope: Any = None) -> PageFormat:
+                 outlier_fraction: float = 0.01, rope: Any = None, value_bits: int | None = None) -> PageFormat:
     """The page format of one layer (``bits`` 16: :class:`FullPrecisionFormat`, whatever ``format``).
 
     Raises:
@@ -321,10 +332,11 @@ def build_format(bits: int, group_size: int, head_dim: int, dtype: torch.dtype, 
     techniques = parse_format(format)
     if bits == 16:
         return FullPrecisionFormat(dtype)
-    return KiviFormat(bits, group_size, head_dim, techniques, outlier_fraction=outlier_fraction, rope=rope)
+    return KiviFormat(bits, group_size, head_dim, techniques, outlier_fraction=outlier_fraction, rope=rope,
+                      value_bits=value_bits)
 
 
 def format_for(config: Any, head_dim: int, dtype: torch.dtype, rope: Any = None) -> PageFormat:
     """:func:`build_format` from a :class:`~confkv.config.ColdConfig`."""
     return build_format(config.bits, config.group_size, head_dim, dtype, config.format,
-                        config.outlier_fraction, rope)
+                        config.outlier_fraction, rope, config.value_bits)

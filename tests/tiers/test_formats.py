@@ -118,8 +118,9 @@ def _element_bounds(fmt, data, which: str, shape, basis=None) -> torch.Tensor:
     With ``clip`` the range may leave a group's extremes outside: such an entry decodes to the nearer end,
     so its bound adds its distance beyond that end (``basis``: the entries in the quantized basis).
     """
-    top = (1 << fmt.bits) - 1
-    levels = fmt.levels[which] if fmt.levels[which] is not None else codebook.even_levels(fmt.bits)
+    bits = fmt.widths[which]  # keys and values may have their own widths (``value_bits``)
+    top = (1 << bits) - 1
+    levels = fmt.levels[which] if fmt.levels[which] is not None else codebook.even_levels(bits)
     reach = _level_distance(levels, top)
     scale, minimum = data[f"{which}_scale"].float(), data[f"{which}_min"].float()
     *lead, page, dim = shape
@@ -136,11 +137,12 @@ def _element_bounds(fmt, data, which: str, shape, basis=None) -> torch.Tensor:
     return bound
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits,value_bits", [(2, None), (3, None), (4, None), (4, 2), (2, 4)])
 @pytest.mark.parametrize("name", FORMATS)
-def test_encode_decode_stays_within_the_worked_out_bound(name, bits):
+def test_encode_decode_stays_within_the_worked_out_bound(name, bits, value_bits):
     keys, values, valid, positions = _pages(bits)
-    fmt = build_format(bits, 8, 32, torch.bfloat16, name, outlier_fraction=2 / (16 * 32), rope=ROPE)
+    fmt = build_format(bits, 8, 32, torch.bfloat16, name, outlier_fraction=2 / (16 * 32), rope=ROPE,
+                       value_bits=value_bits)
     data = fmt.encode(keys, values, valid, positions)
     decoded_keys, decoded_values = fmt.decode(data, positions)
     basis = dict(zip(("key", "value"), fmt._basis(keys, values, positions)))
@@ -351,8 +353,67 @@ def test_unknown_format_is_a_config_error_naming_the_known_ones():
 def test_format_flags_reach_the_policy():
     from confkv.policies import make_policy
 
-    policy = make_policy("kivi", bits=3, format="hadamard+codebook", outlier_fraction=0.02)
+    policy = make_policy("kivi", bits=3, format="hadamard+codebook", outlier_fraction=0.02, value_bits=2)
     assert policy.cold.format == "hadamard+codebook" and policy.cold.outlier_fraction == 0.02
+    assert policy.cold.value_bits == 2
+
+
+# ------------------------------------------------------------------ keys and values at two widths
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_two_widths_store_keys_as_the_key_width_and_values_as_the_value_width(name):
+    """4-bit keys with 2-bit values: the keys' storage and decode are the 4-bit format's, the values' the 2-bit
+    format's, to the bit (outliers are picked and codebooks fitted per tensor, so nothing is shared)."""
+    keys, values, valid, positions = _pages(11)
+    mixed, four, two = (build_format(bits, 8, 32, torch.bfloat16, name, outlier_fraction=2 / (16 * 32), rope=ROPE,
+                                     value_bits=value_bits) for bits, value_bits in ((4, 2), (4, None), (2, None)))
+    data = {fmt: fmt.encode(keys, values, valid, positions) for fmt in (mixed, four, two)}
+    for stored in data[mixed]:
+        reference = data[four] if stored.startswith("key") else data[two]
+        assert torch.equal(data[mixed][stored], reference[stored]), stored
+    mixed_keys, mixed_values = mixed.decode(data[mixed], positions)
+    assert torch.equal(mixed_keys, four.decode(data[four], positions)[0])
+    assert torch.equal(mixed_values, two.decode(data[two], positions)[1])
+
+
+@pytest.mark.parametrize("name", ["kivi", "outliers", "codebook", "hadamard+outliers+clip"])
+def test_two_widths_cost_what_one_width_between_them_costs_and_kv_bytes_are_the_tensors_held(name):
+    """Side bytes (scales, minima, outliers) do not depend on the width, so 4-bit keys with 2-bit values cost a
+    3-bit page; the tier's bytes are the tensors it holds (and the codebooks: 16 key levels, 4 value levels)."""
+    mixed = build_format(4, 8, 32, torch.bfloat16, name, outlier_fraction=0.01, value_bits=2)
+    even = build_format(3, 8, 32, torch.bfloat16, name, outlier_fraction=0.01)
+    assert mixed.page_nbytes(3, 32, 16) == even.page_nbytes(3, 32, 16)
+    keys, values, _, positions = _pages(5, count=4)
+    tier = _tier(name, 4, value_bits=2)
+    tier.demote(keys.reshape(1, 2, 64, 32)[:, :, :40], values.reshape(1, 2, 64, 32)[:, :, :40],
+                positions.reshape(1, 2, 64)[:, :, :40], torch.ones(1, 40, dtype=torch.bool))
+    assert tier.kv_bytes() == _held_bytes(tier)
+    if name == "codebook":
+        assert tier.format.layer_nbytes() == (16 + 4) * 4
+
+
+@pytest.mark.parametrize("name", ["kivi", "hadamard"])
+def test_pages_of_two_widths_are_read_decoded_even_by_a_packed_backend(name):
+    """The packed readers take one width: "kivi" and "kivi+hadamard" pages of two widths reach the read decoded."""
+    keys, values, _, positions = _pages(6, count=4)
+    tier = _tier(name, 4, value_bits=2)
+    tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
+                torch.ones(1, 64, dtype=torch.bool))
+    expected_keys, expected_values = tier.format.decode(
+        {n: tier.pages[n][:, :, :4] for n in tier.format.storage}, tier.pages["positions"][:, :, :4])
+    (segment,) = tier.segments(torch.randn(1, 4, 1, 32), torch.tensor([ALL_PAGES]), paged=True)
+    assert torch.equal(segment.keys, expected_keys.reshape(1, 2, 64, 32))
+    assert torch.equal(segment.values, expected_values.reshape(1, 2, 64, 32))
+
+
+def test_a_value_width_is_checked_and_named():
+    with pytest.raises(ConfigError, match="value_bits: must be None .* one of 2, 3, 4, 8, got 5"):
+        ColdConfig(bits=4, value_bits=5)
+    with pytest.raises(ConfigError, match="value_bits: must be None"):
+        ColdConfig(bits=4, value_bits=True)
+    with pytest.raises(ConfigError, match="value_bits: applies to quantized pages only"):
+        ColdConfig(bits=16, value_bits=2)
+    assert ColdConfig(bits=4, value_bits=2).value_bits == 2
 
 
 # ------------------------------------------------------------------ pre-RoPE keys

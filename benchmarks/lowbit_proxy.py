@@ -38,15 +38,9 @@ def _sim_attention(module, query, key, value, attention_mask, scaling, dropout=0
     formats = _STATE["formats"]
     if layer not in formats:
         formats[layer] = build_format(cfg["bits"], cfg["group_size"], dim, key.dtype, cfg["format"],
-                                      cfg["outlier_fraction"], rope=_STATE.get("rope"))
+                                      cfg["outlier_fraction"], rope=_STATE.get("rope"),
+                                      value_bits=cfg.get("value_bits"))  # None: values at `bits` too
     fmt = formats[layer]
-    value_bits = cfg.get("value_bits") or cfg["bits"]
-    if value_bits != cfg["bits"]:  # values at their own width: a second format, whose values alone are kept
-        vkey = ("values", layer)
-        if vkey not in formats:
-            formats[vkey] = build_format(value_bits, cfg["group_size"], dim, key.dtype, cfg["format"],
-                                         cfg["outlier_fraction"], rope=_STATE.get("rope"))
-        fmt = _SplitFormat(fmt, formats[vkey])
     k = key[:, :, :pages * page].reshape(batch, heads, pages, page, dim)
     v = value[:, :, :pages * page].reshape(batch, heads, pages, page, dim)
     valid = torch.ones(batch, heads, pages, page, dtype=torch.bool)
@@ -71,20 +65,6 @@ def _sim_attention(module, query, key, value, attention_mask, scaling, dropout=0
     probs = scores.softmax(-1)
     out = (probs * ~sealed) @ exact_v + (probs * sealed) @ vq
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
-
-
-class _SplitFormat:
-    """Keys from one format, values from another (keys and values at different widths)."""
-
-    def __init__(self, key_format, value_format) -> None:
-        self.key_format, self.value_format = key_format, value_format
-
-    def encode(self, keys, values, valid, positions):
-        return (self.key_format.encode(keys, values, valid, positions),
-                self.value_format.encode(keys, values, valid, positions))
-
-    def decode(self, data, positions):
-        return self.key_format.decode(data[0], positions)[0], self.value_format.decode(data[1], positions)[1]
 
 
 def proxy_ppl(model, ids, **config) -> float:

@@ -76,9 +76,10 @@ def streaming(folder: Path) -> list[str]:
         p = run["params"]
         fmt, bits = p.get("format", "kivi"), p["bits"]
         fraction, sinks = p.get("outlier_fraction", 0.01), p.get("sinks", 0)
-        label = _label(fmt, sinks, fraction)
-        rows[corpus][(label, bits)] = (run["ppl"], cold_bytes(fmt, bits, p["group_size"], p["page_size"], fraction),
-                                       path.name)
+        column, suffix, value_bits = _widths({"bits": bits, "value_bits": p.get("value_bits") or bits})
+        label = _label(fmt, sinks, fraction, suffix)
+        nbytes = [cold_bytes(fmt, width, p["group_size"], p["page_size"], fraction) for width in (bits, value_bits or bits)]
+        rows[corpus][(label, column)] = (run["ppl"], sum(nbytes) / 2, path.name)
     source = {corpus: "this folder" for corpus in full}
     for path in sorted(folder.parent.glob("archive/tiered/ppl_*.jsonl")):  # full-KV runs of the same setting elsewhere
         for line in path.read_text().splitlines():

@@ -26,7 +26,8 @@ from confkv.attention.segments import gather_pages
 from confkv.tiers.formats import build_format
 
 
-def _step(name: str, bits: int, context: int, heads: int, dim: int, page: int, group: int):
+def _step(name: str, bits: int, context: int, heads: int, dim: int, page: int, group: int,
+          value_bits: int | None = None):
     """A callable doing one step's page work of format ``name`` (decode every page, 1/page of an encode)."""
     from confkv.tiers.prerope import Rope
 
@@ -37,7 +38,7 @@ def _step(name: str, bits: int, context: int, heads: int, dim: int, page: int, g
     valid = torch.ones(1, heads, pages, page, dtype=torch.bool)
     positions = torch.arange(pages * page).reshape(1, 1, pages, page).expand(1, heads, pages, page)
     rope = Rope(1.0 / (100000.0 ** (torch.arange(0, dim, 2).float() / dim)))  # SmolLM2's theta
-    fmt = build_format(bits, group, dim, torch.bfloat16, name, 0.01, rope=rope)
+    fmt = build_format(bits, group, dim, torch.bfloat16, name, 0.01, rope=rope, value_bits=value_bits)
     folded = fmt.read_rotation is not None
     data = fmt.encode(keys, values, valid, positions)
     index = torch.arange(pages).expand(1, heads, pages)
@@ -65,11 +66,11 @@ def _timed(fn) -> float:
 
 
 def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: int, group: int,
-                repeats: int) -> dict:
+                repeats: int, value_bits: int | None = None) -> dict:
     """Median time per step of format ``name`` and of 4-bit KIVI, timed in alternation (pairs), and the
     median of the per-pair ratios (robust to a machine whose load drifts)."""
     shape = dict(context=context, heads=heads, dim=dim, page=page, group=group)
-    fmt, folded, decode, encode = _step(name, bits, **shape)
+    fmt, folded, decode, encode = _step(name, bits, **shape, value_bits=value_bits)
     _, _, ref_decode, ref_encode = _step("kivi", 4, **shape)
     decode(), ref_decode(), encode(), ref_encode()
     mine, ref, ratios, enc, ref_enc = [], [], [], [], []
@@ -82,7 +83,8 @@ def time_format(name: str, bits: int, context: int, heads: int, dim: int, page: 
         enc.append(e)
         ref_enc.append(f)
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"format": fmt.name, "bits": bits, "rotation_folded": folded, "per_step_ms": med(mine) * 1e3,
+    widths = {"bits": bits} if value_bits in (None, bits) else {"bits": bits, "value_bits": value_bits}
+    return {"format": fmt.name, **widths, "rotation_folded": folded, "per_step_ms": med(mine) * 1e3,
             "kivi4_per_step_ms": med(ref) * 1e3, "encode_page_ms": med(enc) * 1e3,
             "kivi4_encode_page_ms": med(ref_enc) * 1e3, "ratio_to_kivi4": med(ratios)}
 
@@ -97,13 +99,15 @@ def main() -> int:
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
     parser.add_argument("--formats", nargs="+", default=["kivi", "hadamard", "outliers", "codebook"])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--value-bits", type=int, default=None,
+                        help="values at this width, keys at --bits (default: values at --bits too)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shape = dict(context=args.context, heads=args.heads, dim=args.head_dim, page=args.page_size,
                  group=args.group_size, repeats=args.repeats)
     for bits in args.bits:
         for name in args.formats:
-            row = time_format(name, bits, **shape)
+            row = time_format(name, bits, **shape, value_bits=args.value_bits)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return 0
 

@@ -26,8 +26,9 @@ from confkv.tiers.formats import TECHNIQUES, build_format, canonical_name, parse
 BF16_BYTES = 2 * 3 * 64 * 2
 
 
-def cold_bytes(fmt: str, bits: int, group: int, page: int, fraction: float) -> float:
-    return build_format(bits, group, 64, torch.bfloat16, fmt, fraction).page_nbytes(3, 64, page) / page
+def cold_bytes(fmt: str, bits: int, group: int, page: int, fraction: float, value_bits: int | None = None) -> float:
+    return build_format(bits, group, 64, torch.bfloat16, fmt, fraction,
+                        value_bits=value_bits).page_nbytes(3, 64, page) / page
 
 
 def _label(fmt: str, sinks: int, fraction: float, widths: str = "") -> str:
@@ -37,8 +38,8 @@ def _label(fmt: str, sinks: int, fraction: float, widths: str = "") -> str:
     return name + (f", sinks={sinks}" if sinks else "") + widths
 
 
-def _widths(record: dict) -> tuple[int, str, float | None]:
-    """(the column's bits, the label's suffix, the other width or None) of a replay record: keys and values
+def _widths(record: dict) -> tuple[int, str, int | None]:
+    """(the column's bits, the label's suffix, the values' width or None) of a record: keys and values
     at different widths (``value_bits``) go in the column of their mean width, named in the label."""
     bits, value_bits = record["bits"], record.get("value_bits", record["bits"])
     if value_bits == bits:
@@ -78,8 +79,8 @@ def streaming(folder: Path) -> list[str]:
         fraction, sinks = p.get("outlier_fraction", 0.01), p.get("sinks", 0)
         column, suffix, value_bits = _widths({"bits": bits, "value_bits": p.get("value_bits") or bits})
         label = _label(fmt, sinks, fraction, suffix)
-        nbytes = [cold_bytes(fmt, width, p["group_size"], p["page_size"], fraction) for width in (bits, value_bits or bits)]
-        rows[corpus][(label, column)] = (run["ppl"], sum(nbytes) / 2, path.name)
+        rows[corpus][(label, column)] = (run["ppl"], cold_bytes(fmt, bits, p["group_size"], p["page_size"], fraction,
+                                                                value_bits), path.name)
     source = {corpus: "this folder" for corpus in full}
     for path in sorted(folder.parent.glob("archive/tiered/ppl_*.jsonl")):  # full-KV runs of the same setting elsewhere
         for line in path.read_text().splitlines():
@@ -119,10 +120,8 @@ def proxy(folder: Path) -> list[str]:
             key = (corpus, r.get("budget", 32), r.get("group_size", 64))
             column, suffix, value_bits = _widths(r)
             label = _label(r["format"], r.get("sinks", 0), r["outlier_fraction"], suffix)
-            nbytes = [cold_bytes(r["format"], width, r.get("group_size", 64), 64, r["outlier_fraction"] or 0.01)
-                      for width in (r["bits"], value_bits or r["bits"])]
-            # keys and values hold the same side bytes at any width, so mixed widths cost the mean of the two
-            rows[key][(label, column)] = (r["proxy_ppl"], sum(nbytes) / 2)
+            rows[key][(label, column)] = (r["proxy_ppl"], cold_bytes(r["format"], r["bits"], r.get("group_size", 64),
+                                                                     64, r["outlier_fraction"] or 0.01, value_bits))
     out = []
     for (corpus, budget, group), cells_by in sorted(rows.items()):
         reference = full.get(corpus)

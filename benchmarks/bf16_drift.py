@@ -27,16 +27,21 @@ def losses(model, ids: torch.Tensor) -> list[float]:
     return out
 
 
-torch.set_num_threads(1)
-bf16, tokenizer = load_model("smollm2", dtype=torch.bfloat16)
-ids = corpus_tokens(tokenizer, "pydoc-topics", TOKENS + 1)
-reference = losses(load_model("smollm2", dtype=torch.float32)[0], ids)
-
-
-def distance(nll: list[float]) -> float:
+def distance(nll: list[float], reference: list[float]) -> float:
     return sum(abs(a - b) for a, b in zip(nll[:TOKENS], reference)) / TOKENS
 
 
-print(f"DynamicCache, bf16: {distance(losses(bf16, ids)):.4f} nats a token from float32")
-for path in sys.argv[1:]:
-    print(f"{path}: {distance(json.load(open(path))['nll']):.4f}")
+def main(paths: list[str]) -> int:
+    torch.set_num_threads(1)
+    bf16, tokenizer = load_model("smollm2", dtype=torch.bfloat16)
+    ids = corpus_tokens(tokenizer, "pydoc-topics", TOKENS + 1)
+    reference = losses(load_model("smollm2", dtype=torch.float32)[0], ids)
+    print(f"DynamicCache, bf16: {distance(losses(bf16, ids), reference):.4f} nats a token from float32")
+    for path in paths:
+        with open(path) as file:
+            print(f"{path}: {distance(json.load(file)['nll'], reference):.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

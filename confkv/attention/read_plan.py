@@ -91,6 +91,8 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
     if triton_reads(query, backend):
         if has_pages and any(s.rotation is not None for s in segments if isinstance(s, PagedSegment)):
             return ReadPlan("torch", "rotated pages (the Triton read takes none)")
+        if has_pages and not all(s.plain for s in segments if isinstance(s, PagedSegment)):
+            return ReadPlan("torch", "pages of two widths or with outliers (the Triton read takes neither)")
         return ReadPlan("triton")
     if backend in ("auto", "fused") and not has_pages and fused_read_eligible(query, segments, softcap, need_mass):
         return ReadPlan("fused")

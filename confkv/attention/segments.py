@@ -23,6 +23,11 @@ Shapes (``B`` sequences, ``H`` KV heads, ``N`` pages of storage, ``P`` tokens pe
     bits 2-8:   key_codes, value_codes [B, H, N, P, C] uint8
                 key_scale, key_min     [B, H, N, P / G, D] float16  (per channel, G tokens)
                 value_scale, value_min [B, H, N, P, D / Gv] float16 (per token, Gv channels)
+    value_bits:  the value codes' width when it differs from ``bits`` (``C_v = packed_width(D, value_bits)``),
+                 else None
+    outliers:   key_outlier_index, key_outlier_value, value_outlier_index, value_outlier_value
+                [B, H, N, O] int16 / float16 (a format with ``outliers``, :mod:`confkv.tiers.outliers`):
+                entry ``t * D + d`` of a page is written over the dequantized page, O per page and tensor
 
 The segment's slots are the ``K * P`` slots of the selected pages in rank order (slot
 ``j * P + t`` is token ``t`` of the rank-``j`` page), so its attention mass is
@@ -38,6 +43,10 @@ import torch
 from torch import Tensor
 
 from confkv.tiers import lowbit
+from confkv.tiers.outliers import restore
+
+#: the optional outlier storage of a :class:`PagedSegment` (all four or none)
+OUTLIER_STORAGE = ("key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value")
 
 
 @dataclass
@@ -112,6 +121,26 @@ class PagedSegment:
     #: ``k @ rotation.matrix`` and ``v @ rotation.matrix``, ``matrix`` [D, D] float32), or None. The native
     #: read turns the query into it and the pages' share of the output back; :meth:`to_dense` decodes back.
     rotation: Any = None
+    #: the value codes' width when it differs from ``bits`` (keys at ``bits``), else None
+    value_bits: int | None = None
+    key_outlier_index: Tensor | None = None
+    key_outlier_value: Tensor | None = None
+    value_outlier_index: Tensor | None = None
+    value_outlier_value: Tensor | None = None
+
+    @property
+    def widths(self) -> tuple[int, int]:
+        """(key bits, value bits)."""
+        return self.bits, self.bits if self.value_bits is None else self.value_bits
+
+    @property
+    def has_outliers(self) -> bool:
+        return self.key_outlier_index is not None
+
+    @property
+    def plain(self) -> bool:
+        """One width and no outliers: the storage the Triton paged read takes."""
+        return self.widths[0] == self.widths[1] and not self.has_outliers
 
     @property
     def page_size(self) -> int:
@@ -141,6 +170,11 @@ class PagedSegment:
             missing = [name for name in names if getattr(self, name) is None]
             if missing:
                 raise ValueError(f"{self.bits}-bit pages need {', '.join(missing)}")
+            if self.widths[1] not in (2, 3, 4, 8):
+                raise ValueError(f"value_bits must be one of 2, 3, 4, 8, got {self.value_bits!r}")
+            outliers = [getattr(self, name) is None for name in OUTLIER_STORAGE]
+            if any(outliers) and not all(outliers):
+                raise ValueError(f"pages with outliers need all of {', '.join(OUTLIER_STORAGE)}")
         else:
             raise ValueError(f"bits must be one of 2, 3, 4, 8, 16, got {self.bits!r}")
 
@@ -171,7 +205,12 @@ class PagedSegment:
             qk = lowbit.Quantized(*(gather_pages(t, index) for t in (self.key_codes, self.key_scale, self.key_min)))
             qv = lowbit.Quantized(*(gather_pages(t, index) for t in (self.value_codes, self.value_scale, self.value_min)))
             keys = lowbit.dequantize_keys(qk, bits, dim, group)
-            values = lowbit.dequantize_values(qv, bits, dim, group)
+            values = lowbit.dequantize_values(qv, self.widths[1], dim, group)
+            if self.has_outliers:
+                keys = restore(keys, gather_pages(self.key_outlier_index, index),
+                               gather_pages(self.key_outlier_value, index))
+                values = restore(values, gather_pages(self.value_outlier_index, index),
+                                 gather_pages(self.value_outlier_value, index))
         if self.rotation is not None:
             keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
         shape = (batch, heads, width * self.page_size, self.head_dim)

@@ -214,6 +214,9 @@ def paged_partials(
         None, or scores [B*H, R, K * P] float32 (-inf where a slot is not read).
     """
     segment.validate()
+    if not segment.plain:
+        raise ValueError("the Triton paged read takes pages of one width without outliers; call "
+                         "PagedSegment.to_dense() for the others")
     flat, rows, head_dim = query_rows.shape
     device = query_rows.device
     heads, width, page = segment.kv_heads, segment.width, segment.page_size

@@ -191,6 +191,8 @@ def triton_attention(
     if block_n < 16 or block_n & (block_n - 1) or split_size % block_n:
         raise ValueError(f"block_n must be a power of two >= 16 dividing split_size (got {block_n}, {split_size})")
     batch, q_heads, num_queries, head_dim = query.shape
+    # pages of two widths or with outliers: the kernel reads one width of plain codes, so they come decoded
+    segments = [s.to_dense() if isinstance(s, PagedSegment) and not s.plain else s for s in segments]
     first = segments[0]
     kv_heads = first.kv_heads if isinstance(first, PagedSegment) else first.keys.shape[1]
     if q_heads % kv_heads:

@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="memory targets of the preset rows tiered@<percent> (fractions of the full cache's bytes)")
     bench.add_argument("--formats", nargs="*", default=[],
                        help="page formats of extra preset rows tiered[<format>]@<percent> (e.g. kivi+hadamard)")
+    bench.add_argument("--kivi", nargs="*", default=[],
+                       help="extra KIVI rows kivi-<spec>, spec BITS[/VALUE_BITS][:FORMAT] (e.g. 4 or "
+                            "4/2:hadamard+outliers+clip): every older token in low-bit pages, read natively")
     bench.add_argument("--out", type=Path, default=Path("results/bench"))
     bench.add_argument("--threads", type=int, default=2,
                        help="torch CPU threads, and llama.cpp's n_threads for its row (default 2)")
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
                 configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
                 llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory), formats=tuple(args.formats),
-                llamacpp_kv=tuple(args.llamacpp_kv))
+                llamacpp_kv=tuple(args.llamacpp_kv), kivi=tuple(args.kivi))
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

@@ -24,7 +24,7 @@ from torch import Tensor
 from confkv.native.loader import library
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-_PTRS, _META = 9, 40  # kernels.c's PR_PTRS, PR_META
+_PTRS, _META = 13, 48  # kernels.c's PR_PTRS, PR_META
 #: bit widths of the packed pages the kernel reads
 BITS = (2, 3, 4, 8)
 
@@ -41,11 +41,12 @@ def unsupported(query: Tensor, segments: Sequence) -> str | None:
         return "query dtype"
     for segment in segments:
         if _is_paged(segment):
-            if segment.bits not in BITS:
-                return f"{segment.bits}-bit pages"
+            widths = getattr(segment, "widths", (segment.bits, segment.bits))
+            if any(bits not in BITS for bits in widths):
+                return f"{'/'.join(map(str, sorted(set(widths))))}-bit pages"
             if segment.valid.device.type != "cpu":
                 return "pages not on CPU"
-            if segment.head_dim % {2: 4, 3: 8, 4: 2, 8: 1}[segment.bits]:
+            if any(segment.head_dim % {2: 4, 3: 8, 4: 2, 8: 1}[bits] for bits in widths):
                 return "head_dim not packable"
             if segment.rotation is not None and segment.rotation.matrix.shape != (query.shape[-1],) * 2:
                 return "rotation not [D, D]"
@@ -119,13 +120,35 @@ def _paged(segment, keep: list) -> tuple[list, list]:
             t.dtype != torch.uint8 for t in (storage[0], storage[3])):
         raise ValueError("packed pages: codes must be uint8 and scales / minima float16")
     width, page = segment.width, segment.page_size
-    meta = [1, width * page, width, page, segment.bits, segment.group_size, min(segment.group_size, segment.head_dim),
+    key_bits, value_bits = getattr(segment, "widths", (segment.bits, segment.bits))
+    meta = [1, width * page, width, page, key_bits, segment.group_size, min(segment.group_size, segment.head_dim),
             storage[0].shape[-1], index.stride(0), index.stride(1), counts.stride(0), *valid.stride()[:3]]
     for t in storage:
         meta += list(t.stride()[:3])
     meta.append(int(segment.rotation is not None))  # [32]: coded in the call's rotation
-    keep += [index, counts, valid, *storage]
-    return [index.data_ptr(), counts.data_ptr(), valid.data_ptr()] + [t.data_ptr() for t in storage], meta
+    meta += [value_bits, storage[3].shape[-1]]  # [33] value bits, [34] packed value bytes per row
+    outliers = _outliers(segment)
+    meta.append(outliers[0].shape[-1] if outliers else 0)  # [35] outliers per page and tensor
+    for t in outliers:
+        meta += list(t.stride()[:3])
+    keep += [index, counts, valid, *storage, *outliers]
+    ptrs = [index.data_ptr(), counts.data_ptr(), valid.data_ptr()] + [t.data_ptr() for t in storage + outliers]
+    return ptrs + [0] * (_PTRS - len(ptrs)), meta
+
+
+def _outliers(segment) -> list[Tensor]:
+    """The segment's outlier storage (key index, key value, value index, value value) as the kernel reads it, or
+    [] for pages without outliers (or with none kept)."""
+    if getattr(segment, "key_outlier_index", None) is None:
+        return []
+    index_type, value_type = torch.int16, torch.float16
+    tensors = [_inner_contiguous(getattr(segment, name), 3) for name in
+               ("key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value")]
+    if any(t.dtype != want for t, want in zip(tensors, (index_type, value_type) * 2)):
+        raise ValueError("packed pages: outlier indices must be int16 and outlier values float16")
+    if len({t.shape[-1] for t in tensors}) != 1:
+        raise ValueError("packed pages: keys and values must keep as many outliers per page")
+    return tensors if tensors[0].shape[-1] else []
 
 
 def page_read(query: Tensor, segments: Sequence, scaling: float,
@@ -136,7 +159,8 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
     Args:
         query: [B, Hq, Q, D] on CPU (converted to float32), Hq = Hkv * G.
         segments: dense segments (float keys / values; float32 and bfloat16 read as they are, other float
-            dtypes converted to float32) and packed page segments; page segments with a ``rotation`` (codes
+            dtypes converted to float32) and packed page segments (keys and values each at 2, 3, 4 or 8 bits,
+            outliers written over the dequantized rows); page segments with a ``rotation`` (codes
             of ``k @ rotation.matrix``, ``v @ rotation.matrix``; one rotation per call) are scored with the
             query turned into that basis and their share of the output turned back, in the kernel.
         scaling: score multiplier.
@@ -174,7 +198,8 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
     if status == 1:
         raise MemoryError("confkv native page read: out of memory for the scores")
     if status:
-        raise ValueError("confkv native page read: a page segment's bits or group size is not one it takes")
+        raise ValueError("confkv native page read: a page segment's bits, group size or outlier storage is not one "
+                         "it takes")
     return out.to(query.dtype), mass
 
 

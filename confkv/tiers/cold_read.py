@@ -19,7 +19,7 @@ from torch import Tensor
 
 from confkv import profiling
 from confkv.attention import KVSegment
-from confkv.attention.segments import PagedSegment, gather_pages as _gather_pages
+from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig
@@ -147,9 +147,14 @@ class PageRead:
     def _paged(self, index: Tensor, read_pages: Tensor, width: int, rotation=None) -> PagedSegment:
         """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B]; ``rotation``:
         the basis their codes are in, None for the read's)."""
-        storage = {name: self.pages[name] for name in _STORAGE[self.config.bits == 16]}
+        names = _STORAGE[self.config.bits == 16]
+        if "key_outlier_index" in self.format.storage:
+            names = names + OUTLIER_STORAGE
+        storage = {name: self.pages[name] for name in names}
+        value_bits = self.format.widths["value"] if self.config.bits != 16 else None
         return PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
-                            self.config.group_size, self.head_dim, **storage, rotation=rotation)
+                            self.config.group_size, self.head_dim, **storage, rotation=rotation,
+                            value_bits=None if value_bits == self.config.bits else value_bits)
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
         """Pages ``index`` [B, H, K] of ``live`` decoded by the format: keys, values [B, H, K, P, D]

@@ -16,16 +16,16 @@ leads with [B, H, N] so pages can be gathered and moved along dim 2 by index. ``
 counts every side byte (scales, minima, outlier values and indices); the Quest digest is the
 tier's, not the format's, and is not included.
 
-Formats (``ColdConfig.format``): ``"kivi"`` (plain KIVI, :mod:`confkv.tiers.lowbit`; the only format
-the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques below joined by
+Formats (``ColdConfig.format``): ``"kivi"`` (plain KIVI, :mod:`confkv.tiers.lowbit`; with ``hadamard``
+the only format the Triton paged read takes packed) or ``"kivi"`` plus any of the techniques below joined by
 ``+`` (order free; ``"hadamard+outliers"`` is ``"kivi+outliers+hadamard"``):
 
 - ``hadamard``: a randomized Hadamard rotation of each head's channels, keys and values
   (:mod:`confkv.tiers.hadamard`); decoded back to the original basis, or read in it. ``kivi+hadamard``
-  alone stores plain KIVI codes of the rotated keys and values, so the native page read takes its pages
+  stores KIVI codes of the rotated keys and values, so the native page read takes its pages
   packed (:attr:`PageFormat.paged_when_rotated`; the kernel turns the query into their basis).
 - ``outliers``: ``outlier_fraction`` of each page's entries kept apart in 16 bits
-  (:mod:`confkv.tiers.outliers`).
+  (:mod:`confkv.tiers.outliers`); the native page read writes them over each dequantized row.
 - ``codebook``: non-uniform levels, one k-means codebook per layer and tensor
   (:mod:`confkv.tiers.codebook`).
 - ``prerope``: keys stored before the rotary embedding, re-rotated at decode from each
@@ -87,10 +87,10 @@ class PageFormat:
     Attributes:
         name: the canonical format name ("kivi", "kivi+hadamard", ..., "fp16").
         bits: code width (16: unquantized).
-        paged: True when :class:`~confkv.attention.segments.PagedSegment` (and the Triton read) can
-            read the storage as it is; otherwise reads decode with :meth:`decode`.
-        paged_when_rotated: True when the storage is plain KIVI codes in the basis of :attr:`read_rotation`
-            (``kivi+hadamard``): a packed read takes it either in that basis (the read folds the rotation
+        paged: True when :class:`~confkv.attention.segments.PagedSegment` carries the storage as it is (KIVI
+            codes, maybe of two widths, maybe with outliers); otherwise reads decode with :meth:`decode`.
+        paged_when_rotated: True when the storage is such KIVI codes in the basis of :attr:`read_rotation`
+            (``kivi+hadamard``, ``+outliers``): a packed read takes it either in that basis (the read folds the rotation
             into the query and output) or with the rotation attached (:attr:`PagedSegment.rotation`: the
             native read turns the query itself).
         storage: the names :meth:`encode` returns.
@@ -163,8 +163,8 @@ class KiviFormat(PageFormat):
         techniques: a subset of :data:`TECHNIQUES`.
         outlier_fraction: with ``outliers``, the share of each page's entries kept apart.
         rope: with ``prerope``, the model's :class:`~confkv.tiers.prerope.Rope`.
-        value_bits: the values' width (None: ``bits``). Pages of two widths are not read packed
-            (:attr:`paged` and :attr:`paged_when_rotated` False): every packed reader takes one width.
+        value_bits: the values' width (None: ``bits``). Pages of two widths, and pages with outliers, are read
+            packed by the native page read; the Triton read hands them to the torch read (read_plan).
     """
 
     def __init__(self, bits: int, group_size: int, head_dim: int, techniques: frozenset[str] = frozenset(),
@@ -181,10 +181,11 @@ class KiviFormat(PageFormat):
         self.bits, self.group_size, self.head_dim = bits, group_size, head_dim
         self.techniques = frozenset(techniques)
         self.name = canonical_name(self.techniques)
-        stored = self.techniques - STORAGE_NEUTRAL  # what changes the pages' storage or read
-        one_width = self.widths["key"] == self.widths["value"]
-        self.paged = not stored and one_width
-        self.paged_when_rotated = stored == frozenset({"hadamard"}) and one_width  # KIVI codes of rotated K / V
+        # what changes the pages' storage or read beyond what a PagedSegment carries (outliers and two widths it
+        # carries: the native page read takes them, the Triton read leaves them to the torch read)
+        stored = self.techniques - STORAGE_NEUTRAL - {"outliers"}
+        self.paged = not stored
+        self.paged_when_rotated = stored == frozenset({"hadamard"})  # KIVI codes of rotated K / V
         self.outlier_fraction = outlier_fraction
         self.rotation = shared_rotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None

@@ -371,7 +371,7 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
     pages = _pages_of(gen, 8, page, dim, 8 if page % 8 == 0 and dim % 8 == 0 else 1)
     pages.group_size = group
     query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen)
-    with pytest.raises(ValueError, match="bits or group size is not one it takes"):
+    with pytest.raises(ValueError, match="group size or outlier storage is not one it takes"):
         native_pages.page_read(query, [pages], dim ** -0.5)
 
 

@@ -270,10 +270,10 @@ def test_kv_bytes_are_the_tensors_held(name, read_all):
     assert set(tier.format.storage) <= set(tier.pages)
 
 
-@pytest.mark.parametrize("name", ["outliers", "codebook", "prerope", "hadamard+outliers+codebook"])
+@pytest.mark.parametrize("name", ["codebook", "prerope", "hadamard+outliers+codebook"])
 def test_a_format_pages_read_through_the_decode_on_every_backend(name):
-    """Pages of formats other than plain KIVI (and ``kivi+hadamard``) reach the read decoded (also when a backend
-    asks for packed pages)."""
+    """Pages of formats other than KIVI codes (maybe rotated, maybe with outliers) reach the read decoded (also
+    when a backend asks for packed pages)."""
     keys, values, _, positions = _pages(6, count=4)
     tier = _tier(name, 4)
     tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
@@ -392,18 +392,29 @@ def test_two_widths_cost_what_one_width_between_them_costs_and_kv_bytes_are_the_
         assert tier.format.layer_nbytes() == (16 + 4) * 4
 
 
-@pytest.mark.parametrize("name", ["kivi", "hadamard"])
-def test_pages_of_two_widths_are_read_decoded_even_by_a_packed_backend(name):
-    """The packed readers take one width: "kivi" and "kivi+hadamard" pages of two widths reach the read decoded."""
+@pytest.mark.parametrize("name, value_bits", [("kivi", 2), ("hadamard", 2), ("outliers", None),
+                                               ("hadamard+outliers+clip", 2)])
+def test_pages_of_two_widths_or_with_outliers_reach_a_packed_read_packed(name, value_bits):
+    """Pages of two widths and pages with outliers are carried as they are (the native page read takes them): the
+    value codes' width and the four outlier tensors ride on the PagedSegment, which decodes (the torch read) to
+    the format's own decode; a read that does not take packed pages gets that decode."""
+    from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment
+
     keys, values, _, positions = _pages(6, count=4)
-    tier = _tier(name, 4, value_bits=2)
+    tier = _tier(name, 4, value_bits=value_bits)
     tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
                 torch.ones(1, 64, dtype=torch.bool))
     expected_keys, expected_values = tier.format.decode(
         {n: tier.pages[n][:, :, :4] for n in tier.format.storage}, tier.pages["positions"][:, :, :4])
-    (segment,) = tier.segments(torch.randn(1, 4, 1, 32), torch.tensor([ALL_PAGES]), paged=True)
-    assert torch.equal(segment.keys, expected_keys.reshape(1, 2, 64, 32))
-    assert torch.equal(segment.values, expected_values.reshape(1, 2, 64, 32))
+    (packed,) = tier.segments(torch.randn(1, 4, 1, 32), torch.tensor([ALL_PAGES]), paged=True)
+    assert isinstance(packed, PagedSegment) and packed.widths == (4, value_bits or 4)
+    assert packed.has_outliers == ("outliers" in name)
+    if packed.has_outliers:
+        assert all(getattr(packed, n) is tier.pages[n] for n in OUTLIER_STORAGE)
+    (dense,) = tier.segments(torch.randn(1, 4, 1, 32), torch.tensor([ALL_PAGES]), paged=False)
+    for segment in (packed.to_dense(), dense):
+        torch.testing.assert_close(segment.keys, expected_keys.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(segment.values, expected_values.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
 
 
 def test_a_value_width_is_checked_and_named():

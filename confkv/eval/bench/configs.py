@@ -86,3 +86,27 @@ def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)
                         {"evict_slack": slack}, note="cold pages in a memory-mapped file"),
         ]
     return configs
+
+
+def kivi_rows(specs: tuple[str, ...]) -> list[BenchConfig]:
+    """KIVI rows (every older token kept in low-bit pages and read, the native page read's heaviest load) named
+    ``kivi-<spec>`` for each spec ``BITS[/VALUE_BITS][:FORMAT]`` (``4``, ``4/2:hadamard+outliers+clip``): keys at
+    ``BITS``, values at ``VALUE_BITS`` (default ``BITS``), page format ``FORMAT`` (default ``kivi``), pages and
+    groups of 64 tokens, the policy's 128-token full-precision window. Page formats compared at equal load.
+
+    Raises:
+        ValueError: a spec that is not of that form (the policy checks the widths and the format when it is built).
+    """
+    rows = []
+    for spec in specs:
+        widths, _, format = spec.partition(":")
+        bits, slash, value_bits = widths.partition("/")
+        if not bits.isdigit() or (slash and not value_bits.isdigit()) or (":" in spec and not format):
+            raise ValueError(f"--kivi: {spec!r} is not BITS[/VALUE_BITS][:FORMAT], e.g. 4 or 4/2:hadamard+outliers")
+        params: dict[str, Any] = {"bits": int(bits), "group_size": 64, "page_size": 64, "format": format or "kivi"}
+        if value_bits:
+            params["value_bits"] = int(value_bits)
+        rows.append(BenchConfig(f"kivi-{spec}", "confkv", "kivi", params,
+                                note=f"KIVI, keys {bits} bits, values {value_bits or bits}, format {params['format']}"))
+    return rows
+

@@ -48,7 +48,7 @@ import torch
 
 from confkv import profiling
 from confkv.native import loader as native_loader
-from confkv.eval.bench.configs import BenchConfig, default_configs, preset_rows  # noqa: F401 - re-exported
+from confkv.eval.bench.configs import BenchConfig, default_configs, kivi_rows, preset_rows  # noqa: F401 - re-exported
 from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
 from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
                                         check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_fraction, kv_label)
@@ -177,7 +177,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
               llamacpp: bool = True, gguf: str | Path | None = None, log: Callable[[str], None] = print,
               model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
               llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,),
-              formats: tuple[str, ...] = (), llamacpp_kv: tuple[str, ...] = ("f16",)) -> dict[str, Any]:
+              formats: tuple[str, ...] = (), llamacpp_kv: tuple[str, ...] = ("f16",),
+              kivi: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -196,6 +197,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
             row ``llama.cpp`` (the reference of ``x llama``), ``q8_0`` / ``q4_0`` the rows
             ``llama.cpp[q8_0]`` / ``llama.cpp[q4_0]``; with ``quality_tokens`` each also reports its
             perplexity from its own logits (``result["quality"]["llama.cpp[q4_0]"]``).
+        kivi: specs of extra KIVI rows (:func:`~confkv.eval.bench.configs.kivi_rows`), to compare page formats
+            at one load.
     """
     from confkv.data import corpus_tokens, load_corpus
     from confkv.hf import ConfKVCache  # noqa: F401 - registers nothing, fails early if transformers is broken
@@ -206,7 +209,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     check_kv_types(llamacpp_kv)
     batches = batches or []
     contexts = sorted(contexts)
-    all_configs = default_configs(budget, slack, tuple(memory), tuple(formats))
+    all_configs = default_configs(budget, slack, tuple(memory), tuple(formats)) + kivi_rows(tuple(kivi))
     if configs:
         unknown = set(configs) - {c.name for c in all_configs}
         if unknown:
@@ -273,7 +276,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         for dtype in dtypes:
             for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
                          f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
-                         f"confkv-r-offload+slack{slack}", *preset_rows(tuple(memory), tuple(formats), slack)):
+                         f"confkv-r-offload+slack{slack}", *preset_rows(tuple(memory), tuple(formats), slack),
+                         *(config.name for config in kivi_rows(tuple(kivi)))):
                 label = row_label(name, dtype)
                 runner = next((r for r in runners_ok if r.label == label), None)
                 if runner is not None:

@@ -36,10 +36,12 @@ static inline int unpacks_in_channel_order(int64_t D) {
 #endif
 }
 
-/* the channel of every plane position of a segment's rows (channel order with unpack_simd) */
-static void planar_channels(int bits, int64_t D, int64_t Gv, int32_t *channel) {
+/* the channel of every plane position of rows of `bits`-bit codes (channel order with unpack_simd), then the plane
+ * position of every channel (where an outlier of that channel is written) */
+static void planar_channels(int bits, int64_t D, int64_t Gv, int32_t *channel, int32_t *position) {
     for (int64_t p = 0; p < D; p++)
         channel[p] = unpacks_in_channel_order(D) ? (int32_t)p : (int32_t)planar_channel(p, bits, Gv);
+    for (int64_t p = 0; p < D; p++) position[channel[p]] = (int32_t)p;
 }
 
 #if defined(CONFKV_VBMI)
@@ -161,12 +163,14 @@ enum { VALUE_BLOCK = 4 }; /* value rows added to the weighted sum per pass over 
 static int64_t planar_scratch(int64_t R, int64_t D) { return (3 + VALUE_BLOCK) * D + 2 * R * D; }
 
 /* scores of the selected pages of one paged segment (meta m, pointers p: see pages.c) for the R query rows qf
- * [R, D] (pre-scaled); s[r * total + slot]; hidden slots -inf */
+ * [R, D] (pre-scaled); s[r * total + slot]; hidden slots -inf. channel: the key codes' plane order (channel per
+ * position, then position per channel); scratch: P + O int32s (outliers) */
 static void planar_scores(const void *const *p, const int64_t *m, const int32_t *channel, int64_t b, int64_t j,
                           int64_t k0, int64_t k1, const float *qf, int64_t R, int64_t D, int64_t total, float *scores,
-                          float *buf) {
-    const int64_t P = m[3], G = m[5], Gv = m[6], C = m[7];
+                          float *buf, int32_t *scratch) {
+    const int64_t P = m[3], G = m[5], Gv = m[6], C = m[7], O = m[35];
     const int bits = (int)m[4];
+    const int32_t *position = channel + D;
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
     float *query = buf + (3 + VALUE_BLOCK) * D;
     for (int64_t r = 0; r < R; r++)
@@ -181,6 +185,8 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
         const page_view v = view_page(p, m, b, j, page);
         const uint8_t *valid = v.valid, *kc = v.key_codes;
         const uint16_t *ks = v.key_scale, *km = v.key_min;
+        page_outliers outliers;
+        if (O) outliers = sort_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, scratch);
         for (int64_t first = 0; first < P; first += G) {
             int any = 0;
             for (int64_t t = first; t < first + G; t++) any |= valid[t];
@@ -196,6 +202,7 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
                 }
                 unpack_planar(kc + t * C, bits, D, Gv, codes);
                 for (int64_t i = 0; i < D; i++) key[i] = minimum[i] + codes[i] * scale[i];
+                if (O) restore_outliers(&outliers, t, position, key);
                 for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, key, D);
             }
         }
@@ -205,12 +212,13 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
 /* adds the selected pages' values weighted by probs [R, total] (this segment's columns) to acc [R, D]: acc is
  * put in plane order, each value row dequantized as lowbit does it (minimum + code * scale) and added in slot
  * order, acc = fma(p, value, acc) (the rounding of the row-by-row read; VALUE_BLOCK rows a pass over acc), and
- * acc put back */
+ * acc put back. channel: the value codes' plane order (as planar_scores'); scratch: P + O int32s */
 static void planar_values(const void *const *p, const int64_t *m, const int32_t *channel, int64_t b, int64_t j,
                           int64_t k0, int64_t k1, const float *probs, int64_t R, int64_t D, int64_t total, float *acc,
-                          float *buf) {
-    const int64_t P = m[3], Gv = m[6], C = m[7], groups = D / Gv;
-    const int bits = (int)m[4];
+                          float *buf, int32_t *scratch) {
+    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, O = m[35];
+    const int bits = (int)m[33];
+    const int32_t *position = channel + D;
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *block = buf + 3 * D;
     float *weighted = buf + (3 + VALUE_BLOCK) * D + R * D;
     for (int64_t r = 0; r < R; r++)
@@ -222,6 +230,8 @@ static void planar_values(const void *const *p, const int64_t *m, const int32_t 
         const uint8_t *valid = v.valid, *vc = v.value_codes;
         const uint16_t *vs = v.value_scale, *vm = v.value_min;
         const float *w = probs + k * P;
+        page_outliers outliers;
+        if (O) outliers = sort_outliers(v.value_outlier_index, v.value_outlier_value, O, P, D, scratch);
         int64_t slot[VALUE_BLOCK], n = 0;
         for (int64_t t = 0; t <= P; t++) {
             if (t < P && valid[t]) { /* dequantize the row into the block */
@@ -235,6 +245,7 @@ static void planar_values(const void *const *p, const int64_t *m, const int32_t 
                     const float *restrict c = codes + g * Gv;
                     for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
                 }
+                if (O) restore_outliers(&outliers, t, position, value);
                 slot[n++] = t;
             }
             if (n == VALUE_BLOCK || (t == P && n)) { /* add the block's rows, in slot order */

@@ -8,7 +8,7 @@
 
 /* a task's buffers: the query rows, the output, a value per row, the work buffers (row_buffer), and, with a
  * rotation, the query rows and output in it (R * D each but the work buffers and the row values) */
-static int64_t row_buffer(const page_args *a) { return planar_scratch(a->R, a->D); } /* >= 4 * D */
+static int64_t row_buffer(const page_args *a) { return planar_scratch(a->R, a->D) + a->outlier_ints; } /* >= 4 * D */
 static int64_t task_floats(const page_args *a) { return (a->rotation ? 4 : 2) * a->R * a->D + a->R + row_buffer(a); }
 
 typedef struct {
@@ -80,7 +80,8 @@ static void task_scores(const void *ctx, int64_t task) {
             slice_pages(a, m[2], part, &k0, &k1);
             const float *query = rot && m[32] ? w.query_turned : qf;
             if (planar(m))
-                planar_scores(p, m, a->channels + s * D, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
+                planar_scores(p, m, a->channels + s * 4 * D, b, j, k0, k1, query, R, D, total, scores + offset, w.buf,
+                              outlier_scratch(a, w.buf));
             else
                 page_scores(a, p, m, b, j, k0, k1, query, scores + offset, w.buf);
         }
@@ -137,7 +138,8 @@ static void task_values(const void *ctx, int64_t task) {
             else {
                 float *out = a->rotation && m[32] ? w.out_turned : w.out;
                 if (planar(m))
-                    planar_values(p, m, a->channels + s * D, b, j, k0, k1, scores + offset, R, D, total, out, w.buf);
+                    planar_values(p, m, a->channels + s * 4 * D + 2 * D, b, j, k0, k1, scores + offset, R, D, total,
+                                  out, w.buf, outlier_scratch(a, w.buf));
                 else
                     page_values(a, p, m, b, j, k0, k1, scores + offset, out, w.buf);
             }
@@ -226,7 +228,8 @@ static void run_tasks(void (*fn)(const void *, int64_t), const page_args *a, int
 
 /* Softmax attention with attention mass over the concatenation of n_seg segments, each dense (keys / values
  * [B, Hkv, L, D] float32 or bfloat16, an optional bool visibility mask broadcast to [B, Hkv, Q, L] by its
- * strides) or a set of selected packed KIVI pages (confkv.attention.paged.PagedSegment, bits 2, 3, 4, 8):
+ * strides) or a set of selected packed KIVI pages (confkv.attention.segments.PagedSegment, keys and values
+ * each at 2, 3, 4 or 8 bits, maybe with outliers):
  *   query [B, Hq, Q, D] float32 contiguous, Hq = Hkv * G; out the same
  *   dense meta: [0] 0, [1] L, [2] key dtype, [3] value dtype, [4..6] key strides (b, h, l), [7..9] value
  *       strides, [10..13] mask strides (b, h, q, l); ptrs: keys, values, mask (NULL: all visible)
@@ -239,7 +242,7 @@ static void run_tasks(void (*fn)(const void *, int64_t), const page_args *a, int
  * Scores (query * scaling) . key, one softmax and the weighted sum in float32 (every score held at once: B * Hq
  * * Q * total floats, which the read plan caps). The B * Hkv units, or their slices (page_parts), run on up to
  * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
- * bit width or group it does not take. */
+ * bit width, group or outlier storage it does not take. */
 int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
                      const void *const *ptrs, const int64_t *meta, float scaling, float *out, float *const *mass,
                      const float *rotation, int threads) {
@@ -247,9 +250,15 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
     for (int s = 0; s < n_seg; s++) {
         const int64_t *m = meta + PR_META * s;
         if (m[0] == SEG_PAGES) {
-            const int64_t bits = m[4];
-            if ((bits != 2 && bits != 3 && bits != 4 && bits != 8) || m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6])
+            for (int which = 0; which < 2; which++) {
+                const int64_t bits = m[which ? 33 : 4];
+                if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return 2;
+            }
+            if (m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0) return 2;
+            if (m[35] && !(ptrs[PR_PTRS * s + 9] && ptrs[PR_PTRS * s + 10] && ptrs[PR_PTRS * s + 11] &&
+                           ptrs[PR_PTRS * s + 12]))
                 return 2;
+            if (m[3] + m[35] > a.outlier_ints && m[35]) a.outlier_ints = m[3] + m[35];
         }
         a.total += m[1];
     }
@@ -259,16 +268,20 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
     a.parts = page_parts(units, units * a.R * a.total * D);
     const int64_t tasks = units * a.parts;
     a.work_stride = task_floats(&a);
-    int32_t *channels = malloc(sizeof(int32_t) * (size_t)(n_seg * D));
+    int32_t *channels = malloc(sizeof(int32_t) * (size_t)(n_seg * 4 * D));
     float *floats = malloc(sizeof(float) * (size_t)(units * a.R * a.total + 2 * tasks * a.R + tasks * a.work_stride));
     if (!channels || !floats) {
         free(channels);
         free(floats);
         return 1;
     }
-    for (int s = 0; s < n_seg; s++)
-        if (meta[PR_META * s] == SEG_PAGES && planar(meta + PR_META * s))
-            planar_channels((int)meta[PR_META * s + 4], D, meta[PR_META * s + 6], channels + s * D);
+    for (int s = 0; s < n_seg; s++) {
+        const int64_t *m = meta + PR_META * s;
+        if (m[0] == SEG_PAGES && planar(m)) { /* the key codes' plane order, then the value codes' */
+            planar_channels((int)m[4], D, m[6], channels + s * 4 * D, channels + s * 4 * D + D);
+            planar_channels((int)m[33], D, m[6], channels + s * 4 * D + 2 * D, channels + s * 4 * D + 3 * D);
+        }
+    }
     a.channels = channels;
     a.scores = floats;
     a.sums = a.scores + units * a.R * a.total;

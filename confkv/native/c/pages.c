@@ -6,9 +6,12 @@
  * A page is read still packed: its key and value codes (2, 3, 4 or 8 bits, packed as confkv/tiers/lowbit.py
  * packs them) are unpacked and dequantized one token row at a time into a D-float buffer (L1), never as a
  * whole segment. Keys: per channel, one float16 (scale, minimum) per G tokens; values: per token, one per Gv
- * channels; x = minimum + code * scale, as lowbit.dequantize_* (addcmul) computes it. */
+ * channels; x = minimum + code * scale, as lowbit.dequantize_* (addcmul) computes it. Values may be coded at a
+ * width of their own (meta[33]), and a page may keep outliers apart (confkv/tiers/outliers.py: O entries per page
+ * and tensor, float16 values at int16 flat indices t * D + d): they are written over the dequantized row before
+ * it is used, as outliers.restore writes them over the dequantized page. */
 
-enum { PR_META = 40, PR_PTRS = 9 };
+enum { PR_META = 48, PR_PTRS = 13 };
 enum { SEG_DENSE = 0, SEG_PAGES = 1 };
 
 /* float16 -> float32, exactly (normals, subnormals, zeros, inf, NaN) */
@@ -86,7 +89,9 @@ typedef struct {
     float *const *mass;      /* per segment [B, Hkv, L_s] float32 contiguous, or NULL */
     const float *rotation;   /* [D, D] float32 row-major (y = x @ rotation), the basis of the pages whose meta[32]
                               * is set, or NULL */
-    const int32_t *channels; /* [n_seg, D]: a planar segment's channel per plane position (page_codes.c) */
+    const int32_t *channels; /* [n_seg, 4, D]: a planar segment's key channel per plane position, key plane
+                              * position per channel, and the same for values (page_codes.c) */
+    int64_t outlier_ints;    /* int32s of scratch a task needs to sort a page's outliers by row (P + O) */
     int64_t parts;
     float *scores;           /* [units, R, total]: scores, then exp(score - row max) */
     float *sums;             /* [tasks, R]: each task's share of the softmax denominators */
@@ -117,12 +122,16 @@ static void dense_values(const page_args *a, const void *const *p, const int64_t
     weighted_sum_segment(probs, a->total, a->R, a->D, at(p[1], vd, b * m[7] + j * m[8]), vd, m[9], m[1], acc, row);
 }
 
-/* paged segment meta: [1] L = K * P, [2] K, [3] P, [4] bits, [5] G, [6] Gv, [7] C (packed bytes per row),
- * [8..9] index strides (b, h), [10] counts stride, [11..13] valid strides (b, h, n),
+/* paged segment meta: [1] L = K * P, [2] K, [3] P, [4] key bits, [5] G, [6] Gv, [7] C (packed key bytes per
+ * row), [8..9] index strides (b, h), [10] counts stride, [11..13] valid strides (b, h, n),
  * [14..16] key codes, [17..19] key scale, [20..22] key min, [23..25] value codes, [26..28] value scale,
  * [29..31] value min strides (b, h, n), [32] 1: keys and values coded in the call's rotation (their scores
- * take the rotated query, their values add to the rotated output); within a page every tensor is contiguous.
- * ptrs: index, counts, valid, key codes, key scale, key min, value codes, value scale, value min. */
+ * take the rotated query, their values add to the rotated output), [33] value bits, [34] Cv (packed value
+ * bytes per row), [35] O: outliers per page and tensor (0: none), [36..38] key outlier index, [39..41] key
+ * outlier value, [42..44] value outlier index, [45..47] value outlier value strides (b, h, n); within a page
+ * every tensor is contiguous.
+ * ptrs: index, counts, valid, key codes, key scale, key min, value codes, value scale, value min, key outlier
+ * index, key outlier value, value outlier index, value outlier value (the last four NULL when O is 0). */
 static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k) {
     const int64_t page = ((const int64_t *)p[0])[b * m[8] + j * m[9] + k];
     const int64_t count = ((const int64_t *)p[1])[b * m[10]];
@@ -133,6 +142,8 @@ static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b,
 typedef struct {
     const uint8_t *valid, *key_codes, *value_codes;
     const uint16_t *key_scale, *key_min, *value_scale, *value_min;
+    const int16_t *key_outlier_index, *value_outlier_index;
+    const uint16_t *key_outlier_value, *value_outlier_value;
 } page_view;
 
 static page_view view_page(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t page) {
@@ -144,7 +155,59 @@ static page_view view_page(const void *const *p, const int64_t *m, int64_t b, in
     v.value_codes = (const uint8_t *)p[6] + b * m[23] + j * m[24] + page * m[25];
     v.value_scale = (const uint16_t *)p[7] + b * m[26] + j * m[27] + page * m[28];
     v.value_min = (const uint16_t *)p[8] + b * m[29] + j * m[30] + page * m[31];
+    v.key_outlier_index = v.value_outlier_index = NULL;
+    v.key_outlier_value = v.value_outlier_value = NULL;
+    if (m[35]) {
+        v.key_outlier_index = (const int16_t *)p[9] + b * m[36] + j * m[37] + page * m[38];
+        v.key_outlier_value = (const uint16_t *)p[10] + b * m[39] + j * m[40] + page * m[41];
+        v.value_outlier_index = (const int16_t *)p[11] + b * m[42] + j * m[43] + page * m[44];
+        v.value_outlier_value = (const uint16_t *)p[12] + b * m[45] + j * m[46] + page * m[47];
+    }
     return v;
+}
+
+/* One page's O outliers of a tensor sorted by row (a counting sort): after it, the entries of row t are
+ * order[t ? end[t - 1] : 0 .. end[t] - 1]. scratch: P + O int32s (end, then order). Entries outside the page
+ * (index < 0 or >= P * D) are left out. */
+typedef struct {
+    const int16_t *index;
+    const uint16_t *value;
+    const int32_t *end, *order;
+    int64_t D;
+} page_outliers;
+
+static page_outliers sort_outliers(const int16_t *index, const uint16_t *value, int64_t O, int64_t P, int64_t D,
+                                   int32_t *scratch) {
+    int32_t *end = scratch, *order = scratch + P;
+    page_outliers o = {index, value, end, order, D};
+    for (int64_t t = 0; t < P; t++) end[t] = 0;
+    for (int64_t e = 0; e < O; e++)
+        if (index[e] >= 0 && index[e] < P * D) end[index[e] / D]++;
+    int32_t total = 0;
+    for (int64_t t = 0; t < P; t++) { /* end[t]: where row t's entries start, then (as they are placed) end */
+        const int32_t n = end[t];
+        end[t] = total;
+        total += n;
+    }
+    for (int64_t e = 0; e < O; e++)
+        if (index[e] >= 0 && index[e] < P * D) order[end[index[e] / D]++] = (int32_t)e;
+    return o;
+}
+
+/* row t's outliers written over its dequantized entries: channel d at row[position[d]] (position NULL: d) */
+static inline void restore_outliers(const page_outliers *o, int64_t t, const int32_t *position, float *row) {
+    for (int32_t i = t ? o->end[t - 1] : 0; i < o->end[t]; i++) {
+        const int32_t e = o->order[i];
+        const int64_t d = o->index[e] - t * o->D;
+        row[position ? position[d] : d] = f16_to_f32(o->value[e]);
+    }
+}
+
+static int64_t planar_scratch(int64_t R, int64_t D); /* page_codes.c */
+
+/* a task's int32 scratch for sorting a page's outliers (page_args.outlier_ints), after its float work buffer */
+static inline int32_t *outlier_scratch(const page_args *a, float *buf) {
+    return (int32_t *)(buf + planar_scratch(a->R, a->D));
 }
 
 /* the P slots of a rank with no page, hidden in the R score rows s[r * total + t] */
@@ -155,9 +218,10 @@ static void hide_slots(float *s, int64_t R, int64_t P, int64_t total) {
 
 static void page_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0,
                         int64_t k1, const float *qf, float *scores, float *buf) {
-    const int64_t P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total;
+    const int64_t P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total, O = m[35];
     const int bits = (int)m[4];
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
+    int32_t *scratch = outlier_scratch(a, buf);
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;
@@ -168,6 +232,8 @@ static void page_scores(const page_args *a, const void *const *p, const int64_t 
         const page_view v = view_page(p, m, b, j, page);
         const uint8_t *valid = v.valid, *kc = v.key_codes;
         const uint16_t *ks = v.key_scale, *km = v.key_min;
+        page_outliers outliers;
+        if (O) outliers = sort_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, scratch);
         int64_t loaded = -1; /* the key group whose scale and minimum are in the buffers */
         for (int64_t t = 0; t < P; t++) {
             if (!valid[t]) {
@@ -181,6 +247,7 @@ static void page_scores(const page_args *a, const void *const *p, const int64_t 
             }
             unpack_row(kc + t * C, bits, D, codes);
             for (int64_t d = 0; d < D; d++) key[d] = minimum[d] + codes[d] * scale[d];
+            if (O) restore_outliers(&outliers, t, NULL, key);
             for (int64_t r = 0; r < R; r++) s[r * total + t] = dot(qf + r * D, key, D);
         }
     }
@@ -188,9 +255,10 @@ static void page_scores(const page_args *a, const void *const *p, const int64_t 
 
 static void page_values(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0,
                         int64_t k1, const float *probs, float *acc, float *buf) {
-    const int64_t P = m[3], Gv = m[6], C = m[7], D = a->D, R = a->R, total = a->total, groups = D / Gv;
-    const int bits = (int)m[4];
+    const int64_t P = m[3], Gv = m[6], C = m[34], D = a->D, R = a->R, total = a->total, groups = D / Gv, O = m[35];
+    const int bits = (int)m[33];
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *value = buf + 3 * D;
+    int32_t *scratch = outlier_scratch(a, buf);
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         if (page < 0) continue;
@@ -198,6 +266,8 @@ static void page_values(const page_args *a, const void *const *p, const int64_t 
         const uint8_t *valid = v.valid, *vc = v.value_codes;
         const uint16_t *vs = v.value_scale, *vm = v.value_min;
         const float *w = probs + k * P;
+        page_outliers outliers;
+        if (O) outliers = sort_outliers(v.value_outlier_index, v.value_outlier_value, O, P, D, scratch);
         for (int64_t t = 0; t < P; t++) {
             if (!valid[t]) continue;
             load_f16_row(vs + t * groups, groups, scale);
@@ -209,6 +279,7 @@ static void page_values(const page_args *a, const void *const *p, const int64_t 
                 const float *restrict c = codes + g * Gv;
                 for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
             }
+            if (O) restore_outliers(&outliers, t, NULL, value);
             for (int64_t r = 0; r < R; r++) {
                 const float weight = w[r * total + t];
                 float *o = acc + r * D;

@@ -53,6 +53,29 @@ def test_format_rows_run_the_preset_with_that_page_format():
     assert "tiered[kivi+hadamard]@50" in result["breakdown"]
 
 
+def test_kivi_rows_compare_page_formats_at_one_load():
+    """``--kivi 4 4/2:hadamard+outliers`` adds KIVI rows (every older token in pages, all read): keys and values at
+    their widths, the format asked, 64-token pages; a spec not of the form is named."""
+    from confkv.eval.bench.configs import kivi_rows
+
+    plain, mixed = kivi_rows(("4", "4/2:hadamard+outliers"))
+    assert (plain.name, plain.policy, plain.params) == (
+        "kivi-4", "kivi", {"bits": 4, "group_size": 64, "page_size": 64, "format": "kivi"})
+    assert mixed.name == "kivi-4/2:hadamard+outliers"
+    assert mixed.params == {"bits": 4, "value_bits": 2, "group_size": 64, "page_size": 64, "format": "hadamard+outliers"}
+    for bad in ("four", "4/", "4/x", "4:", "/2"):
+        with pytest.raises(ValueError, match="is not BITS\\[/VALUE_BITS\\]\\[:FORMAT\\]"):
+            kivi_rows((bad,))
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    result = run_bench(contexts=[320], budget=128, slack=0, steps=1, repeats=1, warmup=0, chunk=64, batches=[],
+                       batch_steps=1, breakdown_steps=1, configs=["full", "kivi-4", "kivi-4/2:hadamard+outliers"],
+                       kivi=("4", "4/2:hadamard+outliers"), model=model, tokenizer=tok, log=lambda _: None)
+    rows = result["latency"]["320"]
+    # (320 - 128) older tokens in 3 pages of 64: 4-bit keys and 2-bit values hold fewer bytes than 4 bits each
+    assert rows["kivi-4/2:hadamard+outliers"]["kv_bytes"] < rows["kivi-4"]["kv_bytes"] < rows["full"]["kv_bytes"]
+    assert {"kivi-4", "kivi-4/2:hadamard+outliers"} <= set(result["breakdown"])
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_the_preset_through_the_lean_decoder_holds_the_same_cache_at_batch_1_and_2(monkeypatch):
     """``tiered@<percent>-lean`` decodes through ``LeanDecoder``: after the same text its cache holds what the

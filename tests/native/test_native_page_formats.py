@@ -1,0 +1,214 @@
+"""The native page read of the cold tier's richer formats (issues 31 and 32): keys and values at two widths, and
+outliers kept apart (confkv/tiers/outliers.py), written over each dequantized row in the kernel
+(confkv/native/c/pages.c's sort_outliers / restore_outliers, used by the row-by-row and the fast readers).
+
+Pages are encoded by the format itself (:class:`~confkv.tiers.formats.KiviFormat`), handed over as the cold tier
+hands them (:meth:`~confkv.tiers.cold_read.PageRead._paged`'s fields), and read against the torch reference
+(``PagedSegment.to_dense``, which must equal the format's own ``decode``), with test_native_pages.py's bounds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.attention import KVSegment, read_plan
+from confkv.attention.blockwise import blockwise_attention
+from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, densify
+from confkv.native import pages as native_pages
+from confkv.native.loader import available
+from confkv.tiers.formats import KiviFormat, parse_format
+
+pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable")
+
+OUT_TOL = dict(atol=2e-6, rtol=1e-5)
+MASS_TOL = dict(atol=1e-6, rtol=0.0)
+BATCH, KV_HEADS, PAGES = 3, 2, 5
+WIDTHS = [(4, 2), (2, 4), (3, 8), (8, 3), (4, 4)]
+#: the row-by-row readers (value groups of 4 channels) and the fast ones (plane order at 32 channels; channel
+#: order with AVX-512 VBMI at 64)
+SHAPES = [(8, 32, 4), (8, 32, 8), (64, 64, 64)]
+
+
+def _encoded(gen: torch.Generator, fmt: KiviFormat, page: int, dim: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Pages of keys with a few large channels (what outliers are for), about a fifth of the slots invalid."""
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    keys[..., :3] *= 4.0
+    values = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    values[..., page // 2, :] *= 4.0
+    valid = torch.rand(BATCH, KV_HEADS, PAGES, page, generator=gen) > 0.2
+    positions = torch.arange(PAGES * page).reshape(PAGES, page).expand(BATCH, KV_HEADS, PAGES, page)
+    return fmt.encode(keys, values, valid, positions), valid, positions
+
+
+def _segment(fmt: KiviFormat, data: dict, valid: torch.Tensor, gen: torch.Generator, reads: str = "some",
+             rotation=None) -> PagedSegment:
+    """The cold tier's hand-over of ``data``: a selection of pages ("some": ranks 3, 1 and 0 of 3, one rank
+    with no page; "all": every page in a random order)."""
+    if reads == "all":
+        index = torch.stack([torch.randperm(PAGES, generator=gen) for _ in range(BATCH * KV_HEADS)])
+        index, counts = index.reshape(BATCH, KV_HEADS, PAGES), torch.full((BATCH,), PAGES)
+    else:
+        index = torch.stack([torch.randperm(PAGES, generator=gen)[:3] for _ in range(BATCH * KV_HEADS)])
+        index = index.reshape(BATCH, KV_HEADS, 3)
+        index[0, 1, 1] = -1
+        counts = torch.tensor([3, 1, 0])
+    storage = {name: data[name] for name in fmt.storage}
+    value_bits = fmt.widths["value"]
+    return PagedSegment(index, counts, valid, fmt.bits, fmt.group_size, fmt.head_dim, **storage, rotation=rotation,
+                        value_bits=None if value_bits == fmt.bits else value_bits)
+
+
+def _compare(query, segments, scaling):
+    out, mass = native_pages.page_read(query, segments, scaling)
+    ref, ref_mass = blockwise_attention(query, densify(list(segments)), scaling)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
+    for got, want in zip(mass, ref_mass):
+        torch.testing.assert_close(got, want, **MASS_TOL)
+    return out
+
+
+@pytest.mark.parametrize("key_bits, value_bits", WIDTHS)
+@pytest.mark.parametrize("page, dim, group", SHAPES)
+@pytest.mark.parametrize("format", ["kivi", "kivi+outliers", "kivi+hadamard+outliers+clip"])
+def test_pages_of_two_widths_and_outliers_are_read_natively_as_the_torch_read(key_bits, value_bits, page, dim,
+                                                                              group, format):
+    gen = torch.Generator().manual_seed(key_bits * 100 + value_bits * 10 + dim + len(format))
+    fmt = KiviFormat(key_bits, group, dim, parse_format(format), outlier_fraction=0.02, value_bits=value_bits)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    pages = _segment(fmt, data, valid, gen, "some", rotation=fmt.rotation)
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, 5, dim, generator=gen),
+                    torch.randn(BATCH, KV_HEADS, 5, dim, generator=gen),
+                    (torch.arange(5)[None, :] >= torch.tensor([0, 2, 4])[:, None])[:, None, None, :])
+    query = torch.randn(BATCH, KV_HEADS * 3, 2, dim, generator=gen)
+    segments = [hot, pages]
+    assert read_plan.plan(query, segments, None, True, "auto") == read_plan.ReadPlan("native_pages")
+    _compare(query, segments, dim ** -0.5)
+
+
+@pytest.mark.parametrize("page, dim, group", SHAPES)
+def test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_torch_read(page, dim, group):
+    """A ladder's read: segments of plain pages and pages with outliers or two widths, in turn (each segment's
+    pointers and meta at their own offsets, whatever the segment before them held)."""
+    gen = torch.Generator().manual_seed(7 * dim + group)
+    segments = []
+    for bits, value_bits, format in [(8, 8, "kivi"), (4, 2, "outliers"), (4, 4, "kivi"), (3, 3, "outliers"),
+                                     (2, 4, "kivi")]:
+        fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.03, value_bits=value_bits)
+        data, valid, _ = _encoded(gen, fmt, page, dim)
+        segments.append(_segment(fmt, data, valid, gen, "all" if bits % 2 else "some"))
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    _compare(query, segments, dim ** -0.5)
+
+
+@pytest.mark.parametrize("page, dim, group", SHAPES)
+def test_the_reference_read_is_the_formats_own_decode(page, dim, group):
+    """``to_dense`` (the torch read of a PagedSegment) gives what the format decodes: two widths, outliers and
+    the rotation undone. Every page read, so its slots are the pages in rank order."""
+    gen = torch.Generator().manual_seed(dim + group)
+    fmt = KiviFormat(4, group, dim, parse_format("hadamard+outliers"), outlier_fraction=0.02, value_bits=2)
+    data, valid, positions = _encoded(gen, fmt, page, dim)
+    pages = _segment(fmt, data, valid, gen, "all", rotation=fmt.rotation)
+    keys, values = fmt.decode(data, positions)
+    dense = pages.to_dense()
+    order = pages.index[..., None, None].expand(-1, -1, -1, page, dim)
+    shape = (BATCH, KV_HEADS, PAGES * page, dim)
+    torch.testing.assert_close(dense.keys, keys.gather(2, order).reshape(shape), atol=1e-5, rtol=0)
+    torch.testing.assert_close(dense.values, values.gather(2, order).reshape(shape), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("page, dim, group", SHAPES)
+def test_outliers_change_the_read_and_are_written_where_their_index_says(page, dim, group):
+    """The read with the outliers is the torch read with them, and far from the read of the same codes without
+    them (so a kernel that skipped them, or wrote them at another row or channel, would fail the first check)."""
+    gen = torch.Generator().manual_seed(3 * dim + group)
+    fmt = KiviFormat(2, group, dim, parse_format("outliers"), outlier_fraction=0.05)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    pages = _segment(fmt, data, valid, gen, "all")
+    query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen) * 3.0
+    out = _compare(query, [pages], dim ** -0.5)
+    bare = PagedSegment(**{**pages.__dict__, **{name: None for name in OUTLIER_STORAGE}})
+    without, _ = native_pages.page_read(query, [bare], dim ** -0.5)
+    assert (without - out).abs().max() > 1e-2
+
+
+def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read():
+    """Outliers come in the order the picking returns them (not sorted), and value outliers may sit on padding
+    rows (every value entry can be picked): here they are shuffled and some moved onto invalid rows."""
+    gen = torch.Generator().manual_seed(21)
+    page, dim, group = 8, 32, 8
+    fmt = KiviFormat(3, group, dim, parse_format("outliers"), outlier_fraction=0.05)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    for which in ("key", "value"):
+        index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
+        order = torch.randperm(index.shape[-1], generator=gen)
+        data[f"{which}_outlier_index"], data[f"{which}_outlier_value"] = index[..., order], value[..., order]
+    invalid_row = (~valid).float().argmax(-1)  # [B, H, N] a padding row of each page (0 when none)
+    data["value_outlier_index"][..., 0] = (invalid_row * dim + 5).to(torch.int16)
+    pages = _segment(fmt, data, valid, gen, "all")
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    _compare(query, [pages], dim ** -0.5)
+
+
+def test_a_segment_with_half_its_outlier_storage_is_refused():
+    gen = torch.Generator().manual_seed(5)
+    fmt = KiviFormat(4, 8, 32, parse_format("outliers"), outlier_fraction=0.05)
+    data, valid, _ = _encoded(gen, fmt, 8, 32)
+    pages = _segment(fmt, data, valid, gen, "all")
+    pages.value_outlier_value = None
+    with pytest.raises(ValueError, match="outliers need all of"):
+        pages.validate()
+
+
+def test_the_triton_plan_leaves_pages_of_two_widths_or_with_outliers_to_the_torch_read():
+    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(BATCH, KV_HEADS, 1, 32, generator=gen)
+    reason = "pages of two widths or with outliers (the Triton read takes neither)"
+    for fmt in (KiviFormat(4, 8, 32, value_bits=2), KiviFormat(4, 8, 32, parse_format("outliers"))):
+        data, valid, _ = _encoded(gen, fmt, 8, 32)
+        pages = _segment(fmt, data, valid, gen, "all")
+        assert not pages.plain
+        assert read_plan.triton_reads(query, "triton") is False or \
+            read_plan.plan(query, [pages], None, True, "triton") == read_plan.ReadPlan("torch", reason)
+    plain = KiviFormat(4, 8, 32)
+    data, valid, _ = _encoded(gen, plain, 8, 32)
+    assert _segment(plain, data, valid, gen, "all").plain
+
+
+@pytest.mark.parametrize("policy, params", [
+    (None, dict(memory=0.25, format="hadamard+outliers")),  # the preset's 8/4/3 ladder, every rung with outliers
+    ("kivi", dict(bits=4, value_bits=2, group_size=16, page_size=16, budget=32, sinks=4,
+                  format="hadamard+outliers+clip")),  # issue 31's 3-bit-bytes format
+])
+def test_greedy_tokens_are_the_same_with_the_native_read_on_and_off(monkeypatch, policy, params):
+    """A tiny Llama (GQA 3), batch 3 with left padding, 300 tokens: the cold pages (outliers, and keys and values at
+    two widths) are read natively at every decode step (no read counted as leaving the native path but the
+    prefill's), and the greedy tokens are those of the torch read."""
+    from confkv import profiling
+    from confkv.hf import ConfKVCache
+    from confkv.models.tiny import tiny_model
+    from confkv.native.loader import disabled
+
+    model = tiny_model("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (3, 300), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    mask[2, :40] = 0
+
+    def generate():
+        cache = ConfKVCache.for_model(model, policy, **params)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        return out[:, ids.shape[1]:]
+
+    reads = []
+    real = native_pages.page_read
+    monkeypatch.setattr(native_pages, "page_read", lambda *a, **k: reads.append(1) or real(*a, **k))
+    timers = profiling.Timers()
+    with profiling.enabled(timers):
+        native_tokens = generate()
+    assert len(reads) == 7 * model.config.num_hidden_layers  # the decode steps after the prefill, every layer
+    prefill = {"masked segment without packed pages", "no mass needed, not fused-eligible"}  # no pages yet
+    assert set(timers.fallbacks) <= prefill
+    with disabled():
+        torch_tokens = generate()
+    assert torch.equal(native_tokens, torch_tokens)

@@ -171,7 +171,8 @@ class ColdConfig:
     - ``value_bits``: values at this width (2, 3, 4 or 8) while keys stay at ``bits`` (None: values at
       ``bits`` too). Keys decide which tokens a query finds and carry more of the loss, so 4-bit keys with
       2-bit values cost what 3 bits each cost and lose less (results/lowbit/README.md, "Keys at 4 bits,
-      values at 2"). Pages of two widths are read through the torch decode: the packed readers take one.
+      values at 2"). The native page read takes pages of two widths packed; the Triton read leaves them to
+      the torch read.
     """
 
     bits: int = 2

@@ -5,6 +5,12 @@ outliers kept apart (confkv/tiers/outliers.py), written over each dequantized ro
 Pages are encoded by the format itself (:class:`~confkv.tiers.formats.KiviFormat`), handed over as the cold tier
 hands them (:meth:`~confkv.tiers.cold_read.PageRead._paged`'s fields), and read against the torch reference
 (``PagedSegment.to_dense``, which must equal the format's own ``decode``), with test_native_pages.py's bounds.
+
+Each was seen to fail with a bug put in by hand (then removed): the value codes read at the key width (either
+reader); the outliers not written (keys or values, either reader); an outlier written at its channel instead of
+its plane position; the rows of a counting sort off by one; an index's row from the wrong shift or divisor; the
+value readers given the key codes' plane order; the wrapper passing no outliers; ``to_dense`` decoding values at
+the key width; the page pointers of a segment not padded to the kernel's stride (a ladder's read).
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ OUT_TOL = dict(atol=2e-6, rtol=1e-5)
 MASS_TOL = dict(atol=1e-6, rtol=0.0)
 BATCH, KV_HEADS, PAGES = 3, 2, 5
 WIDTHS = [(4, 2), (2, 4), (3, 8), (8, 3), (4, 4)]
-#: the row-by-row readers (value groups of 4 channels) and the fast ones (plane order at 32 channels; channel
-#: order with AVX-512 VBMI at 64)
-SHAPES = [(8, 32, 4), (8, 32, 8), (64, 64, 64)]
+#: the row-by-row readers (value groups of 4 channels) and the fast ones (plane order at 32 and 24 channels, the
+#: latter not a power of two; channel order with AVX-512 VBMI at 64)
+SHAPES = [(8, 32, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)]
 
 
 def _encoded(gen: torch.Generator, fmt: KiviFormat, page: int, dim: int) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -164,7 +164,8 @@ static int64_t planar_scratch(int64_t R, int64_t D) { return (3 + VALUE_BLOCK) *
 
 /* scores of the selected pages of one paged segment (meta m, pointers p: see pages.c) for the R query rows qf
  * [R, D] (pre-scaled); s[r * total + slot]; hidden slots -inf. channel: the key codes' plane order (channel per
- * position, then position per channel); scratch: P + O int32s (outliers) */
+ * position, then position per channel). A page with outliers is dequantized whole into scratch (P * D floats),
+ * its outliers written over it (patch_outliers), then scored: a patch per row would branch on every row. */
 static void planar_scores(const void *const *p, const int64_t *m, const int32_t *channel, int64_t b, int64_t j,
                           int64_t k0, int64_t k1, const float *qf, int64_t R, int64_t D, int64_t total, float *scores,
                           float *buf, int32_t *scratch) {
@@ -172,7 +173,7 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
     const int bits = (int)m[4];
     const int32_t *position = channel + D;
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
-    float *query = buf + (3 + VALUE_BLOCK) * D;
+    float *query = buf + (3 + VALUE_BLOCK) * D, *rows = (float *)scratch;
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < D; i++) query[r * D + i] = qf[r * D + channel[i]];
     for (int64_t k = k0; k < k1; k++) {
@@ -185,8 +186,6 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
         const page_view v = view_page(p, m, b, j, page);
         const uint8_t *valid = v.valid, *kc = v.key_codes;
         const uint16_t *ks = v.key_scale, *km = v.key_min;
-        page_outliers outliers;
-        if (O) outliers = sort_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, scratch);
         for (int64_t first = 0; first < P; first += G) {
             int any = 0;
             for (int64_t t = first; t < first + G; t++) any |= valid[t];
@@ -200,10 +199,52 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
                     for (int64_t r = 0; r < R; r++) s[r * total + t] = -INFINITY;
                     continue;
                 }
+                float *row = O ? rows + t * D : key;
                 unpack_planar(kc + t * C, bits, D, Gv, codes);
-                for (int64_t i = 0; i < D; i++) key[i] = minimum[i] + codes[i] * scale[i];
-                if (O) restore_outliers(&outliers, t, position, key);
-                for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, key, D);
+                for (int64_t i = 0; i < D; i++) row[i] = minimum[i] + codes[i] * scale[i];
+                if (!O)
+                    for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, key, D);
+            }
+        }
+        if (O) {
+            patch_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, position, rows);
+            for (int64_t t = 0; t < P; t++)
+                if (valid[t])
+                    for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, rows + t * D, D);
+        }
+    }
+}
+
+/* a value row from its codes (plane order): a value group keeps its channels, so its minimum and scale apply to a
+ * contiguous run */
+static inline void dequantize_values_row(const float *codes, const float *scale, const float *minimum, int64_t groups,
+                                         int64_t Gv, float *value) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float low = minimum[g], step = scale[g];
+        float *restrict v = value + g * Gv;
+        const float *restrict c = codes + g * Gv;
+        for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
+    }
+}
+
+/* adds the n (<= VALUE_BLOCK) value rows vrow, of slots slot, weighted by w[r * total + slot], to weighted [R, D],
+ * acc = fma(p, value, acc) in slot order (the rounding of the row-by-row read) */
+static void add_value_rows(float *weighted, int64_t R, int64_t D, const float *w, int64_t total,
+                           const float *const *vrow, const int64_t *slot, int64_t n) {
+    for (int64_t r = 0; r < R; r++) {
+        float *restrict o = weighted + r * D;
+        if (n == VALUE_BLOCK) {
+            const float w0 = w[r * total + slot[0]], w1 = w[r * total + slot[1]];
+            const float w2 = w[r * total + slot[2]], w3 = w[r * total + slot[3]];
+            const float *restrict v0 = vrow[0], *restrict v1 = vrow[1], *restrict v2 = vrow[2];
+            const float *restrict v3 = vrow[3];
+            for (int64_t i = 0; i < D; i++)
+                o[i] = fmaf(w3, v3[i], fmaf(w2, v2[i], fmaf(w1, v1[i], fmaf(w0, v0[i], o[i]))));
+        } else {
+            for (int64_t e = 0; e < n; e++) {
+                const float weight = w[r * total + slot[e]];
+                const float *restrict v = vrow[e];
+                for (int64_t i = 0; i < D; i++) o[i] = fmaf(weight, v[i], o[i]);
             }
         }
     }
@@ -212,7 +253,8 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
 /* adds the selected pages' values weighted by probs [R, total] (this segment's columns) to acc [R, D]: acc is
  * put in plane order, each value row dequantized as lowbit does it (minimum + code * scale) and added in slot
  * order, acc = fma(p, value, acc) (the rounding of the row-by-row read; VALUE_BLOCK rows a pass over acc), and
- * acc put back. channel: the value codes' plane order (as planar_scores'); scratch: P + O int32s */
+ * acc put back. channel: the value codes' plane order (as planar_scores'). A page with outliers is dequantized
+ * whole into scratch (P * D floats) and patched first, then added in the same blocks. */
 static void planar_values(const void *const *p, const int64_t *m, const int32_t *channel, int64_t b, int64_t j,
                           int64_t k0, int64_t k1, const float *probs, int64_t R, int64_t D, int64_t total, float *acc,
                           float *buf, int32_t *scratch) {
@@ -220,7 +262,7 @@ static void planar_values(const void *const *p, const int64_t *m, const int32_t 
     const int bits = (int)m[33];
     const int32_t *position = channel + D;
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *block = buf + 3 * D;
-    float *weighted = buf + (3 + VALUE_BLOCK) * D + R * D;
+    float *weighted = buf + (3 + VALUE_BLOCK) * D + R * D, *rows = (float *)scratch;
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < D; i++) weighted[r * D + i] = acc[r * D + channel[i]];
     for (int64_t k = k0; k < k1; k++) {
@@ -230,42 +272,31 @@ static void planar_values(const void *const *p, const int64_t *m, const int32_t 
         const uint8_t *valid = v.valid, *vc = v.value_codes;
         const uint16_t *vs = v.value_scale, *vm = v.value_min;
         const float *w = probs + k * P;
-        page_outliers outliers;
-        if (O) outliers = sort_outliers(v.value_outlier_index, v.value_outlier_value, O, P, D, scratch);
         int64_t slot[VALUE_BLOCK], n = 0;
+        const float *vrow[VALUE_BLOCK];
+        for (int64_t t = 0; t < P; t++) { /* with outliers: the page's rows first */
+            if (!O || !valid[t]) continue;
+            load_f16_row(vs + t * groups, groups, scale);
+            load_f16_row(vm + t * groups, groups, minimum);
+            unpack_planar(vc + t * C, bits, D, Gv, codes);
+            dequantize_values_row(codes, scale, minimum, groups, Gv, rows + t * D);
+        }
+        if (O) patch_outliers(v.value_outlier_index, v.value_outlier_value, O, P, D, position, rows);
         for (int64_t t = 0; t <= P; t++) {
-            if (t < P && valid[t]) { /* dequantize the row into the block */
-                load_f16_row(vs + t * groups, groups, scale);
-                load_f16_row(vm + t * groups, groups, minimum);
-                unpack_planar(vc + t * C, bits, D, Gv, codes);
-                float *value = block + n * D;
-                for (int64_t g = 0; g < groups; g++) { /* a value group keeps its channels in plane order */
-                    const float low = minimum[g], step = scale[g];
-                    float *restrict v = value + g * Gv;
-                    const float *restrict c = codes + g * Gv;
-                    for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
+            if (t < P && valid[t]) {
+                if (O) {
+                    vrow[n] = rows + t * D;
+                } else { /* dequantize the row into the block */
+                    load_f16_row(vs + t * groups, groups, scale);
+                    load_f16_row(vm + t * groups, groups, minimum);
+                    unpack_planar(vc + t * C, bits, D, Gv, codes);
+                    dequantize_values_row(codes, scale, minimum, groups, Gv, block + n * D);
+                    vrow[n] = block + n * D;
                 }
-                if (O) restore_outliers(&outliers, t, position, value);
                 slot[n++] = t;
             }
             if (n == VALUE_BLOCK || (t == P && n)) { /* add the block's rows, in slot order */
-                for (int64_t r = 0; r < R; r++) {
-                    float *restrict o = weighted + r * D;
-                    if (n == VALUE_BLOCK) {
-                        const float w0 = w[r * total + slot[0]], w1 = w[r * total + slot[1]];
-                        const float w2 = w[r * total + slot[2]], w3 = w[r * total + slot[3]];
-                        const float *restrict v0 = block, *restrict v1 = block + D, *restrict v2 = block + 2 * D;
-                        const float *restrict v3 = block + 3 * D;
-                        for (int64_t i = 0; i < D; i++)
-                            o[i] = fmaf(w3, v3[i], fmaf(w2, v2[i], fmaf(w1, v1[i], fmaf(w0, v0[i], o[i]))));
-                    } else {
-                        for (int64_t e = 0; e < n; e++) {
-                            const float weight = w[r * total + slot[e]];
-                            const float *restrict v = block + e * D;
-                            for (int64_t i = 0; i < D; i++) o[i] = fmaf(weight, v[i], o[i]);
-                        }
-                    }
-                }
+                add_value_rows(weighted, R, D, w, total, vrow, slot, n);
                 n = 0;
             }
         }

@@ -91,7 +91,7 @@ typedef struct {
                               * is set, or NULL */
     const int32_t *channels; /* [n_seg, 4, D]: a planar segment's key channel per plane position, key plane
                               * position per channel, and the same for values (page_codes.c) */
-    int64_t outlier_ints;    /* int32s of scratch a task needs to sort a page's outliers by row (P + O) */
+    int64_t outlier_ints;    /* 4-byte words of scratch a task needs for a page's outliers (outlier_scratch) */
     int64_t parts;
     float *scores;           /* [units, R, total]: scores, then exp(score - row max) */
     float *sums;             /* [tasks, R]: each task's share of the softmax denominators */
@@ -166,6 +166,29 @@ static page_view view_page(const void *const *p, const int64_t *m, int64_t b, in
     return v;
 }
 
+/* log2(D) for heads of a power of two channels (an index's row by a shift, not a division), else -1 */
+static inline int row_shift(int64_t D) {
+    if (D & (D - 1)) return -1;
+    int shift = 0;
+    while (((int64_t)1 << shift) < D) shift++;
+    return shift;
+}
+
+/* One page's O outliers of a tensor written over its P dequantized rows (rows [P, D]; channel d of row t at
+ * rows[t * D + position[d]], position NULL: d), for the readers that dequantize a whole page first
+ * (page_codes.c); entries outside the page are left out. */
+static void patch_outliers(const int16_t *index, const uint16_t *value, int64_t O, int64_t P, int64_t D,
+                           const int32_t *position, float *rows) {
+    const int32_t entries = (int32_t)(P * D);
+    const int shift = row_shift(D);
+    for (int64_t e = 0; e < O; e++) {
+        const int32_t i = index[e];
+        if (i < 0 || i >= entries) continue;
+        const int64_t t = shift >= 0 ? i >> shift : i / (int32_t)D, d = i - t * D;
+        rows[t * D + (position ? position[d] : d)] = f16_to_f32(value[e]);
+    }
+}
+
 /* One page's O outliers of a tensor sorted by row (a counting sort): after it, the entries of row t are
  * order[t ? end[t - 1] : 0 .. end[t] - 1]. scratch: P + O int32s (end, then order). Entries outside the page
  * (index < 0 or >= P * D) are left out. */
@@ -180,17 +203,23 @@ static page_outliers sort_outliers(const int16_t *index, const uint16_t *value, 
                                    int32_t *scratch) {
     int32_t *end = scratch, *order = scratch + P;
     page_outliers o = {index, value, end, order, D};
+    const int32_t entries = (int32_t)(P * D);
+    const int shift = row_shift(D);
     for (int64_t t = 0; t < P; t++) end[t] = 0;
-    for (int64_t e = 0; e < O; e++)
-        if (index[e] >= 0 && index[e] < P * D) end[index[e] / D]++;
+    for (int64_t e = 0; e < O; e++) {
+        const int32_t i = index[e];
+        if (i >= 0 && i < entries) end[shift >= 0 ? i >> shift : i / (int32_t)D]++;
+    }
     int32_t total = 0;
     for (int64_t t = 0; t < P; t++) { /* end[t]: where row t's entries start, then (as they are placed) end */
         const int32_t n = end[t];
         end[t] = total;
         total += n;
     }
-    for (int64_t e = 0; e < O; e++)
-        if (index[e] >= 0 && index[e] < P * D) order[end[index[e] / D]++] = (int32_t)e;
+    for (int64_t e = 0; e < O; e++) {
+        const int32_t i = index[e];
+        if (i >= 0 && i < entries) order[end[shift >= 0 ? i >> shift : i / (int32_t)D]++] = (int32_t)e;
+    }
     return o;
 }
 
@@ -205,7 +234,9 @@ static inline void restore_outliers(const page_outliers *o, int64_t t, const int
 
 static int64_t planar_scratch(int64_t R, int64_t D); /* page_codes.c */
 
-/* a task's int32 scratch for sorting a page's outliers (page_args.outlier_ints), after its float work buffer */
+/* a task's scratch for a page's outliers (page_args.outlier_ints 4-byte words, after its float work buffer): the
+ * row-by-row readers sort them by row in it (P + O int32s), the fast readers dequantize the page in it (P * D
+ * floats) */
 static inline int32_t *outlier_scratch(const page_args *a, float *buf) {
     return (int32_t *)(buf + planar_scratch(a->R, a->D));
 }

@@ -18,8 +18,10 @@ from pathlib import Path
 
 
 def same_sample_rows(paths: list[Path], samples: list[int], policies: list[str] | None = None,
-                     length: int | None = None) -> tuple[list[str], list[tuple[str, list[float], float]]]:
-    """(tasks, [(row label, mean score per task x 100, average over tasks)]); a row missing a sample is refused."""
+                     length: int | None = None,
+                     fractions: list[float] | None = None) -> tuple[list[str], list[tuple[str, list[float], float]]]:
+    """(tasks, [(row label, mean score per task x 100, average over tasks)]); a row missing a sample is refused.
+    ``fractions``: keep only these KV fractions (the memory targets; full KV is 1)."""
     scores: dict[tuple[str, str, float], dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     tasks: list[str] = []
     for path in paths:
@@ -28,6 +30,8 @@ def same_sample_rows(paths: list[Path], samples: list[int], policies: list[str] 
                 continue
             r = json.loads(line)
             if (policies and r["policy"] not in policies) or (length and r["length"] != length):
+                continue
+            if fractions and not any(abs(float(r["kv_fraction"]) - f) < 1e-9 for f in fractions):
                 continue
             if r["task"] not in tasks:
                 tasks.append(r["task"])
@@ -51,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", nargs="+", type=int, required=True, help="sample indices every row must have")
     parser.add_argument("--policies", nargs="*", default=None)
     parser.add_argument("--length", type=int, default=None)
+    parser.add_argument("--fractions", nargs="*", type=float, default=None,
+                        help="KV fractions to keep (the memory targets; full KV is 1)")
     args = parser.parse_args(argv)
-    tasks, rows = same_sample_rows(args.records, args.samples, args.policies, args.length)
+    tasks, rows = same_sample_rows(args.records, args.samples, args.policies, args.length, args.fractions)
     print("| run | " + " | ".join(tasks) + " | avg |")
     print("|---|" + "---:|" * (len(tasks) + 1))
     for label, means, average in rows:

@@ -33,3 +33,14 @@ def test_rows_average_only_the_given_samples_and_a_missing_one_is_refused(tmp_pa
     assert got["b: tiered at 0.25"] == (pytest.approx([50.0, 60.0]), pytest.approx(55.0))
     with pytest.raises(SystemExit, match="a tiered 0.25: task cwe lacks samples \\[2\\]"):
         ruler_same_samples.same_sample_rows([a, b], [0, 1, 2])
+
+
+def test_fractions_keep_only_the_memory_targets_asked(tmp_path):
+    """A grid at two targets: the row at 0.125 lacks a sample, so it must be left out with ``fractions``, not refused."""
+    a = _write(tmp_path / "a", [("tiered", 0.25, "vt", 0, 1.0), ("tiered", 0.25, "vt", 1, 0.5),
+                                ("tiered", 0.125, "vt", 0, 0.0), ("full", 1.0, "vt", 0, 1.0), ("full", 1.0, "vt", 1, 1.0)])
+    _, rows = ruler_same_samples.same_sample_rows([a], [0, 1], fractions=[1.0, 0.25])
+    assert {label: average for label, _, average in rows} == {"a: tiered at 0.25": pytest.approx(75.0),
+                                                               "a: full at 1": pytest.approx(100.0)}
+    with pytest.raises(SystemExit, match="tiered 0.125: task vt lacks samples \\[1\\]"):
+        ruler_same_samples.same_sample_rows([a], [0, 1])

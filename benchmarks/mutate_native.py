@@ -60,9 +60,9 @@ TESTS_FOR = {
     "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/layer.c": ["test_native_contracts", "test_native_layer"],
-    "c/pages.c": ["test_native_pages"],
-    "c/page_codes.c": ["test_native_pages"],
-    "c/page_tasks.c": ["test_native_pages"],
+    "c/pages.c": ["test_native_pages", "test_native_page_formats"],
+    "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
+    "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],
     "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
                  "test_native_layer"],
 }
@@ -314,11 +314,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=30)
     parser.add_argument("--rerun", choices=["survived", "all"], help="re-test these outcomes (default: only new)")
     parser.add_argument("--only", default="", help="only mutants whose id contains this text")
+    parser.add_argument("--lines", default="", help="only mutants on lines A-B (with --only naming one file)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results and exit")
     args = parser.parse_args()
     every = mutants()
     chosen = [m for m in every if args.only in m.id]
+    if args.lines:
+        first, _, last = args.lines.partition("-")
+        if not (first.isdigit() and last.isdigit()):
+            sys.exit(f"--lines: {args.lines!r} is not A-B (line numbers)")
+        chosen = [m for m in chosen if int(first) <= m.line <= int(last)]
     if args.sample and args.sample < len(chosen):
         chosen = sorted(random.Random(args.seed).sample(chosen, args.sample), key=lambda m: (m.file, m.start))
     if args.list:

@@ -68,3 +68,13 @@ def test_the_table_counts_each_outcome_and_the_listed_equivalents(tmp_path):
     # mutants, run, killed, timeout, compile error, equivalent, survived, killed of the non-equivalent (3 of 4)
     assert row == f"| `c/part.c` | {len(found)} | 8 | 2 | 1 | 1 | 3 | 1 | 75.0% |"
     assert f"`native:{found[7].id}`" in table and f"`native:{found[4].id}`" not in table  # only the unlisted one
+
+
+def test_every_test_a_file_names_is_one_the_runs_take():
+    """A mutated file's tests are picked from TESTS by name: a test module named in TESTS_FOR but missing from
+    TESTS would silently not run (its mutants surviving), and one missing on disk would never run."""
+    stems = {Path(t).stem for t in mutate_native.TESTS}
+    for file, modules in mutate_native.TESTS_FOR.items():
+        assert set(modules) <= stems, (file, set(modules) - stems)
+        assert (ROOT / "confkv" / "native" / file).exists(), file
+    assert all((ROOT / t).exists() for t in mutate_native.TESTS)

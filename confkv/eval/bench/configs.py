@@ -109,4 +109,3 @@ def kivi_rows(specs: tuple[str, ...]) -> list[BenchConfig]:
         rows.append(BenchConfig(f"kivi-{spec}", "confkv", "kivi", params,
                                 note=f"KIVI, keys {bits} bits, values {value_bits or bits}, format {params['format']}"))
     return rows
-

@@ -162,18 +162,48 @@ enum { VALUE_BLOCK = 4 }; /* value rows added to the weighted sum per pass over 
  * rows (D each), and the query rows and the weighted sum in plane order (R * D each) */
 static int64_t planar_scratch(int64_t R, int64_t D) { return (3 + VALUE_BLOCK) * D + 2 * R * D; }
 
+/* a page with outliers, scored: its valid key rows dequantized whole into rows (P * D floats, the task's outlier
+ * scratch), its outliers written over them once (patch_outliers: a patch per row would branch on every row), then
+ * each valid row scored as planar_scores scores it; slots that hold no token get -inf */
+static void planar_page_scores_patched(const page_view *v, const int64_t *m, const int32_t *channel,
+                                       const float *query, int64_t R, int64_t D, int64_t total, float *s, float *buf,
+                                       float *rows) {
+    const int64_t P = m[3], G = m[5], Gv = m[6], C = m[7], O = m[35];
+    const int bits = (int)m[4];
+    float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D;
+    const uint8_t *valid = v->valid;
+    int64_t loaded = -1; /* the key group whose scale and minimum (plane order) are in the buffers */
+    for (int64_t t = 0; t < P; t++) {
+        if (!valid[t]) {
+            for (int64_t r = 0; r < R; r++) s[r * total + t] = -INFINITY;
+            continue;
+        }
+        if (t / G != loaded) {
+            loaded = t / G;
+            for (int64_t i = 0; i < D; i++) {
+                scale[i] = f16_to_f32(v->key_scale[loaded * D + channel[i]]);
+                minimum[i] = f16_to_f32(v->key_min[loaded * D + channel[i]]);
+            }
+        }
+        unpack_planar(v->key_codes + t * C, bits, D, Gv, codes);
+        for (int64_t i = 0; i < D; i++) rows[t * D + i] = minimum[i] + codes[i] * scale[i];
+    }
+    patch_outliers(v->key_outlier_index, v->key_outlier_value, O, P, D, channel + D, rows);
+    for (int64_t t = 0; t < P; t++)
+        if (valid[t])
+            for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, rows + t * D, D);
+}
+
 /* scores of the selected pages of one paged segment (meta m, pointers p: see pages.c) for the R query rows qf
  * [R, D] (pre-scaled); s[r * total + slot]; hidden slots -inf. channel: the key codes' plane order (channel per
- * position, then position per channel). A page with outliers is dequantized whole into scratch (P * D floats),
- * its outliers written over it (patch_outliers), then scored: a patch per row would branch on every row. */
+ * position, then position per channel); scratch: the task's outlier scratch (planar_page_scores_patched) */
 static void planar_scores(const void *const *p, const int64_t *m, const int32_t *channel, int64_t b, int64_t j,
                           int64_t k0, int64_t k1, const float *qf, int64_t R, int64_t D, int64_t total, float *scores,
                           float *buf, int32_t *scratch) {
-    const int64_t P = m[3], G = m[5], Gv = m[6], C = m[7], O = m[35];
+    const int64_t P = m[3], G = m[5], Gv = m[6], C = m[7];
     const int bits = (int)m[4];
-    const int32_t *position = channel + D;
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
-    float *query = buf + (3 + VALUE_BLOCK) * D, *rows = (float *)scratch;
+    float *query = buf + (3 + VALUE_BLOCK) * D;
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < D; i++) query[r * D + i] = qf[r * D + channel[i]];
     for (int64_t k = k0; k < k1; k++) {
@@ -184,6 +214,10 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
             continue;
         }
         const page_view v = view_page(p, m, b, j, page);
+        if (m[35]) {
+            planar_page_scores_patched(&v, m, channel, query, R, D, total, s, buf, (float *)scratch);
+            continue;
+        }
         const uint8_t *valid = v.valid, *kc = v.key_codes;
         const uint16_t *ks = v.key_scale, *km = v.key_min;
         for (int64_t first = 0; first < P; first += G) {
@@ -199,18 +233,10 @@ static void planar_scores(const void *const *p, const int64_t *m, const int32_t 
                     for (int64_t r = 0; r < R; r++) s[r * total + t] = -INFINITY;
                     continue;
                 }
-                float *row = O ? rows + t * D : key;
                 unpack_planar(kc + t * C, bits, D, Gv, codes);
-                for (int64_t i = 0; i < D; i++) row[i] = minimum[i] + codes[i] * scale[i];
-                if (!O)
-                    for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, key, D);
+                for (int64_t i = 0; i < D; i++) key[i] = minimum[i] + codes[i] * scale[i];
+                for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, key, D);
             }
-        }
-        if (O) {
-            patch_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, position, rows);
-            for (int64_t t = 0; t < P; t++)
-                if (valid[t])
-                    for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(query + r * D, rows + t * D, D);
         }
     }
 }
@@ -229,8 +255,8 @@ static inline void dequantize_values_row(const float *codes, const float *scale,
 
 /* adds the n (<= VALUE_BLOCK) value rows vrow, of slots slot, weighted by w[r * total + slot], to weighted [R, D],
  * acc = fma(p, value, acc) in slot order (the rounding of the row-by-row read) */
-static void add_value_rows(float *weighted, int64_t R, int64_t D, const float *w, int64_t total,
-                           const float *const *vrow, const int64_t *slot, int64_t n) {
+static inline void add_value_rows(float *weighted, int64_t R, int64_t D, const float *w, int64_t total,
+                                  const float *const *vrow, const int64_t *slot, int64_t n) {
     for (int64_t r = 0; r < R; r++) {
         float *restrict o = weighted + r * D;
         if (n == VALUE_BLOCK) {
@@ -250,53 +276,93 @@ static void add_value_rows(float *weighted, int64_t R, int64_t D, const float *w
     }
 }
 
+/* a page with outliers, its values added to weighted (plane order): its valid value rows dequantized whole into rows
+ * (P * D floats), its outliers written over them once, then added VALUE_BLOCK rows a pass as planar_values adds them */
+static void planar_page_values_patched(const page_view *v, const int64_t *m, const int32_t *channel, const float *w,
+                                       int64_t R, int64_t D, int64_t total, float *weighted, float *buf, float *rows) {
+    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, O = m[35];
+    const int bits = (int)m[33];
+    float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D;
+    for (int64_t t = 0; t < P; t++) {
+        if (!v->valid[t]) continue;
+        load_f16_row(v->value_scale + t * groups, groups, scale);
+        load_f16_row(v->value_min + t * groups, groups, minimum);
+        unpack_planar(v->value_codes + t * C, bits, D, Gv, codes);
+        dequantize_values_row(codes, scale, minimum, groups, Gv, rows + t * D);
+    }
+    patch_outliers(v->value_outlier_index, v->value_outlier_value, O, P, D, channel + D, rows);
+    int64_t slot[VALUE_BLOCK], n = 0;
+    const float *vrow[VALUE_BLOCK];
+    for (int64_t t = 0; t <= P; t++) {
+        if (t < P && v->valid[t]) {
+            vrow[n] = rows + t * D;
+            slot[n++] = t;
+        }
+        if (n == VALUE_BLOCK || (t == P && n)) {
+            add_value_rows(weighted, R, D, w, total, vrow, slot, n);
+            n = 0;
+        }
+    }
+}
+
 /* adds the selected pages' values weighted by probs [R, total] (this segment's columns) to acc [R, D]: acc is
  * put in plane order, each value row dequantized as lowbit does it (minimum + code * scale) and added in slot
  * order, acc = fma(p, value, acc) (the rounding of the row-by-row read; VALUE_BLOCK rows a pass over acc), and
- * acc put back. channel: the value codes' plane order (as planar_scores'). A page with outliers is dequantized
- * whole into scratch (P * D floats) and patched first, then added in the same blocks. */
+ * acc put back. channel: the value codes' plane order (as planar_scores'); scratch: the task's outlier scratch
+ * (planar_page_values_patched) */
 static void planar_values(const void *const *p, const int64_t *m, const int32_t *channel, int64_t b, int64_t j,
                           int64_t k0, int64_t k1, const float *probs, int64_t R, int64_t D, int64_t total, float *acc,
                           float *buf, int32_t *scratch) {
-    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, O = m[35];
+    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv;
     const int bits = (int)m[33];
-    const int32_t *position = channel + D;
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *block = buf + 3 * D;
-    float *weighted = buf + (3 + VALUE_BLOCK) * D + R * D, *rows = (float *)scratch;
+    float *weighted = buf + (3 + VALUE_BLOCK) * D + R * D;
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < D; i++) weighted[r * D + i] = acc[r * D + channel[i]];
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         if (page < 0) continue;
         const page_view v = view_page(p, m, b, j, page);
+        const float *w = probs + k * P;
+        if (m[35]) {
+            planar_page_values_patched(&v, m, channel, w, R, D, total, weighted, buf, (float *)scratch);
+            continue;
+        }
         const uint8_t *valid = v.valid, *vc = v.value_codes;
         const uint16_t *vs = v.value_scale, *vm = v.value_min;
-        const float *w = probs + k * P;
         int64_t slot[VALUE_BLOCK], n = 0;
-        const float *vrow[VALUE_BLOCK];
-        for (int64_t t = 0; t < P; t++) { /* with outliers: the page's rows first */
-            if (!O || !valid[t]) continue;
-            load_f16_row(vs + t * groups, groups, scale);
-            load_f16_row(vm + t * groups, groups, minimum);
-            unpack_planar(vc + t * C, bits, D, Gv, codes);
-            dequantize_values_row(codes, scale, minimum, groups, Gv, rows + t * D);
-        }
-        if (O) patch_outliers(v.value_outlier_index, v.value_outlier_value, O, P, D, position, rows);
         for (int64_t t = 0; t <= P; t++) {
-            if (t < P && valid[t]) {
-                if (O) {
-                    vrow[n] = rows + t * D;
-                } else { /* dequantize the row into the block */
-                    load_f16_row(vs + t * groups, groups, scale);
-                    load_f16_row(vm + t * groups, groups, minimum);
-                    unpack_planar(vc + t * C, bits, D, Gv, codes);
-                    dequantize_values_row(codes, scale, minimum, groups, Gv, block + n * D);
-                    vrow[n] = block + n * D;
+            if (t < P && valid[t]) { /* dequantize the row into the block */
+                load_f16_row(vs + t * groups, groups, scale);
+                load_f16_row(vm + t * groups, groups, minimum);
+                unpack_planar(vc + t * C, bits, D, Gv, codes);
+                float *value = block + n * D;
+                for (int64_t g = 0; g < groups; g++) { /* a value group keeps its channels in plane order */
+                    const float low = minimum[g], step = scale[g];
+                    float *restrict v = value + g * Gv;
+                    const float *restrict c = codes + g * Gv;
+                    for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
                 }
                 slot[n++] = t;
             }
             if (n == VALUE_BLOCK || (t == P && n)) { /* add the block's rows, in slot order */
-                add_value_rows(weighted, R, D, w, total, vrow, slot, n);
+                for (int64_t r = 0; r < R; r++) {
+                    float *restrict o = weighted + r * D;
+                    if (n == VALUE_BLOCK) {
+                        const float w0 = w[r * total + slot[0]], w1 = w[r * total + slot[1]];
+                        const float w2 = w[r * total + slot[2]], w3 = w[r * total + slot[3]];
+                        const float *restrict v0 = block, *restrict v1 = block + D, *restrict v2 = block + 2 * D;
+                        const float *restrict v3 = block + 3 * D;
+                        for (int64_t i = 0; i < D; i++)
+                            o[i] = fmaf(w3, v3[i], fmaf(w2, v2[i], fmaf(w1, v1[i], fmaf(w0, v0[i], o[i]))));
+                    } else {
+                        for (int64_t e = 0; e < n; e++) {
+                            const float weight = w[r * total + slot[e]];
+                            const float *restrict v = block + e * D;
+                            for (int64_t i = 0; i < D; i++) o[i] = fmaf(weight, v[i], o[i]);
+                        }
+                    }
+                }
                 n = 0;
             }
         }

@@ -31,9 +31,10 @@ OUT_TOL = dict(atol=2e-6, rtol=1e-5)
 MASS_TOL = dict(atol=1e-6, rtol=0.0)
 BATCH, KV_HEADS, PAGES = 3, 2, 5
 WIDTHS = [(4, 2), (2, 4), (3, 8), (8, 3), (4, 4)]
-#: the row-by-row readers (value groups of 4 channels) and the fast ones (plane order at 32 and 24 channels, the
-#: latter not a power of two; channel order with AVX-512 VBMI at 64)
-SHAPES = [(8, 32, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)]
+#: the row-by-row readers (value groups of 4 channels) and the fast ones (plane order at 32 and 24 channels;
+#: channel order with AVX-512 VBMI at 64), each also at a head of 24 channels (not a power of two: an index's row
+#: by a division, not a shift)
+SHAPES = [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)]
 
 
 def _encoded(gen: torch.Generator, fmt: KiviFormat, page: int, dim: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -154,6 +155,28 @@ def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read():
     pages = _segment(fmt, data, valid, gen, "all")
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
     _compare(query, [pages], dim ** -0.5)
+
+
+@pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8)])
+def test_an_outlier_index_outside_its_page_is_left_out(page, dim, group):
+    """Stored indices are always inside their page, but the kernel reads them from memory it is handed: an index
+    of -1 or of P * D (one past the page) is left out, as if that entry were a copy of another outlier of the page
+    (writing the same value twice), never written into a neighbouring row's or buffer's place."""
+    gen = torch.Generator().manual_seed(page + dim + group)
+    fmt = KiviFormat(3, group, dim, parse_format("outliers"), outlier_fraction=0.05)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    reference = {name: t.clone() for name, t in data.items()}
+    for which, bad in (("key", page * dim), ("value", -1)):
+        index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
+        index[..., 1], value[..., 1] = bad, 1000.0
+        reference[f"{which}_outlier_index"][..., 1] = reference[f"{which}_outlier_index"][..., 0]
+        reference[f"{which}_outlier_value"][..., 1] = reference[f"{which}_outlier_value"][..., 0]
+    pages = _segment(fmt, data, valid, torch.Generator().manual_seed(1), "all")
+    same = _segment(fmt, reference, valid, torch.Generator().manual_seed(1), "all")
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    out, _ = native_pages.page_read(query, [pages], dim ** -0.5)
+    want = _compare(query, [same], dim ** -0.5)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
 def test_a_segment_with_half_its_outlier_storage_is_refused():

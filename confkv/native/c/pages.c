@@ -8,8 +8,8 @@
  * whole segment. Keys: per channel, one float16 (scale, minimum) per G tokens; values: per token, one per Gv
  * channels; x = minimum + code * scale, as lowbit.dequantize_* (addcmul) computes it. Values may be coded at a
  * width of their own (meta[33]), and a page may keep outliers apart (confkv/tiers/outliers.py: O entries per page
- * and tensor, float16 values at int16 flat indices t * D + d): they are written over the dequantized row before
- * it is used, as outliers.restore writes them over the dequantized page. */
+ * and tensor, float16 values at int16 flat indices t * D + d): they are written over the dequantized rows (a
+ * whole page at once, or row by row) before use, as outliers.restore writes them over the dequantized page. */
 
 enum { PR_META = 48, PR_PTRS = 13 };
 enum { SEG_DENSE = 0, SEG_PAGES = 1 };

@@ -139,15 +139,20 @@ def test_outliers_change_the_read_and_are_written_where_their_index_says(page, d
     assert (without - out).abs().max() > 1e-2
 
 
-def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read():
+@pytest.mark.parametrize("group", [4, 8])  # the row-by-row readers, the fast ones
+def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read(group):
     """Outliers come in the order the picking returns them (not sorted), and value outliers may sit on padding
-    rows (every value entry can be picked): here they are shuffled and some moved onto invalid rows."""
-    gen = torch.Generator().manual_seed(21)
-    page, dim, group = 8, 32, 8
+    rows (every value entry can be picked): here they are shuffled and some moved onto invalid rows. Every page
+    also keeps one at flat index 0 (its first row's first channel), the edge of the kernel's range check."""
+    gen = torch.Generator().manual_seed(21 + group)
+    page, dim = 8, 32
     fmt = KiviFormat(3, group, dim, parse_format("outliers"), outlier_fraction=0.05)
     data, valid, _ = _encoded(gen, fmt, page, dim)
     for which in ("key", "value"):
         index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
+        has_zero = (index == 0).any(-1)
+        index[..., 0] = torch.where(has_zero, index[..., 0], torch.zeros_like(index[..., 0]))
+        value[..., 0] = torch.where(has_zero, value[..., 0], torch.full_like(value[..., 0], -9.0))
         order = torch.randperm(index.shape[-1], generator=gen)
         data[f"{which}_outlier_index"], data[f"{which}_outlier_value"] = index[..., order], value[..., order]
     invalid_row = (~valid).float().argmax(-1)  # [B, H, N] a padding row of each page (0 when none)

@@ -202,8 +202,7 @@ def test_the_triton_plan_leaves_pages_of_two_widths_or_with_outliers_to_the_torc
         data, valid, _ = _encoded(gen, fmt, 8, 32)
         pages = _segment(fmt, data, valid, gen, "all")
         assert not pages.plain
-        assert read_plan.triton_reads(query, "triton") is False or \
-            read_plan.plan(query, [pages], None, True, "triton") == read_plan.ReadPlan("torch", reason)
+        assert read_plan.plan(query, [pages], None, True, "triton") == read_plan.ReadPlan("torch", reason)
     plain = KiviFormat(4, 8, 32)
     data, valid, _ = _encoded(gen, plain, 8, 32)
     assert _segment(plain, data, valid, gen, "all").plain

@@ -331,38 +331,17 @@ static void planar_values(const void *const *p, const int64_t *m, const int32_t 
         const uint8_t *valid = v.valid, *vc = v.value_codes;
         const uint16_t *vs = v.value_scale, *vm = v.value_min;
         int64_t slot[VALUE_BLOCK], n = 0;
+        const float *vrow[VALUE_BLOCK] = {block, block + D, block + 2 * D, block + 3 * D};
         for (int64_t t = 0; t <= P; t++) {
             if (t < P && valid[t]) { /* dequantize the row into the block */
                 load_f16_row(vs + t * groups, groups, scale);
                 load_f16_row(vm + t * groups, groups, minimum);
                 unpack_planar(vc + t * C, bits, D, Gv, codes);
-                float *value = block + n * D;
-                for (int64_t g = 0; g < groups; g++) { /* a value group keeps its channels in plane order */
-                    const float low = minimum[g], step = scale[g];
-                    float *restrict v = value + g * Gv;
-                    const float *restrict c = codes + g * Gv;
-                    for (int64_t d = 0; d < Gv; d++) v[d] = low + c[d] * step;
-                }
+                dequantize_values_row(codes, scale, minimum, groups, Gv, block + n * D);
                 slot[n++] = t;
             }
             if (n == VALUE_BLOCK || (t == P && n)) { /* add the block's rows, in slot order */
-                for (int64_t r = 0; r < R; r++) {
-                    float *restrict o = weighted + r * D;
-                    if (n == VALUE_BLOCK) {
-                        const float w0 = w[r * total + slot[0]], w1 = w[r * total + slot[1]];
-                        const float w2 = w[r * total + slot[2]], w3 = w[r * total + slot[3]];
-                        const float *restrict v0 = block, *restrict v1 = block + D, *restrict v2 = block + 2 * D;
-                        const float *restrict v3 = block + 3 * D;
-                        for (int64_t i = 0; i < D; i++)
-                            o[i] = fmaf(w3, v3[i], fmaf(w2, v2[i], fmaf(w1, v1[i], fmaf(w0, v0[i], o[i]))));
-                    } else {
-                        for (int64_t e = 0; e < n; e++) {
-                            const float weight = w[r * total + slot[e]];
-                            const float *restrict v = block + e * D;
-                            for (int64_t i = 0; i < D; i++) o[i] = fmaf(weight, v[i], o[i]);
-                        }
-                    }
-                }
+                add_value_rows(weighted, R, D, w, total, vrow, slot, n);
                 n = 0;
             }
         }

@@ -7,9 +7,13 @@ file (policy, target; the file's name where two files ran the same setting); the
 
     .venv/bin/python benchmarks/memory_ppl_table.py results/memory/ppl/*.json
     .venv/bin/python benchmarks/memory_ppl_table.py --mean results/memory/ppl/*_4k.json   # mean rise per setting
+    .venv/bin/python benchmarks/memory_ppl_table.py --by-position results/memory/ppl/*_4k.json   # where the rise lies
 
 ``--mean`` adds, per setting (policy, parameters, target), the mean of its rises over full KV across every
 text and prefix it has, with the count of points, so settings are compared on the same points.
+
+``--by-position`` adds, per text, the perplexity rise over full KV of the tokens in each band of positions
+(0-127, 128-255, ..., doubling): where in a run the loss lies (a per-step target is strictest early).
 """
 
 from __future__ import annotations
@@ -86,6 +90,40 @@ def mean_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def position_bands(length: int, first: int = 128) -> list[tuple[int, int]]:
+    """[(start, end)) bands of predicted-token indices covering ``length``: [0, first), then doubling."""
+    bands, start, end = [], 0, first
+    while start < length:
+        bands.append((start, min(end, length)))
+        start, end = end, end * 2
+    return bands
+
+
+def position_table(runs: list[dict]) -> str:
+    """Per text, one row per run: the % perplexity rise over full KV of the tokens in each band of positions."""
+    out = []
+    for corpus, dtype in sorted({(r["corpus"], r["dtype"]) for r in runs}):
+        group = [r for r in runs if (r["corpus"], r["dtype"]) == (corpus, dtype)]
+        full = next((r for r in group if r["policy"] == "full"), None)
+        if full is None:
+            continue
+        bands = position_bands(max(len(r["nll"]) for r in group if r is not full))
+        out += [f"**{corpus}, {dtype}: rise over full KV by position**", "",
+                "| policy | target | " + " | ".join(f"{a}-{b - 1}" for a, b in bands) + " |",
+                "|---|---|" + "---|" * len(bands)]
+        for r in sorted(group, key=lambda r: (r["target"], r["policy"], r["path"])):
+            if r is full:
+                continue
+            cells = []
+            for a, b in bands:
+                n = min(b, len(r["nll"]), len(full["nll"])) - a
+                rise = math.exp((sum(r["nll"][a:a + n]) - sum(full["nll"][a:a + n])) / n) - 1 if n > 0 else None
+                cells.append("" if rise is None else f"{rise * 100:+.1f}%")
+            out.append(f"| {_name(r)} [{Path(r['path']).stem}] | {r['target']} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def tables(runs: list[dict]) -> str:
     out = []
     for corpus, dtype in sorted({(r["corpus"], r["dtype"]) for r in runs}):
@@ -118,11 +156,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--mean", action="store_true", help="also the mean rise per setting over its points")
+    parser.add_argument("--by-position", action="store_true", help="also the rise in each band of positions")
     args = parser.parse_args()
     runs = load(args.files)
     print(tables(runs))
     if args.mean:
         print(mean_table(runs))
+    if args.by_position:
+        print(position_table(runs))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,16 @@ def test_a_preset_run_under_other_defaults_is_marked_earlier(tmp_path):
     assert "| tiered | memory=0.125 |" in text
     assert "| tiered (format=kivi+hadamard) | memory=0.25 |" in text
     assert "| h2o | memory=0.25 |" in text
+
+
+def test_the_rise_in_each_band_of_positions_against_full(tmp_path):
+    """Bands 0-127, 128-255, 256-511 of a 300-token run; each band's rise is its own tokens' mean loss gap."""
+    full = _write(tmp_path / "full.json", "full", {}, [1.0] * 300)
+    nll = [1.5] * 128 + [1.0] * 128 + [1.2] * 44  # a rise only in the first band and the last
+    run = _write(tmp_path / "run.json", "tiered", {"memory": 0.25}, nll)
+    assert memory_ppl_table.position_bands(300) == [(0, 128), (128, 256), (256, 300)]
+    text = memory_ppl_table.position_table(memory_ppl_table.load([full, run]))
+    row = next(line for line in text.splitlines() if line.startswith("| tiered"))
+    cells = [c.strip() for c in row.split("|")[3:-1]]
+    assert cells == [f"{(math.exp(0.5) - 1) * 100:+.1f}%", "+0.0%", f"{(math.exp(0.2) - 1) * 100:+.1f}%"]
+    assert "| 0-127 | 128-255 | 256-299 |" in text

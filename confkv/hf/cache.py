@@ -1,10 +1,7 @@
 """``ConfKVCache``: a transformers ``Cache`` whose layers evict, driven by the model's confidence.
 
-Usage::
-
-    cache = ConfKVCache.for_model(model, "confkv", n_high=256, n_low=512)
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
-    cache.trace  # per-step confidence, budgets, kept tokens and exact KV bytes
+Usage: ``cache = ConfKVCache.for_model(model, memory=0.25)``, then ``model.generate(ids, past_key_values=cache)``;
+``cache.trace`` holds each step's confidence, budgets, kept tokens and exact KV bytes.
 
 Contract with transformers (METHOD.md, "Integration traps"):
 
@@ -46,7 +43,8 @@ from confkv.store import LayerStore, check_store_fits
 from confkv.trace import MemoryTrace, StepRecord
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.byte_model import KVShape
-from confkv.tiers.planner import StepPlan, check_cap, floor_bytes, floor_tokens, plan_step, reserve_bytes
+from confkv.tiers.planner import (StepPlan, bottom_token_bytes, check_cap, floor_bytes, floor_tokens, plan_step,
+                                  reserve_bytes)
 from confkv.tiers.storage import MemoryTarget, Storage
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
@@ -306,7 +304,7 @@ class ConfKVCache(Cache):
         if first is None or not first.is_initialized:
             return torch.full((conf.shape[0], len(self.managed)), UNLIMITED, dtype=torch.int64)
         keys = first.recent.keys
-        shape, token, row_reserve = self._byte_terms(keys)
+        shape, token, row_reserve, bottom = self._byte_terms(keys)
         if self.target.max_kv_bytes is not None and self._cap_checked != keys.shape[0]:
             check_cap(self.target.max_kv_bytes, floor_bytes(shape, self.layout, self.floor_tokens, self.store_config,
                                                             batch=keys.shape[0]))
@@ -315,7 +313,8 @@ class ConfKVCache(Cache):
             plan = plan_step(self.target, self.storage, batch=keys.shape[0], seen=first.seen_tokens,
                              token_bytes=token, managed=len(self.managed),
                              sliding_bytes=sum(s.kv_bytes() for i, s in enumerate(stores) if i not in managed),
-                             floor_tokens=self.floor_tokens, reserve_bytes=keys.shape[0] * row_reserve)
+                             floor_tokens=self.floor_tokens, reserve_bytes=keys.shape[0] * row_reserve,
+                             bottom_token_bytes=bottom)
         self.last_plan = plan
         hot = plan.hot_budget
         row = None if hot is None else torch.full(first.seen_real.shape, hot, dtype=torch.int64)
@@ -329,13 +328,14 @@ class ConfKVCache(Cache):
             store.fit(plan.layer_bytes)
         return torch.full((conf.shape[0], len(self.managed)), UNLIMITED if hot is None else hot, dtype=torch.int64)
 
-    def _byte_terms(self, keys: torch.Tensor) -> tuple[KVShape, int, int]:
-        """(KV shape, bytes of a full-precision token, reserve per sequence) for keys [B, Hkv, L, D], fixed by the
-        model and store config: worked out once, kept while heads, width and dtype hold."""
+    def _byte_terms(self, keys: torch.Tensor) -> tuple[KVShape, int, int, float]:
+        """(KV shape, bytes of a full-precision token, reserve per sequence, a bottom-rung token's bytes) for keys
+        [B, Hkv, L, D], fixed by the model, store config and storage: worked out once, kept while they hold."""
         key = (keys.shape[1], keys.shape[3], keys.element_size())
         if self._byte_terms_of is None or self._byte_terms_of[0] != key:
             shape = KVShape(*key, self.layout.sliding_windows)
-            self._byte_terms_of = (key, (shape, shape.token_bytes, reserve_bytes(shape, self.store_config)))
+            bottom = bottom_token_bytes(self.storage, shape, keys.dtype) if self.storage.hot_split == "keep_all" else 0.0
+            self._byte_terms_of = (key, (shape, shape.token_bytes, reserve_bytes(shape, self.store_config), bottom))
         return self._byte_terms_of[1]
 
     def _ranking_policy(self, budget: int) -> Policy:

@@ -13,6 +13,10 @@ At the end of every step, for a cache of ``B`` sequences that has seen ``T`` pos
 - the hot budget: everything while ``B * T * fp_bytes <= layer`` (a target at least the full
   cache evicts nothing), else ``hot_tokens``, or ``hot_share * layer / (B * fp_bytes)`` tokens
   with a cold ladder, or ``layer / (B * fp_bytes)`` tokens without one; never below the floor;
+- with ``Storage.hot_split="keep_all"`` the ladder's hot share shrinks while the ladder could not
+  otherwise keep every token: to the ``h`` with ``B * (h * fp_bytes + (T - h) * bottom_bytes + page_size *
+  (fp_bytes - bottom_bytes)) <= layer`` (``bottom_bytes``: a token on the bottom rung; the open page's
+  tokens in full precision), so the hot tier steps down before any token is dropped;
 - after eviction each layer's cold ladder steps down until the layer holds at most ``layer`` bytes.
 """
 
@@ -25,11 +29,14 @@ from typing import Any
 
 from confkv.config import StoreConfig, _require
 from confkv.errors import ConfigError
+import torch
+
 from confkv.tiers.byte_model import KVShape, channel_scale_bytes, fp_token_bytes
+from confkv.tiers.formats import build_format
 from confkv.tiers.storage import MemoryTarget, Storage
 
-__all__ = ["StepPlan", "check_cap", "floor_bytes", "floor_tokens", "fp_token_bytes", "plan_step", "reserve_bytes",
-           "smallest_budget", "target_bytes"]  # fp_token_bytes: from the one byte model
+__all__ = ["StepPlan", "bottom_token_bytes", "check_cap", "floor_bytes", "floor_tokens", "fp_token_bytes", "plan_step",
+           "reserve_bytes", "smallest_budget", "target_bytes"]  # fp_token_bytes: from the one byte model
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class StepPlan:
 
 
 def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, token_bytes: int,
-              managed: int, sliding_bytes: int, floor_tokens: int, reserve_bytes: int = 0) -> StepPlan:
+              managed: int, sliding_bytes: int, floor_tokens: int, reserve_bytes: int = 0,
+              bottom_token_bytes: float = 0.0) -> StepPlan:
     """The plan of one step (see the module docstring).
 
     Args:
@@ -59,6 +67,8 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
         managed: managed (evictable) layers; sliding_bytes: bytes the sliding-window layers hold now.
         floor_tokens: the smallest hot budget the policy (and an INT8 store's never-evicted FP window) accepts.
         reserve_bytes: bytes each managed layer holds besides its tokens (an INT8 store's key channel scale).
+        bottom_token_bytes: bytes of one token of one layer on the ladder's bottom rung (its page's bytes over
+            its tokens; ``hot_split="keep_all"`` only).
     """
     per_layer_full = batch * seen * token_bytes
     full = managed * per_layer_full + sliding_bytes
@@ -72,9 +82,23 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
         hot = min(storage.hot_tokens, fits)
     elif storage.ladder:
         hot = int(storage.hot_share * (layer - reserve_bytes)) // (batch * token_bytes)
+        if storage.hot_split == "keep_all":
+            gain = token_bytes - bottom_token_bytes  # what a token costs more in the hot tier than at the bottom
+            spare = layer - reserve_bytes - batch * (seen * bottom_token_bytes + storage.page_size * gain)
+            hot = min(hot, int(spare // (batch * gain)))
     else:
         hot = fits
     return StepPlan(total, full, layer, max(hot, floor_tokens))
+
+
+def bottom_token_bytes(storage: Storage, shape: KVShape, dtype: torch.dtype) -> float:
+    """Bytes of one token of one layer and sequence on ``storage``'s bottom rung: a sealed page's bytes in its
+    format (codes, scales, outliers; no digest) over the page's tokens. 0.0 without a ladder."""
+    if not storage.ladder:
+        return 0.0
+    page = build_format(storage.ladder[-1], storage.group_size, shape.head_dim, dtype, storage.format,
+                        storage.outlier_fraction).page_nbytes(shape.kv_heads, shape.head_dim, storage.page_size)
+    return page / storage.page_size
 
 
 def target_bytes(target: MemoryTarget, full_bytes: int, floor_bytes: int) -> int:

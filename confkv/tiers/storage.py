@@ -24,6 +24,8 @@ STEP_DOWN_SIGNALS = ("heat", "confidence", "age")
 STEP_ORDERS = ("error", "coldest")
 #: what orders pages never read since sealing (their heat unknown) among themselves (see :mod:`confkv.tiers.ladder`)
 UNREAD_ORDERS = ("age", "attention")
+#: how the planner splits a layer's bytes between the hot tier and the ladder (see :mod:`confkv.tiers.planner`)
+HOT_SPLITS = ("share", "keep_all")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class Storage:
             when the cache is over its target; the cold tier gets the rest.
         hot_tokens: a fixed hot tier of this many tokens per layer instead of ``hot_share``
             (KIVI's full-precision residual), or None.
+        hot_split: with a ladder and no ``hot_tokens``: ``"share"`` the hot tier takes ``hot_share`` of the
+            bytes whatever the ladder must then drop; ``"keep_all"`` it takes at most that, and gives bytes back
+            (down to the floor) while the ladder could not otherwise keep every token at its bottom rung: the
+            hot tier's full precision steps down before any token is dropped (:func:`confkv.tiers.planner.plan_step`).
         page_size: tokens per cold page (one KV head of one sequence).
         group_size: quantization group (tokens for keys, channels for values); divides ``page_size``.
         step_down_by: the page value that orders stepping down and dropping: ``"heat"``
@@ -69,6 +75,7 @@ class Storage:
     ladder: tuple[int, ...] = (8, 4, 3)
     hot_share: float = 0.2
     hot_tokens: int | None = None
+    hot_split: str = "share"
     page_size: int = 64
     group_size: int = 64
     step_down_by: str = "heat"
@@ -94,6 +101,8 @@ class Storage:
         _require(self.hot_tokens is None or (isinstance(self.hot_tokens, int) and not isinstance(self.hot_tokens, bool)
                                              and self.hot_tokens >= 1), "hot_tokens",
                  f"must be None or a positive number of tokens, got {self.hot_tokens!r}")
+        _require(self.hot_split in HOT_SPLITS, "hot_split",
+                 f"must be one of {', '.join(HOT_SPLITS)}, got {self.hot_split!r}")
         check_pages(self.page_size, self.group_size)
         _require(self.step_down_by in STEP_DOWN_SIGNALS, "step_down_by",
                  f"must be one of {', '.join(STEP_DOWN_SIGNALS)}, got {self.step_down_by!r}")

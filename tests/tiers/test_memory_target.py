@@ -119,7 +119,8 @@ def scenarios(draw):
     page = draw(st.sampled_from([8, 16]))
     storage = Storage(ladder=ladder, hot_share=draw(st.sampled_from([0.1, 0.3, 0.6])), page_size=page,
                       group_size=page, step_down_by=draw(st.sampled_from(["heat", "confidence", "age"])),
-                      unread_by=draw(st.sampled_from(["age", "attention"])))
+                      unread_by=draw(st.sampled_from(["age", "attention"])),
+                      hot_split=draw(st.sampled_from(["share", "keep_all"])))
     if draw(st.booleans()):
         target = {"memory": draw(st.sampled_from([0.1, 0.25, 0.5, 0.9, 1.0]))}
     else:
@@ -236,6 +237,41 @@ def test_precision_steps_down_before_a_page_is_dropped():
     assert len(rungs) == 3 and sum(rungs[1:]) > 0  # pages reached lower rungs (the preset: 8, 4, 3 bits)
 
 
+def _tokens_held(cache) -> int:
+    """Token slots held by the last step in every layer's hot tier and cold ladder (one sequence)."""
+    record = cache.trace.steps[-1]
+    return int(record.kept.sum()) + sum(record.rung_tokens)
+
+
+def test_keep_all_gives_the_hot_share_back_before_the_ladder_drops_a_token():
+    """A cap of 32,000 bytes a layer (tiny Llama, fp32: a token is 256 bytes, a 4-bit one 48) holds 400 tokens with
+    the 37-token floor hot, the rest at 4 bits and a full open page (9,472 + 363 x 48 + 16 x 208 = 30,224 bytes).
+    ``hot_split="keep_all"`` keeps all 400, where a 60% hot share (75 tokens) makes the ladder drop pages; at a
+    target too small for that it holds the floor alone; with room to spare it takes the share, as ``"share"`` does."""
+    model = _model("llama")
+    ids = torch.randint(0, 250, (1, 400), generator=torch.Generator().manual_seed(3))
+
+    def run(split: str, **target):
+        cache = ConfKVCache.for_model(model, "tiered", page_size=16, group_size=16, ladder=(8, 4), hot_share=0.6,
+                                      hot_split=split, **target)
+        with torch.no_grad():
+            model(ids[:, :64], cache=cache, use_cache=True)
+            for t in range(64, 400):
+                model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        assert all(int(s.kv_bytes.sum()) <= s.target_bytes for s in cache.trace.steps)
+        return cache
+
+    layers = len(model.model.layers)
+    share, keep = run("share", max_kv_bytes=64_000), run("keep_all", max_kv_bytes=64_000)
+    assert _tokens_held(share) < 400 * layers  # the share's hot tier made the ladder drop
+    assert _tokens_held(keep) == 400 * layers  # every token kept
+    assert keep.floor_tokens < keep.last_plan.hot_budget < share.last_plan.hot_budget
+    tight = run("keep_all", memory=0.15)
+    assert tight.last_plan.hot_budget == tight.floor_tokens
+    roomy_share, roomy_keep = run("share", memory=0.9), run("keep_all", memory=0.9)
+    assert roomy_keep.last_plan.hot_budget == roomy_share.last_plan.hot_budget > roomy_keep.floor_tokens
+
+
 def test_a_chunk_over_its_target_drops_the_pages_its_queries_attended_least():
     """One 256-token chunk at 30%: pages are dropped before any is read. With ``unread_by="attention"`` each
     page carries what its tokens received per query while hot (the ranking policy's EMA, > 0) and no dropped
@@ -298,7 +334,7 @@ def test_a_ladder_that_is_not_strictly_decreasing_is_refused(ladder):
 def test_bad_storage_values_name_their_field():
     for field, value in (("hot_share", 0.0), ("hot_share", 1.2), ("page_size", 0), ("group_size", 48),
                          ("step_down_by", "luck"), ("hot_tokens", 0), ("seal_early", "yes"),
-                         ("unread_by", "heat")):
+                         ("unread_by", "heat"), ("hot_split", "all")):
         with pytest.raises(ConfigError, match=rf"^{field}: "):
             Storage(**{field: value})
     with pytest.raises(ConfigError, match=r"^memory: give exactly one"):

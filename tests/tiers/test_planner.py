@@ -51,3 +51,34 @@ def test_with_a_ladder_the_hot_tier_gets_its_share_of_the_layer_after_the_reserv
     layer = 2 * 1000 * 1536 // 4  # the target of one layer: a quarter of its full bytes (768,000)
     assert plan.layer_bytes == layer
     assert plan.hot_budget == int(storage.hot_share * (layer - 60_000)) // (2 * 1536) > 4
+
+
+def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
+    """``hot_split="keep_all"``, worked out by hand: 2 KV heads of 64 channels in bf16 (512-byte tokens); a 4-bit
+    page of 64 tokens is 8,192 bytes of codes + 512 of key scales and minima + 512 of value ones = 144 bytes a
+    token; 1,000 positions, one managed layer, floor 5. Keeping every token costs 1,000 x 144 at the bottom plus
+    an open page of 64 tokens at 512 - 144 = 368 bytes more each (167,552 bytes); each hot token 368 more."""
+    from confkv.tiers.planner import bottom_token_bytes, plan_step
+    from confkv.tiers.storage import MemoryTarget, Storage
+
+    storage = Storage(ladder=(8, 4), page_size=64, group_size=64, hot_split="keep_all")
+    shape = KVShape(kv_heads=2, head_dim=64, element_size=2, sliding_windows=(None,))
+    import torch
+
+    bottom = bottom_token_bytes(storage, shape, torch.bfloat16)
+    assert bottom == 144.0
+
+    def hot(memory: float, split: str = "keep_all", batch: int = 1) -> int:
+        chosen = storage if split == "keep_all" else Storage(ladder=(8, 4), page_size=64, group_size=64)
+        return plan_step(MemoryTarget(memory, None), chosen, batch=batch, seen=1000, token_bytes=512, managed=1,
+                         sliding_bytes=0, floor_tokens=5, bottom_token_bytes=bottom).hot_budget
+
+    # 25%: 128,000 bytes cannot keep every token even with no hot tier: the floor
+    assert hot(0.25) == 5 and hot(0.25, "share") == 25_600 // 512
+    # 35%: 179,200 bytes; the share would be 71 tokens (35,840 bytes), keeping every token leaves
+    # (179,200 - 167,552) // 368 = 31 hot tokens; with two sequences the same per sequence
+    assert hot(0.35) == 31 and hot(0.35, "share") == 70 and hot(0.35, batch=2) == 31
+    # 50%: 256,000 bytes leave room for 240 hot tokens: the share (100) is the smaller
+    assert hot(0.5) == hot(0.5, "share") == 100
+    # no ladder: nothing to keep at a bottom rung
+    assert bottom_token_bytes(Storage(ladder=()), shape, torch.bfloat16) == 0.0

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import dataclasses
 from typing import Any
 
-from confkv.config import StoreConfig, _require
-from confkv.errors import ConfigError
 import torch
 
+from confkv.config import StoreConfig, _require
+from confkv.errors import ConfigError
 from confkv.tiers.byte_model import KVShape, channel_scale_bytes, fp_token_bytes
 from confkv.tiers.formats import build_format
 from confkv.tiers.storage import MemoryTarget, Storage
@@ -82,8 +82,8 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
         hot = min(storage.hot_tokens, fits)
     elif storage.ladder:
         hot = int(storage.hot_share * (layer - reserve_bytes)) // (batch * token_bytes)
-        if storage.hot_split == "keep_all":
-            gain = token_bytes - bottom_token_bytes  # what a token costs more in the hot tier than at the bottom
+        gain = token_bytes - bottom_token_bytes  # what a token costs more in the hot tier than at the bottom
+        if storage.hot_split == "keep_all" and gain > 0:  # (a 16-bit bottom rung costs what the hot tier does)
             spare = layer - reserve_bytes - batch * (seen * bottom_token_bytes + storage.page_size * gain)
             hot = min(hot, int(spare // (batch * gain)))
     else:

@@ -82,3 +82,8 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     assert hot(0.5) == hot(0.5, "share") == 100
     # no ladder: nothing to keep at a bottom rung
     assert bottom_token_bytes(Storage(ladder=()), shape, torch.bfloat16) == 0.0
+    # a 16-bit bottom rung costs what a hot token does: nothing to give back, the share as it is
+    full_rung = Storage(ladder=(16,), page_size=64, group_size=64, hot_split="keep_all")
+    assert bottom_token_bytes(full_rung, shape, torch.bfloat16) == 512.0
+    assert plan_step(MemoryTarget(0.35, None), full_rung, batch=1, seen=1000, token_bytes=512, managed=1,
+                     sliding_bytes=0, floor_tokens=5, bottom_token_bytes=512.0).hot_budget == 70

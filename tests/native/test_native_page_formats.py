@@ -25,7 +25,8 @@ from confkv.native import pages as native_pages
 from confkv.native.loader import available
 from confkv.tiers.formats import KiviFormat, parse_format
 
-pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable")
+pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
+              pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
 OUT_TOL = dict(atol=2e-6, rtol=1e-5)
 MASS_TOL = dict(atol=1e-6, rtol=0.0)

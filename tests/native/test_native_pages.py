@@ -23,7 +23,8 @@ from confkv.native import pages as native_pages
 from confkv.native.loader import available, disabled
 from confkv.tiers import lowbit
 
-pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable")
+pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
+              pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
 OUT_TOL = dict(atol=2e-6, rtol=1e-5)
 #: scores of size S carry S * 2^-24 of rounding into their weights: the bound where scores reach the tens

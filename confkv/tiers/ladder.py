@@ -166,6 +166,9 @@ class LadderTier:
                 if movable:
                     source = min(movable, key=lambda i: self._step_cost(i, signal))
                     self._step_down(source, excess, signal, dtype)
+                elif (self.storage.seal_before_drop and 2 * self.top.open_length >= self.storage.page_size
+                      and self._open_outweighs_a_bottom_page()):  # at least half full: a partial page wastes its rest
+                    self.top.seal_open()  # a step down of the open page's full precision: it then steps down the rungs
                 elif self.rungs[-1].num_pages:
                     bottom = self.rungs[-1]
                     count = min(bottom.num_pages, math.ceil(excess / self._batch_page_bytes(len(self.rungs) - 1)))
@@ -182,12 +185,20 @@ class LadderTier:
         """No sealed page is left and the open page is over: seal it as a partial page when its tokens
         cost more than a bottom-rung page (the loop then steps it down), else drop its oldest slots."""
         top = self.top
-        batch, heads, length, head_dim = top.open["keys"].shape
-        slot_bytes = batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size())
-        if length * slot_bytes > self._batch_page_bytes(len(self.rungs) - 1) and self.storage.seal_early:
+        batch, heads, _, head_dim = top.open["keys"].shape
+        if self.storage.seal_early and self._open_outweighs_a_bottom_page():
             top.seal_open()
         else:
-            top.drop_open(math.ceil(excess / slot_bytes))
+            top.drop_open(math.ceil(excess / (batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size()))))
+
+    def _open_outweighs_a_bottom_page(self) -> bool:
+        """Whether the open page's tokens, in full precision, cost more than one bottom-rung page (all sequences)."""
+        top = self.top
+        if not top.open_length:
+            return False
+        batch, heads, length, head_dim = top.open["keys"].shape
+        slot_bytes = batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size())
+        return length * slot_bytes > self._batch_page_bytes(len(self.rungs) - 1)
 
     def _step_cost(self, rung: int, signal: str) -> float:
         """The price of stepping rung ``rung``'s least valuable page one rung down (the lowest goes first).

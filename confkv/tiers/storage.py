@@ -68,6 +68,11 @@ class Storage:
             a partial page (then step it down) if its tokens cost more than a bottom-rung page; False:
             drop its oldest tokens instead (early in a run under ``memory=``, the open page is most of
             the target; results/memory/README.md).
+        seal_before_drop: when the cache is over its target and no page can step down, seal the open page (then
+            step it down) before any bottom-rung page is dropped, whenever it is at least half full and its tokens
+            cost more than a bottom page; False: only once no sealed page is left (``seal_early``). Early in a run the full-precision open page
+            can hold most of the target while older pages are dropped whole (results/memory/README.md, "The open
+            page sealed before a page is dropped").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -84,6 +89,7 @@ class Storage:
     format: str = "kivi"
     outlier_fraction: float = 0.01
     seal_early: bool = True
+    seal_before_drop: bool = False
     offload: bool = False
     offload_dir: str | None = None
 
@@ -113,7 +119,8 @@ class Storage:
         from confkv.config import ColdConfig  # noqa: PLC0415 - one place checks a page format
 
         ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction)
-        _require(isinstance(self.seal_early, bool), "seal_early", f"must be True or False, got {self.seal_early!r}")
+        for name in ("seal_early", "seal_before_drop"):
+            _require(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:

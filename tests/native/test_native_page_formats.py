@@ -34,8 +34,8 @@ BATCH, KV_HEADS, PAGES = 3, 2, 5
 WIDTHS = [(4, 2), (2, 4), (3, 8), (8, 3), (4, 4)]
 #: the row-by-row readers (value groups of 4 channels) and the fast ones (plane order at 32 and 24 channels;
 #: channel order with AVX-512 VBMI at 64), each also at a head of 24 channels (not a power of two: an index's row
-#: by a division, not a shift)
-SHAPES = [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)]
+#: by a division, not a shift); (16, 32, 8): the fast readers with two key groups a page (each group's scales)
+SHAPES = [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8), (16, 32, 8), (64, 64, 64)]
 
 
 def _encoded(gen: torch.Generator, fmt: KiviFormat, page: int, dim: int) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -95,9 +95,11 @@ def test_pages_of_two_widths_and_outliers_are_read_natively_as_the_torch_read(ke
 
 
 @pytest.mark.parametrize("page, dim, group", SHAPES)
-def test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_torch_read(page, dim, group):
+@pytest.mark.parametrize("gqa", [3, 1])
+def test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_torch_read(page, dim, group, gqa):
     """A ladder's read: segments of plain pages and pages with outliers or two widths, in turn (each segment's
-    pointers and meta at their own offsets, whatever the segment before them held)."""
+    pointers and meta at their own offsets, whatever the segment before them held); with one query row per KV
+    head too (GQA 1), where a task's work buffers sit closest to its query rows, which every segment reads again."""
     gen = torch.Generator().manual_seed(7 * dim + group)
     segments = []
     for bits, value_bits, format in [(8, 8, "kivi"), (4, 2, "outliers"), (4, 4, "kivi"), (3, 3, "outliers"),
@@ -105,7 +107,7 @@ def test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_to
         fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.03, value_bits=value_bits)
         data, valid, _ = _encoded(gen, fmt, page, dim)
         segments.append(_segment(fmt, data, valid, gen, "all" if bits % 2 else "some"))
-    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    query = torch.randn(BATCH, KV_HEADS * gqa, 1, dim, generator=gen)
     _compare(query, segments, dim ** -0.5)
 
 

@@ -71,10 +71,10 @@ class Storage:
             the target; results/memory/README.md).
         seal_before_drop: when the cache is over its target and no page can step down, seal the open page (then
             step it down) before any bottom-rung page is dropped, whenever it is at least half full and its tokens
-            cost more than a bottom page; False: only once no sealed page is left (``seal_early``). Early in a run the full-precision open page
-            can hold most of the target while older pages are dropped whole. Measured (pydoc-topics, 2K): more tokens
-            held, perplexity +1.7 points worse at 25% and 1.4 better at 12.5% (results/memory/README.md, "The open
-            page sealed before a page is dropped").
+            cost more than a bottom page; False: only once no sealed page is left (``seal_early``). Early in a run
+            the full-precision open page can hold most of the target while older pages are dropped whole. Measured
+            (pydoc-topics, 2K): more tokens held, perplexity 1.7 points worse at 25% and 1.4 better at 12.5%
+            (results/memory/README.md, "The open page sealed before a page is dropped").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """

@@ -41,11 +41,14 @@ def load(paths: list[Path]) -> list[dict]:
         data = json.loads(path.read_text())
         summary = data["summary"]
         kv = [sum(step) for step in data["trace"]["kv_bytes"]]
+        params = {k: v for k, v in (summary.get("params") or {}).items() if k not in ("memory", "max_kv_bytes")}
+        if summary.get("kv_int8"):  # the store's INT8 hot tier (--int8), with its FP window where the file says it
+            params["int8"] = True
+            if summary.get("fp_window") is not None:
+                params["fp_window"] = summary["fp_window"]
         runs.append({"path": path.name, "policy": summary["policy"] or "tiered", "corpus": summary["corpus"],
-                     "dtype": summary.get("dtype", "float32"), "target": _target(summary),
-                     "params": {k: v for k, v in (summary.get("params") or {}).items()
-                                if k not in ("memory", "max_kv_bytes")}, "preset": summary.get("preset"),
-                     "nll": data["nll"], "kv": kv})
+                     "dtype": summary.get("dtype", "float32"), "target": _target(summary), "params": params,
+                     "preset": summary.get("preset"), "nll": data["nll"], "kv": kv})
     return runs
 
 

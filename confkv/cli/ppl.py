@@ -49,7 +49,8 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
             if not result.tokens:
                 return 130
     summary = result.summary()
-    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8, "dtype": args.dtype})
+    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8, "fp_window": store.fp_window,
+                    "dtype": args.dtype})
     from confkv.presets import DEFAULT_PRESET, preset_signature
 
     signature = preset_signature(args.policy or DEFAULT_PRESET)  # a preset's defaults, so tables tell runs of two apart

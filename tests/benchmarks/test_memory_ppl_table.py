@@ -76,3 +76,20 @@ def test_the_rise_in_each_band_of_positions_against_full(tmp_path):
     cells = [c.strip() for c in row.split("|")[3:-1]]
     assert cells == [f"{(math.exp(0.5) - 1) * 100:+.1f}%", "+0.0%", f"{(math.exp(0.2) - 1) * 100:+.1f}%"]
     assert "| 0-127 | 128-255 | 256-299 |" in text
+
+
+def test_a_run_with_the_int8_hot_tier_is_named_by_it(tmp_path):
+    """``confkv ppl --int8`` records ``kv_int8`` (and, since stop 43, ``fp_window``) in the summary, not among the
+    parameters: the row still says it, so it is not taken for the preset itself."""
+    full = _write(tmp_path / "full.json", "full", {}, [1.0] * 1023)
+    runs = []
+    for name, extra in (("old", {"kv_int8": True}), ("new", {"kv_int8": True, "fp_window": 8}), ("plain", {})):
+        path = _write(tmp_path / f"{name}.json", "tiered", {"memory": 0.25}, [1.1] * 1023)
+        data = json.loads(path.read_text())
+        data["summary"].update(extra)
+        path.write_text(json.dumps(data))
+        runs.append(path)
+    text = memory_ppl_table.tables(memory_ppl_table.load([full, *runs]))
+    assert "| tiered (int8=True) | memory=0.25 |" in text
+    assert "| tiered (fp_window=8, int8=True) | memory=0.25 |" in text
+    assert "| tiered | memory=0.25 |" in text

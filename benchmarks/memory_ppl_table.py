@@ -12,6 +12,9 @@ file (policy, target; the file's name where two files ran the same setting); the
 ``--mean`` adds, per setting (policy, parameters, target), the mean of its rises over full KV across every
 text and prefix it has, with the count of points, so settings are compared on the same points.
 
+``--held-at 401,1001`` adds, per run, what a layer holds at the steps that had seen those positions (from the
+trace: hot tokens, tokens on each rung, their sum, and the share of the target the cache used).
+
 ``--by-position`` adds, per text, the perplexity rise over full KV of the tokens in each band of positions
 (0-127, 128-255, ..., doubling): where in a run the loss lies (a per-step target is strictest early).
 """
@@ -46,7 +49,8 @@ def load(paths: list[Path]) -> list[dict]:
             params["int8"] = True
             if summary.get("fp_window") is not None:
                 params["fp_window"] = summary["fp_window"]
-        runs.append({"path": path.name, "policy": summary["policy"] or "tiered", "corpus": summary["corpus"],
+        trace = data["trace"]
+        runs.append({"trace": trace, "path": path.name, "policy": summary["policy"] or "tiered", "corpus": summary["corpus"],
                      "dtype": summary.get("dtype", "float32"), "target": _target(summary), "params": params,
                      "preset": summary.get("preset"), "nll": data["nll"], "kv": kv})
     return runs
@@ -127,6 +131,27 @@ def position_table(runs: list[dict]) -> str:
     return "\n".join(out)
 
 
+def held_table(runs: list[dict], seen: list[int]) -> str:
+    """Per run and step (the first that had seen each of ``seen`` positions): per layer (mean over layers, first
+    sequence), the hot tokens, the tokens on each rung of the ladder, their sum, and the bytes over the target."""
+    lines = ["| run | seen | hot | per rung | held | bytes / target |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        trace = r["trace"]
+        if not trace.get("target_bytes") or trace["target_bytes"][0] is None:
+            continue
+        for want in seen:
+            step = next((i for i, n in enumerate(trace["seen"]) if n >= want), None)
+            if step is None:
+                continue
+            layers = len(trace["kept"][step])
+            hot = sum(row[0] for row in trace["kept"][step]) / layers
+            rungs = [t / layers for t in trace["rung_tokens"][step]]
+            share = sum(trace["kv_bytes"][step]) / trace["target_bytes"][step]
+            lines.append(f"| {Path(r['path']).stem} | {trace['seen'][step]} | {hot:.0f} | "
+                         f"{' / '.join(f'{t:.0f}' for t in rungs)} | {hot + sum(rungs):.0f} | {share:.0%} |")
+    return "\n".join(lines)
+
+
 def tables(runs: list[dict]) -> str:
     out = []
     for corpus, dtype in sorted({(r["corpus"], r["dtype"]) for r in runs}):
@@ -160,6 +185,7 @@ def main() -> None:
     parser.add_argument("files", type=Path, nargs="+")
     parser.add_argument("--mean", action="store_true", help="also the mean rise per setting over its points")
     parser.add_argument("--by-position", action="store_true", help="also the rise in each band of positions")
+    parser.add_argument("--held-at", help="also what a layer holds at these positions (comma-separated)")
     args = parser.parse_args()
     runs = load(args.files)
     print(tables(runs))
@@ -167,6 +193,8 @@ def main() -> None:
         print(mean_table(runs))
     if args.by_position:
         print(position_table(runs))
+    if args.held_at:
+        print(held_table(runs, [int(n) for n in args.held_at.split(",")]))
 
 
 if __name__ == "__main__":

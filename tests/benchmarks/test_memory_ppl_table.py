@@ -93,3 +93,17 @@ def test_a_run_with_the_int8_hot_tier_is_named_by_it(tmp_path):
     assert "| tiered (int8=True) | memory=0.25 |" in text
     assert "| tiered (fp_window=8, int8=True) | memory=0.25 |" in text
     assert "| tiered | memory=0.25 |" in text
+
+
+def test_what_a_layer_holds_at_a_step_from_the_trace(tmp_path):
+    """Two layers, one sequence: at the step that had seen 3 positions, hot 4 and 6 (mean 5), rungs 10 and 2 slots
+    summed over the layers (5 and 1 a layer), 11 held, 300 of 400 target bytes."""
+    path = _write(tmp_path / "run.json", "tiered", {"memory": 0.25}, [1.0] * 3)
+    data = json.loads(path.read_text())
+    data["trace"] = {"seen": [1, 2, 3], "kept": [[[1], [1]], [[2], [2]], [[4], [6]]],
+                     "rung_tokens": [[0, 0], [0, 0], [10, 2]], "kv_bytes": [[10, 10], [20, 20], [100, 200]],
+                     "target_bytes": [400, 400, 400]}
+    path.write_text(json.dumps(data))
+    text = memory_ppl_table.held_table(memory_ppl_table.load([path]), [3, 99])
+    assert "| run | 3 | 5 | 5 / 1 | 11 | 75% |" in text
+    assert len(text.splitlines()) == 3  # header, rule, one row: no step had seen 99 positions

@@ -56,6 +56,10 @@ class StoreConfig:
 
     - ``kv_int8``: keep tokens older than ``fp_window`` in INT8 (METHOD.md step 4).
     - ``fp_window`` (W): the most recent tokens kept in the model's precision.
+    - ``int8_from`` (with ``kv_int8``): ``"start"`` (default, the paper's step 4: every token that leaves
+      the FP window is stored in INT8) or ``"over_budget"``: the store keeps full precision until the
+      first step it must evict (over its budget, or its cache over its memory target), then quantizes
+      what it holds once and every later token, so a cache that never evicts stays exact.
     - ``prefill_chunk``: prompt tokens fed per forward pass by :func:`confkv.hf.prefill`;
       the cache is brought under budget after every chunk, so peak KV is budget + chunk.
     - ``block_size``: key block of the block-wise attention read.
@@ -76,6 +80,7 @@ class StoreConfig:
 
     kv_int8: bool = False
     fp_window: int = 128
+    int8_from: str = "start"
     prefill_chunk: int = 512
     block_size: int = 1024
     move_block: int = 32
@@ -86,6 +91,11 @@ class StoreConfig:
         _require(self.read_backend in ("auto", "torch", "triton"), "read_backend",
                  f"must be 'auto', 'torch' or 'triton', got {self.read_backend!r}")
         _require(isinstance(self.kv_int8, bool), "kv_int8", f"must be True or False, got {self.kv_int8!r}")
+        _require(self.int8_from in ("start", "over_budget"), "int8_from",
+                 f"must be 'start' (INT8 from the first token past the FP window) or 'over_budget' (INT8 from the "
+                 f"first step the store evicts), got {self.int8_from!r}")
+        _require(self.kv_int8 or self.int8_from == "start", "int8_from",
+                 "applies to an INT8 store only; give kv_int8=True with it (or leave int8_from='start')")
         for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1),
                           ("evict_slack", 0)):
             value = getattr(self, name)

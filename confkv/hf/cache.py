@@ -45,7 +45,7 @@ from confkv.tiers.ladder import LadderTier
 from confkv.tiers.byte_model import KVShape
 from confkv.tiers.planner import (StepPlan, bottom_token_bytes, check_cap, floor_bytes, floor_tokens, plan_step,
                                   reserve_bytes)
-from confkv.tiers.storage import MemoryTarget, Storage
+from confkv.tiers.storage import MemoryTarget, Storage, store_with_hot_int8
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
             "prompt lookup and other speculative methods are not supported. Generate without "
@@ -143,7 +143,7 @@ class ConfKVCache(Cache):
                  rope=None, *, target: MemoryTarget | None = None, storage: Storage | None = None) -> None:
         self.rope = rope
         self.policy = policy
-        self.store_config = store or StoreConfig()
+        self.store_config = store_with_hot_int8(store, storage)
         self.layout = layout
         if storage is not None and target is None:
             raise ConfigError("storage: a storage holds a memory target; give memory= (a fraction of the full "
@@ -204,7 +204,7 @@ class ConfKVCache(Cache):
         from confkv.tiers.prerope import Rope  # noqa: PLC0415
 
         if max_kv_bytes is not None:
-            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store))
+            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store_with_hot_int8(store, storage)))
         enable(model)
         return cls(layout, built, store, trace_limit=trace_limit, rope=Rope.from_model(model), target=target,
                    storage=storage)
@@ -314,7 +314,7 @@ class ConfKVCache(Cache):
                              token_bytes=token, managed=len(self.managed),
                              sliding_bytes=sum(s.kv_bytes() for i, s in enumerate(stores) if i not in managed),
                              floor_tokens=self.floor_tokens, reserve_bytes=keys.shape[0] * row_reserve,
-                             bottom_token_bytes=bottom)
+                             bottom_token_bytes=bottom, reserve_held=not first.int8_later)
         self.last_plan = plan
         hot = plan.hot_budget
         row = None if hot is None else torch.full(first.seen_real.shape, hot, dtype=torch.int64)

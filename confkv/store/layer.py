@@ -77,10 +77,12 @@ class LayerStore(AttentionRead):
         self.config = config
         self.storage = storage
         self.sliding_window = sliding_window
-        self.int8 = config.kv_int8 and sliding_window is None
+        # INT8 older region: from the start, or (``int8_from="over_budget"``) from the first step that evicts
+        self.int8 = config.kv_int8 and sliding_window is None and config.int8_from == "start"
+        self.int8_later = config.kv_int8 and sliding_window is None and not self.int8
         if sliding_window is not None:
             self.recent_len = 0
-        elif self.int8:
+        elif config.kv_int8:
             self.recent_len = config.fp_window  # never evicted: effective protection is max(protect, W)
         else:
             self.recent_len = policy.protect
@@ -199,6 +201,7 @@ class LayerStore(AttentionRead):
                           page_file=self.cold.page_file if self.cold is not None else None, storage=self.storage)
         if self.cold is not None and twin.cold is not None:
             twin.cold = self.cold.clone()
+        twin.int8, twin.int8_later = self.int8, self.int8_later
         if not self.is_initialized:
             return twin
         if self.pending:
@@ -264,6 +267,8 @@ class LayerStore(AttentionRead):
                 over_budget = self.physical_length > min(budget.tolist())
             else:
                 over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
+        if over_budget and self.int8_later:
+            self._start_int8()
         self._age(force=over_budget)
         self._evict(budget)
 
@@ -293,6 +298,19 @@ class LayerStore(AttentionRead):
                 moving = self._quantize(moving)
         with profiling.section("ageing (old-region concat)"):
             self.old = concat(self.old, moving)
+
+    def _start_int8(self) -> None:
+        """``int8_from="over_budget"``: the first step over budget quantizes the older region once; every token
+        that ages from now on is quantized on the way (:meth:`_age`), as with ``int8_from="start"``."""
+        self.int8, self.int8_later = True, False
+        self.window, self.decode_plan = None, None  # the fast full-precision decode no longer applies
+        old = self.old
+        if old.length:
+            with profiling.section("quantization"):
+                self.old = self._quantize(old)
+        else:
+            self.old = Region.empty(old.valid.shape[0], old.keys.shape[1], old.keys.shape[3], old.keys.dtype,
+                                    old.keys.device, self.stat_names, True)
 
     def _quantize(self, region: Region) -> Region:
         from confkv import quant  # noqa: PLC0415 - the INT8 path only

@@ -58,7 +58,7 @@ class StepPlan:
 
 def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, token_bytes: int,
               managed: int, sliding_bytes: int, floor_tokens: int, reserve_bytes: int = 0,
-              bottom_token_bytes: float = 0.0) -> StepPlan:
+              bottom_token_bytes: float = 0.0, reserve_held: bool = True) -> StepPlan:
     """The plan of one step (see the module docstring).
 
     Args:
@@ -69,13 +69,16 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
         reserve_bytes: bytes each managed layer holds besides its tokens (an INT8 store's key channel scale).
         bottom_token_bytes: bytes of one token of one layer on the ladder's bottom rung (its page's bytes over
             its tokens; ``hot_split="keep_all"`` only).
+        reserve_held: False while an INT8 store that starts over budget (``int8_from="over_budget"``) holds no
+            scale yet: the reserve then counts in the hot budget but not in the test for evicting nothing, so a
+            target of the full cache evicts nothing.
     """
     per_layer_full = batch * seen * token_bytes
     full = managed * per_layer_full + sliding_bytes
     floor = managed * (batch * min(seen, floor_tokens) * token_bytes + reserve_bytes) + sliding_bytes
     total = target_bytes(target, full, floor)
     layer = (total - sliding_bytes) // max(managed, 1)
-    if per_layer_full + reserve_bytes <= layer:
+    if per_layer_full + reserve_bytes * reserve_held <= layer:
         return StepPlan(total, full, layer, None)
     fits = (layer - reserve_bytes) // (batch * token_bytes)
     if storage.hot_tokens is not None:

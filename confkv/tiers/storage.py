@@ -11,10 +11,11 @@ Compression via Importance-Aware Mixed Precision Quantization"), inside one byte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from confkv.config import _require, check_pages
+from confkv.config import StoreConfig, _require, check_pages
 
 #: bit widths a rung may have: 16 = the model's dtype (unquantized), the rest KIVI-style codes
 RUNG_BITS = (16, 8, 4, 3, 2)
@@ -75,6 +76,11 @@ class Storage:
             the full-precision open page can hold most of the target while older pages are dropped whole. Measured
             (pydoc-topics, 2K): more tokens held, perplexity 1.7 points worse at 25% and 1.4 better at 12.5%
             (results/memory/README.md, "The open page sealed before a page is dropped").
+        hot_int8_window: None (default): the hot tier in the model's precision; ``W``: the hot tier's tokens older
+            than its ``W`` newest are kept in INT8 (per-channel key scale, per-token value scale: METHOD.md step 4),
+            from the first step the cache is over its target (:func:`store_with_hot_int8`), so a cache that never
+            evicts stays exact; the hot tier's token count is planned as in full precision and the ladder gets the
+            bytes it saves (results/memory/README.md, "An INT8 hot tier under the target").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -92,6 +98,7 @@ class Storage:
     outlier_fraction: float = 0.01
     seal_early: bool = True
     seal_before_drop: bool = False
+    hot_int8_window: int | None = None
     offload: bool = False
     offload_dir: str | None = None
 
@@ -123,6 +130,10 @@ class Storage:
         ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction)
         for name in ("seal_early", "seal_before_drop"):
             _require(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
+        window = self.hot_int8_window
+        _require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 0),
+                 "hot_int8_window", f"must be None (a full-precision hot tier; --param hot_int8_window=null) or a number of "
+                 f"tokens >= 0 kept in full precision before the INT8 ones, e.g. 8; got {window!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:
@@ -130,6 +141,23 @@ class Storage:
 
             _require(os.path.isdir(self.offload_dir) and os.access(self.offload_dir, os.W_OK | os.X_OK),
                      "offload_dir", f"{self.offload_dir!r} is not a writable directory; create it or pass another")
+
+
+def store_with_hot_int8(store: StoreConfig | None, storage: Storage | None) -> StoreConfig:
+    """The store settings of a cache with ``storage``: ``store`` (default :class:`~confkv.config.StoreConfig`), with
+    ``kv_int8=True, fp_window=W, int8_from="over_budget"`` when ``storage.hot_int8_window`` is ``W``.
+
+    Raises:
+        ConfigError: ``store`` asks for INT8 too (``kv_int8=True``): two settings of one thing.
+    """
+    store = store or StoreConfig()
+    if storage is None or storage.hot_int8_window is None:
+        return store
+    _require(not store.kv_int8, "hot_int8_window",
+             f"the storage keeps its hot tier in INT8 (hot_int8_window={storage.hot_int8_window}) and the store "
+             "config asks for INT8 too (kv_int8=True, --int8); give one: drop kv_int8 / --int8, or set "
+             "hot_int8_window=None (--param hot_int8_window=null)")
+    return dataclasses.replace(store, kv_int8=True, fp_window=storage.hot_int8_window, int8_from="over_budget")
 
 
 @dataclass(frozen=True)

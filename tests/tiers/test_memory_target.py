@@ -72,7 +72,9 @@ def _held_positions(store) -> dict[tuple[int, int], list[int]]:
 
 def _tensor_bytes(store) -> int:
     """Bytes of the tensors a store holds, counted from the tensors themselves."""
-    total = sum(t.nbytes for region in (store.old, store.recent) for t in (region.keys, region.values))
+    total = sum(t.nbytes for region in (store.old, store.recent)
+                for t in (region.keys, region.values, region.key_scale, region.value_scale) if t is not None)
+    total += store.channel_scale.nbytes if store.channel_scale is not None else 0  # an INT8 hot tier's key scale
     if isinstance(store.cold, LadderTier):
         for rung in store.cold.rungs:
             if rung.open is None:
@@ -134,7 +136,8 @@ def scenarios(draw):
     storage = Storage(ladder=ladder, hot_share=draw(st.sampled_from([0.1, 0.3, 0.6])), page_size=page,
                       group_size=page, step_down_by=draw(st.sampled_from(["heat", "confidence", "age"])),
                       unread_by=draw(st.sampled_from(["age", "attention"])),
-                      hot_split=draw(st.sampled_from(["share", "keep_all"])), seal_before_drop=draw(st.booleans()))
+                      hot_split=draw(st.sampled_from(["share", "keep_all"])), seal_before_drop=draw(st.booleans()),
+                      hot_int8_window=draw(st.sampled_from([None, None, 0, 4])))
     if draw(st.booleans()):
         target = {"memory": draw(st.sampled_from([0.1, 0.25, 0.5, 0.9, 1.0]))}
     else:

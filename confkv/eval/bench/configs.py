@@ -73,6 +73,10 @@ def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)
                                 {"evict_slack": slack}, lean=True,
                                 note=f"the lean preset row with evict_slack={slack} (opt-in, not the preset's default)")
                     for fraction in memory]
+    configs += [BenchConfig(f"tiered@{fraction * 100:g}+int8-lean", "confkv", "tiered", {"memory": fraction,
+                            "hot_int8_window": 8}, lean=True, note=f"the lean preset row with an INT8 hot tier "
+                            "(hot_int8_window=8: INT8 past 8 recent tokens once over the target)")
+                for fraction in memory]
     configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
                             note=f"the memory preset at {fraction:g}, page format {name}")
                 for name in formats for fraction in memory]

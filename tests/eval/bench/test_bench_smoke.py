@@ -131,3 +131,29 @@ def test_the_preset_with_eviction_slack_stays_under_its_target_and_ranks_less_of
         kept[name] = runner.kept_tokens()
     assert 0 < ranked["tiered@50+slack8-lean"] < ranked["tiered@50-lean"] / 2
     assert kept["tiered@50+slack8-lean"] < kept["tiered@50-lean"]  # the hot tier runs below its share
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_preset_with_an_int8_hot_tier_through_the_lean_decoder_holds_what_the_model_row_holds():
+    """``tiered@<percent>+int8-lean``: the preset with ``hot_int8_window=8`` through the lean decoder. After the
+    same text its cache holds what the same cache stepped by ``model(...)`` holds (bytes, tokens), its older hot
+    tokens in INT8."""
+    import dataclasses
+
+    from confkv.eval.bench.run import _Runner, default_configs
+
+    configs = {c.name: c for c in default_configs(128, 0, (0.5,))}
+    lean = configs["tiered@50+int8-lean"]
+    assert lean.lean and lean.params == {"memory": 0.5, "hot_int8_window": 8}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    ids = torch.randint(3, 200, (1, 700), generator=torch.Generator().manual_seed(0))
+    held = {}
+    for config in (lean, dataclasses.replace(lean, name="tiered@50+int8", lean=False)):
+        runner = _Runner(config, model)
+        runner.feed_to(ids, 640, 128)
+        for _ in range(12):
+            runner.next_step(ids)
+        stores = [layer.store for layer in runner.cache.layers]
+        assert all(store.old.keys.dtype == torch.int8 for store in stores)
+        held[config.lean] = (runner.kv_bytes(), runner.kept_tokens())
+    assert held[True] == held[False]

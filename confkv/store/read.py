@@ -186,7 +186,9 @@ class AttentionRead:
             # rotated back token by token; the few hot keys/values, the query and the output turn instead,
             # unless the native page read takes the pages with their rotation and turns the query itself
             turns_pages = paged and not triton_reads(query, self.config.read_backend)
-            rotation = None if any(r.is_int8 for r in regions) else self.cold.read_rotation(turns_pages)
+            # an INT8 hot region is read dequantized (its few hundred tokens): the page reads take float segments
+            segments = [_float_segment(s) for s in segments]
+            rotation = self.cold.read_rotation(turns_pages)
             if rotation is not None:
                 segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
                             for s in segments]
@@ -221,3 +223,13 @@ class AttentionRead:
         if isinstance(self.cold, LadderTier):
             return torch.full_like(self.seen_real, ALL_PAGES)
         return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]
+
+
+def _float_segment(segment: KVSegment) -> KVSegment:
+    """``segment`` itself, or its keys and values [B, Hkv, L, D] dequantized to float32 when INT8."""
+    if not segment.keys_int8:
+        return segment
+    from confkv import quant  # noqa: PLC0415 - the INT8 path only
+
+    return KVSegment(quant.dequantize_keys(segment.keys, segment.key_token_scale, segment.key_channel_scale),
+                     quant.dequantize_values(segment.values, segment.value_token_scale), segment.visible)

@@ -23,10 +23,12 @@ class BenchConfig:
 def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack: int = 0) -> list[str]:
     """The names of the memory preset's rows: ``tiered@<percent>`` per target, ``tiered@<percent>-lean`` (the
     same through the lean decoder), ``tiered@<percent>+slack<slack>-lean`` (that with eviction slack, when
-    ``slack``), then ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
+    ``slack``), ``tiered@<percent>+int8-lean`` (an INT8 hot tier), then ``tiered[<format>]@<percent>`` per
+    target and page format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]
             + [f"tiered@{fraction * 100:g}-lean" for fraction in memory]
             + ([f"tiered@{fraction * 100:g}+slack{slack}-lean" for fraction in memory] if slack else [])
+            + [f"tiered@{fraction * 100:g}+int8-lean" for fraction in memory]
             + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
 
 

@@ -38,9 +38,10 @@ def test_format_rows_run_the_preset_with_that_page_format():
     from confkv.eval.bench.run import default_configs, preset_rows
 
     assert preset_rows((0.25, 0.125), ("kivi+hadamard",)) == [
-        "tiered@25", "tiered@12.5", "tiered@25-lean", "tiered@12.5-lean", "tiered[kivi+hadamard]@25",
-        "tiered[kivi+hadamard]@12.5"]
-    assert preset_rows((0.25,), (), 64) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean"]
+        "tiered@25", "tiered@12.5", "tiered@25-lean", "tiered@12.5-lean", "tiered@25+int8-lean",
+        "tiered@12.5+int8-lean", "tiered[kivi+hadamard]@25", "tiered[kivi+hadamard]@12.5"]
+    assert preset_rows((0.25,), (), 64) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
+                                             "tiered@25+int8-lean"]
     row = next(c for c in default_configs(128, 8, (0.25,), ("kivi+hadamard",)) if c.name == "tiered[kivi+hadamard]@25")
     assert row.params == {"memory": 0.25, "format": "kivi+hadamard"}
     model, tok = tiny_model("llama"), tiny_tokenizer()

@@ -4,6 +4,8 @@ evict; from that step on every token past the FP window is held in INT8 (METHOD.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -157,3 +159,15 @@ def test_an_int8_hot_tier_beside_packed_pages_stays_on_the_native_read():
         assert cache.layers[0].store.old.keys.dtype == torch.int8 and sum(cache.trace.steps[-1].rung_tokens) > 0
     assert fallbacks["auto"] == {} and fallbacks["torch"]
     torch.testing.assert_close(logits["auto"], logits["torch"], rtol=1e-4, atol=1e-4)
+
+
+def test_the_tiered_int8_preset_is_the_tiered_preset_with_an_int8_hot_tier():
+    from confkv.presets import PRESETS, preset_signature, resolve
+
+    spec, base = resolve("tiered-int8", memory=0.25), resolve("tiered", memory=0.25)
+    assert spec.storage == dataclasses.replace(base.storage, hot_int8_window=8) and spec.policy == base.policy
+    assert "hot_int8_window=8" in preset_signature("tiered-int8")
+    assert "hot_int8_window" not in preset_signature("tiered")  # the default's records still resume
+    cache = ConfKVCache.for_model(_model("llama"), "tiered-int8")
+    assert cache.store_config.kv_int8 and cache.store_config.int8_from == "over_budget"
+    assert cache.store_config.fp_window == 8 and PRESETS["tiered-int8"].storage.hot_int8_window == 8

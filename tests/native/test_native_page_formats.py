@@ -4,7 +4,8 @@ outliers kept apart (confkv/tiers/outliers.py), written over each dequantized ro
 
 Pages are encoded by the format itself (:class:`~confkv.tiers.formats.KiviFormat`), handed over as the cold tier
 hands them (:meth:`~confkv.tiers.cold_read.PageRead._paged`'s fields), and read against the torch reference
-(``PagedSegment.to_dense``, which must equal the format's own ``decode``), with test_native_pages.py's bounds.
+(``PagedSegment.to_dense``, which must equal the format's own ``decode``), with test_native_pages.py's bounds
+(the absolute output bound scaled by the 4x value row, ``OUT_TOL``).
 
 Each was seen to fail with a bug put in by hand (then removed): the value codes read at the key width (either
 reader); the outliers not written (keys or values, either reader); an outlier written at its channel instead of
@@ -28,7 +29,9 @@ from confkv.tiers.formats import KiviFormat, parse_format
 pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
 
-OUT_TOL = dict(atol=2e-6, rtol=1e-5)
+#: test_native_pages.py's bounds, the absolute one scaled by 4: a page's middle value row is 4x the others here, so
+#: float32 summation-order noise is too (2.2e-6 seen on an AVX-512 VBMI machine, at 2-bit keys and 4-bit values)
+OUT_TOL = dict(atol=8e-6, rtol=1e-5)
 MASS_TOL = dict(atol=1e-6, rtol=0.0)
 BATCH, KV_HEADS, PAGES = 3, 2, 5
 WIDTHS = [(4, 2), (2, 4), (3, 8), (8, 3), (4, 4)]

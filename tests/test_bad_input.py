@@ -23,6 +23,7 @@ from confkv.errors import ConfigError, PromptTooLongError, UnsupportedModelError
 from confkv.hf import ConfKVCache, generate, prefill
 from confkv.models import ModelLoadError, load_model, tiny_model, tiny_tokenizer
 from confkv.policies import make_policy
+from confkv.tiers.storage import Storage
 
 _MODELS: dict = {}
 
@@ -59,6 +60,10 @@ ROWS = [
      ConfigError, r"^fp_window: must be >= 0, got -1$"),
     ("store-int8-type", "StoreConfig(kv_int8='yes')", lambda: StoreConfig(kv_int8="yes"),
      ConfigError, r"^kv_int8: must be True or False"),
+    ("store-int8-from", "StoreConfig(int8_from='over_budget')", lambda: StoreConfig(int8_from="over_budget"),
+     ConfigError, r"^int8_from: applies to an INT8 store only; give kv_int8=True"),
+    ("storage-hot-int8-window", "Storage(hot_int8_window=-1)", lambda: Storage(hot_int8_window=-1),
+     ConfigError, r"^hot_int8_window: must be None .* or a number of tokens >= 0"),
     ("store-move-block", "StoreConfig(move_block=0)", lambda: StoreConfig(move_block=0),
      ConfigError, r"^move_block: must be >= 1"),
     ("store-chunk-type", "StoreConfig(prefill_chunk=1.5)", lambda: StoreConfig(prefill_chunk=1.5),

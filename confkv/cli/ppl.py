@@ -27,7 +27,10 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     from confkv.presets import resolve
 
     spec = resolve(args.policy, **params)
-    check_store_fits(spec.policy, store)
+    from confkv.tiers.storage import store_with_hot_int8
+
+    store_run = store_with_hot_int8(store, spec.storage)  # what the cache runs with (an INT8 hot tier's store)
+    check_store_fits(spec.policy, store_run)
     ray = ray_options(args)
     unit = PplUnit(corpus=args.corpus, tokens=args.tokens, offset=args.offset, policy=args.policy, params=params,
                    store=store, progress=not args.no_progress and ray is None)
@@ -49,8 +52,8 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
             if not result.tokens:
                 return 130
     summary = result.summary()
-    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store.kv_int8, "fp_window": store.fp_window,
-                    "dtype": args.dtype})
+    summary.update({"model": args.model, "corpus": args.corpus, "kv_int8": store_run.kv_int8,
+                    "fp_window": store_run.fp_window, "int8_from": store_run.int8_from, "dtype": args.dtype})
     from confkv.presets import DEFAULT_PRESET, preset_signature
 
     signature = preset_signature(args.policy or DEFAULT_PRESET)  # a preset's defaults, so tables tell runs of two apart
@@ -61,7 +64,7 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     conf = trace.confidences(0)
     budgets = [float(s.budget[0]) for s in trace.steps]
     target = f"  memory target {spec.target}" if spec.target is not None else ""
-    print(f"policy {args.policy or 'tiered (default preset)'} {params}  int8={store.kv_int8}{target}")
+    print(f"policy {args.policy or 'tiered (default preset)'} {params}  int8={store_run.kv_int8}{target}")
     print(f"tokens {summary['tokens']}  ppl {summary['ppl']:.3f}  peak KV {summary['peak_kv_bytes'] / 1e6:.2f} MB  "
           f"mean KV {summary['mean_kv_bytes'] / 1e6:.2f} MB  {summary['tokens_per_second']:.1f} tok/s")
     print(f"confidence  {sparkline(conf, low=0.0, high=1.0)}")

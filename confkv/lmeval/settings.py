@@ -14,7 +14,7 @@ Memory (as every confkv grid sets it: the cache holds the target itself, nothing
 - neither: the policy's own budgets (``budget=N`` for most policies, ``n_high``/``n_low`` for
   the gated ones; ``confkv policies`` lists them), or a preset (``policy=tiered``) at 0.25.
 
-The policy may be a preset (``tiered``, ``kivi-4``, ``kivi-2``); its storage fields
+The policy may be a preset (``tiered``, ``tiered-int8``, ``kivi-4``, ``kivi-2``); its storage fields
 (``ladder``, ``hot_share``, ...) are accepted as parameters.
 """
 

@@ -35,6 +35,22 @@ def test_ppl_builtin_file_and_unreachable_hub(model_dir, tmp_path, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def test_ppl_records_the_store_an_int8_hot_tier_runs_with_and_refuses_a_second_int8_before_loading(
+        model_dir, tmp_path, capsys):
+    """``--policy tiered-int8``: the summary says what the cache ran with (INT8 past an FP window of 8, from the
+    first step over the target), not the command's store flags; ``--int8`` beside it fails before any model loads."""
+    from unittest import mock
+
+    out = tmp_path / "int8.json"
+    assert main(["ppl", "--model", model_dir, "--policy", "tiered-int8", "--memory", "0.25", "--tokens", "120",
+                 "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert (summary["kv_int8"], summary["fp_window"], summary["int8_from"]) == (True, 8, "over_budget")
+    capsys.readouterr()
+    with mock.patch("confkv.models.load_model", side_effect=AssertionError("loaded a model before checking")):
+        assert main(["ppl", "--model", model_dir, "--policy", "tiered-int8", "--int8", "--tokens", "40"]) == 2
+    assert "error: hot_int8_window: the storage keeps its hot tier in INT8" in capsys.readouterr().err
+
 
 def test_ppl_log_has_no_bar_spam_and_says_unlimited(model_dir, tmp_path, capsys):
     """stderr is not a terminal under capsys: no carriage-return redraws (ours or transformers'

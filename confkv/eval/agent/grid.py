@@ -1,6 +1,6 @@
 """The agent grid: tasks x protocols x policies x memory targets, resumable, with a progress bar.
 
-Memory (as every grid sets it): each policy (or preset: ``tiered``, ``kivi-4``, ``kivi-2``) runs
+Memory (as every grid sets it): each policy (or preset: ``tiered``, ``tiered-int8``, ``kivi-4``, ``kivi-2``) runs
 at each ``memory`` fraction, the cache holding that fraction of the full cache's bytes at the
 end of every forward pass (during a prefill chunk it holds up to ``chunk`` more). Records keep
 ``memory`` and ``compression = 1 / memory``, and ``full_peak_reference``: the full cache's

@@ -2,7 +2,7 @@
 
 Memory
 ------
-Every policy (or preset: ``tiered``, ``kivi-4``, ``kivi-2``) runs at every ``memory`` fraction
+Every policy (or preset: ``tiered``, ``tiered-int8``, ``kivi-4``, ``kivi-2``) runs at every ``memory`` fraction
 with the cache holding the target itself: at the end of every step it holds at most that
 fraction of the bytes the full cache (transformers' ``DynamicCache`` in the model's dtype)
 holds at the same length, every tier counted (:meth:`confkv.hf.ConfKVCache.for_model`,

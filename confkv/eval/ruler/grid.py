@@ -5,7 +5,7 @@ by :func:`confkv.hf.protocols.generate_compressed` (the streaming protocol by de
 prompt is prefilled in chunks evicted as they arrive, then greedy decoding with RULER's
 ``tokens_to_generate``) and scored by RULER's metric (:mod:`confkv.eval.ruler.score`).
 
-Memory: each policy (or preset: ``tiered``, ``kivi-4``, ``kivi-2``) runs at each ``memory``
+Memory: each policy (or preset: ``tiered``, ``tiered-int8``, ``kivi-4``, ``kivi-2``) runs at each ``memory``
 fraction, the cache holding that fraction of the full cache's bytes at the end of every step
 (of the length fed so far: under the query-aware protocol the prompt is prefilled without
 eviction, then brought to the fraction of its bytes in one step). Records keep the fraction in

@@ -148,16 +148,18 @@ def store_with_hot_int8(store: StoreConfig | None, storage: Storage | None) -> S
     ``kv_int8=True, fp_window=W, int8_from="over_budget"`` when ``storage.hot_int8_window`` is ``W``.
 
     Raises:
-        ConfigError: ``store`` asks for INT8 too (``kv_int8=True``): two settings of one thing.
+        ConfigError: ``store`` asks for another INT8 store (``kv_int8=True`` with another window or start): two
+            settings of one thing. (The store this returns is taken as it is: a fork's or a clone's.)
     """
     store = store or StoreConfig()
     if storage is None or storage.hot_int8_window is None:
         return store
-    _require(not store.kv_int8, "hot_int8_window",
+    merged = dataclasses.replace(store, kv_int8=True, fp_window=storage.hot_int8_window, int8_from="over_budget")
+    _require(not store.kv_int8 or store == merged, "hot_int8_window",
              f"the storage keeps its hot tier in INT8 (hot_int8_window={storage.hot_int8_window}) and the store "
              "config asks for INT8 too (kv_int8=True, --int8); give one: drop kv_int8 / --int8, or set "
              "hot_int8_window=None (--param hot_int8_window=null)")
-    return dataclasses.replace(store, kv_int8=True, fp_window=storage.hot_int8_window, int8_from="over_budget")
+    return merged
 
 
 @dataclass(frozen=True)

@@ -171,3 +171,26 @@ def test_the_tiered_int8_preset_is_the_tiered_preset_with_an_int8_hot_tier():
     cache = ConfKVCache.for_model(_model("llama"), "tiered-int8")
     assert cache.store_config.kv_int8 and cache.store_config.int8_from == "over_budget"
     assert cache.store_config.fp_window == 8 and PRESETS["tiered-int8"].storage.hot_int8_window == 8
+
+
+def test_a_cache_with_an_int8_hot_tier_forks_for_each_member_of_a_tee():
+    """One prefill, several rankings (the query-aware protocol): each fork keeps the cache's own store settings
+    (its INT8 hot tier's), which are not a second INT8 request; another INT8 store beside the storage is."""
+    from confkv.policies import make_policy
+    from confkv.policies.tee import TeePolicy
+
+    model = _model("llama")
+    members = (make_policy("tova"), make_policy("h2o"))
+    shared = ConfKVCache.for_model(model, TeePolicy.of(members), memory=0.25, storage=Storage(hot_int8_window=8))
+    shared.evict = False
+    with torch.no_grad():
+        logits = model(torch.randint(0, 250, (1, 96), generator=torch.Generator().manual_seed(6)), cache=shared,
+                       use_cache=True).logits[:, -1]
+    for index in range(len(members)):
+        fork = shared.fork(index)
+        assert fork.store_config == shared.store_config and fork.store_config.int8_from == "over_budget"
+        fork.end_step(logits)  # over the target now: INT8 from this step
+        assert all(fork.layers[i].store.int8 for i in fork.managed)
+    with pytest.raises(ConfigError, match="^hot_int8_window:"):
+        ConfKVCache.for_model(model, "tova", memory=0.25, storage=Storage(hot_int8_window=8),
+                              store=StoreConfig(kv_int8=True, fp_window=8))  # INT8 from the start: another store

@@ -52,8 +52,9 @@ def main() -> None:
                 runner.next_step(ids)
                 times[name].append(time.perf_counter() - start)
     for name in args.rows:
-        print(f"{name}: median {1e3 * statistics.median(times[name]):.1f} ms, mean {1e3 * statistics.mean(times[name]):.1f}"
-              f" ({args.steps} profiled steps, context {args.context}, {args.threads} thread(s))")
+        median, mean = 1e3 * statistics.median(times[name]), 1e3 * statistics.mean(times[name])
+        print(f"{name}: median {median:.1f} ms, mean {mean:.1f} ({args.steps} profiled steps, context "
+              f"{args.context}, {args.threads} thread(s))")
         for section, seconds in sorted(timers[name].seconds.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"   {section:34s} {1e3 * seconds / args.steps:7.2f} ms/step")
 

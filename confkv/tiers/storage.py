@@ -80,7 +80,8 @@ class Storage:
             than its ``W`` newest are kept in INT8 (per-channel key scale, per-token value scale: METHOD.md step 4),
             from the first step the cache is over its target (:func:`store_with_hot_int8`), so a cache that never
             evicts stays exact; the hot tier's token count is planned as in full precision and the ladder gets the
-            bytes it saves (results/memory/README.md, "An INT8 hot tier under the target").
+            bytes it saves (without a ladder they stay unused; results/memory/README.md, "An INT8 hot tier under
+            the target").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -132,8 +133,8 @@ class Storage:
             _require(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
         window = self.hot_int8_window
         _require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 0),
-                 "hot_int8_window", f"must be None (a full-precision hot tier; --param hot_int8_window=null) or a number of "
-                 f"tokens >= 0 kept in full precision before the INT8 ones, e.g. 8; got {window!r}")
+                 "hot_int8_window", "must be None (a full-precision hot tier; --param hot_int8_window=null) or a "
+                 f"number of tokens >= 0 kept in full precision before the INT8 ones, e.g. 8; got {window!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:

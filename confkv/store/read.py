@@ -186,8 +186,8 @@ class AttentionRead:
             # rotated back token by token; the few hot keys/values, the query and the output turn instead,
             # unless the native page read takes the pages with their rotation and turns the query itself
             turns_pages = paged and not triton_reads(query, self.config.read_backend)
-            # an INT8 hot region is read dequantized (its few hundred tokens): the page reads take float segments
-            segments = [_float_segment(s) for s in segments]
+            if any(r.is_int8 for r in regions):  # read dequantized (a few hundred tokens): the page reads take floats
+                segments = [_float_segment(s) for s in segments]
             rotation = self.cold.read_rotation(turns_pages)
             if rotation is not None:
                 segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
@@ -227,7 +227,7 @@ class AttentionRead:
 
 def _float_segment(segment: KVSegment) -> KVSegment:
     """``segment`` itself, or its keys and values [B, Hkv, L, D] dequantized to float32 when INT8."""
-    if not segment.keys_int8:
+    if segment.keys.dtype != torch.int8:
         return segment
     from confkv import quant  # noqa: PLC0415 - the INT8 path only
 

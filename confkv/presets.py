@@ -40,7 +40,8 @@ PRESETS: dict[str, Preset] = {
         policy="confkv-fixed", storage=Storage(ladder=(8, 4, 3), hot_share=0.2, page_size=64, group_size=64,
                                                step_down_by="heat", format="kivi+hadamard", hot_int8_window=8),
         summary="the tiered preset with its hot tier in INT8 past its 8 newest tokens, once the cache is over its "
-                "target (exact below it): perplexity 2-7 points lower on three texts at 25% and 12.5% (SmolLM2, 2K), "
+                "target (exact below it): perplexity 1.9-7.1 points lower on three texts at 25% and 12.5% "
+                "(SmolLM2, 2K), "
                 "19 of 25 needles at 4K against 20, a 1.2x slower decode step (results/memory/README.md, "
                 "'An INT8 hot tier under the target')"),
     "kivi-4": Preset(

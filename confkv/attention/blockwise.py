@@ -286,18 +286,13 @@ def dense_attention_reference(
     Same arguments and return convention as :func:`blockwise_attention`
     (mass always returned).  Materializes everything in float64.
     """
-    from confkv.quant import dequantize_keys, dequantize_values
-
     batch, q_heads, num_queries, head_dim = query.shape
     kv_heads = segments[0].keys.shape[1]
     group = q_heads // kv_heads
     keys, values, masks, lengths = [], [], [], []
     for segment in segments:
-        k, v = segment.keys, segment.values
-        if segment.keys_int8:
-            k = dequantize_keys(k, segment.key_token_scale, segment.key_channel_scale)
-        if segment.values_int8:
-            v = dequantize_values(v, segment.value_token_scale)
+        dense = segment.to_float()
+        k, v = dense.keys, dense.values
         keys.append(k.to(torch.float64))
         values.append(v.to(torch.float64))
         shape = (batch, kv_heads, num_queries, segment.length)

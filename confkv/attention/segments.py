@@ -91,6 +91,20 @@ class KVSegment:
         if self.values_int8 != (self.value_token_scale is not None):
             raise ValueError("int8 values need value_token_scale (and fp values must have none)")
 
+    def to_float(self) -> "KVSegment":
+        """This segment itself, or with its INT8 keys and/or values dequantized to float32 [B, Hkv, L, D]
+        (for reads that take no INT8 segment: the native page read beside cold pages)."""
+        if not (self.keys_int8 or self.values_int8):
+            return self
+        from confkv import quant  # noqa: PLC0415 - the INT8 path only
+
+        keys, values = self.keys, self.values
+        if self.keys_int8:
+            keys = quant.dequantize_keys(keys, self.key_token_scale, self.key_channel_scale)
+        if self.values_int8:
+            values = quant.dequantize_values(values, self.value_token_scale)
+        return KVSegment(keys, values, self.visible)
+
 
 def gather_pages(tensor: Tensor, index: Tensor) -> Tensor:
     """``tensor`` [B, H, N, ...] at pages ``index`` [B, H, K] (valid page numbers) -> [B, H, K, ...]."""

@@ -79,7 +79,6 @@ class LayerStore(AttentionRead):
         self.sliding_window = sliding_window
         # INT8 older region: from the start, or (``int8_from="over_budget"``) from the first step that evicts
         self.int8 = config.kv_int8 and sliding_window is None and config.int8_from == "start"
-        self.int8_later = config.kv_int8 and sliding_window is None and not self.int8
         if sliding_window is not None:
             self.recent_len = 0
         elif config.kv_int8:
@@ -112,6 +111,11 @@ class LayerStore(AttentionRead):
             if storage.offload and page_file is None:
                 page_file = PageFile(storage.offload_dir)
             self.cold = LadderTier(storage, page_file)
+
+    @property
+    def int8_later(self) -> bool:
+        """True while an INT8 store that starts at its first eviction (``int8_from="over_budget"``) is not INT8 yet."""
+        return self.config.kv_int8 and self.sliding_window is None and not self.int8
 
     # -- shape -----------------------------------------------------------------------------------
     @property
@@ -201,7 +205,7 @@ class LayerStore(AttentionRead):
                           page_file=self.cold.page_file if self.cold is not None else None, storage=self.storage)
         if self.cold is not None and twin.cold is not None:
             twin.cold = self.cold.clone()
-        twin.int8, twin.int8_later = self.int8, self.int8_later
+        twin.int8 = self.int8
         if not self.is_initialized:
             return twin
         if self.pending:
@@ -302,7 +306,7 @@ class LayerStore(AttentionRead):
     def _start_int8(self) -> None:
         """``int8_from="over_budget"``: the first step over budget quantizes the older region once; every token
         that ages from now on is quantized on the way (:meth:`_age`), as with ``int8_from="start"``."""
-        self.int8, self.int8_later = True, False
+        self.int8 = True
         self.window, self.decode_plan = None, None  # the fast full-precision decode no longer applies
         old = self.old
         if old.length:

@@ -187,7 +187,7 @@ class AttentionRead:
             # unless the native page read takes the pages with their rotation and turns the query itself
             turns_pages = paged and not triton_reads(query, self.config.read_backend)
             if any(r.is_int8 for r in regions):  # read dequantized (a few hundred tokens): the page reads take floats
-                segments = [_float_segment(s) for s in segments]
+                segments = [s.to_float() for s in segments]
             rotation = self.cold.read_rotation(turns_pages)
             if rotation is not None:
                 segments = [KVSegment(rotation.forward(s.keys), rotation.forward(s.values), s.visible)
@@ -223,13 +223,3 @@ class AttentionRead:
         if isinstance(self.cold, LadderTier):
             return torch.full_like(self.seen_real, ALL_PAGES)
         return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]
-
-
-def _float_segment(segment: KVSegment) -> KVSegment:
-    """``segment`` itself, or its keys and values [B, Hkv, L, D] dequantized to float32 when INT8."""
-    if segment.keys.dtype != torch.int8:
-        return segment
-    from confkv import quant  # noqa: PLC0415 - the INT8 path only
-
-    return KVSegment(quant.dequantize_keys(segment.keys, segment.key_token_scale, segment.key_channel_scale),
-                     quant.dequantize_values(segment.values, segment.value_token_scale), segment.visible)

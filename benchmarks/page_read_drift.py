@@ -1,6 +1,7 @@
 """How far the native page read's output and masses drift from the torch block-wise read, inside a real run.
 
-Wraps :func:`confkv.native.pages.page_read` so that every read it serves is also run by
+Wraps the native page read's C call (``confkv.native.pages._read``, under :func:`~confkv.native.pages.page_read` and
+the stores' ``PageReader`` alike) so that every read it serves is also run by
 :func:`confkv.attention.blockwise_attention` on the densified segments, then runs a ``confkv`` command
 unchanged and prints the number of reads and the largest absolute differences (output, masses).
 The run itself goes on with the native read's result. Usage (results/memory/README.md)::
@@ -18,14 +19,12 @@ from confkv.attention import DEFAULT_BLOCK_SIZE, blockwise_attention
 from confkv.attention.segments import densify
 from confkv.native import pages
 
-_native_read = pages.page_read
+_native_read = pages._read
 _seen = {"reads": 0, "output": 0.0, "mass": 0.0}
 
 
-def _checked_read(query, segments, scaling, need_mass=True):
-    out = _native_read(query, segments, scaling, need_mass)
-    if out is None:
-        return out
+def _checked_read(lib, query, segments, scaling, need_mass, rotation):
+    out = _native_read(lib, query, segments, scaling, need_mass, rotation)
     reference, reference_mass = blockwise_attention(query, densify(list(segments)), scaling, DEFAULT_BLOCK_SIZE,
                                                         need_mass=need_mass)
     _seen["reads"] += 1
@@ -43,7 +42,7 @@ def _report() -> None:
 
 
 if __name__ == "__main__":
-    pages.page_read = _checked_read  # the read plan calls it through the module
+    pages._read = _checked_read  # page_read and PageReader call it through the module
     atexit.register(_report)
     from confkv.cli.main import main
 

@@ -125,6 +125,16 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
     return ReadPlan("native_pages")
 
 
+def page_reader(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bool,
+                backend: str) -> "native_pages.PageReader | None":
+    """The native page read for reads like this one, when :func:`plan` sends them there (checked now, once), else
+    None: such reads go through :func:`attention_read`, which plans each and counts a fallback with its reason.
+    A store asks this when the kind of its read changes (:meth:`confkv.store.read.AttentionRead._tiered_read`)."""
+    if plan(query, segments, softcap, need_mass, backend).path != "native_pages":
+        return None
+    return native_pages.PageReader(native.library(), native_pages.rotation_matrix(segments))
+
+
 def reads_pages(query: Tensor, backend: str) -> bool:
     """True when ``attention_read(query, ..., backend=backend)`` runs the Triton read, which
     takes a :class:`PagedSegment` without a host-side gather + dequantize (the native page read

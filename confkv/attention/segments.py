@@ -79,6 +79,12 @@ class KVSegment:
         return self.keys.dtype == torch.int8
 
     @property
+    def read_kind(self) -> tuple:
+        """What a read plan looks at in this segment (dtypes, device, a mask or none, empty or not): two segments of
+        one kind go the same way (:func:`confkv.attention.read_plan.plan`)."""
+        return ("dense", self.keys.dtype, self.values.dtype, self.keys.device, self.visible is None, self.length > 0)
+
+    @property
     def values_int8(self) -> bool:
         return self.values.dtype == torch.int8
 
@@ -159,6 +165,13 @@ class PagedSegment:
     @property
     def page_size(self) -> int:
         return self.valid.shape[3]
+
+    @property
+    def read_kind(self) -> tuple:
+        """What a read plan looks at in these pages (widths, outliers, device, head size, the rotation object's
+        identity): pages of one kind go the same way (:func:`confkv.attention.read_plan.plan`)."""
+        return ("pages", self.widths, self.has_outliers, self.valid.device, self.head_dim,
+                None if self.rotation is None else id(self.rotation))
 
     @property
     def width(self) -> int:

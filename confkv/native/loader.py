@@ -44,6 +44,9 @@ FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=c99", "-ffp-contract=
 
 _UNSET = object()
 _state: dict[str, object] = {}  # "lib": the loaded library, or None when disabled / failed (memoised per process)
+#: changes whenever what :func:`library` returns may change (:func:`reset`, entering and leaving :func:`disabled`):
+#: a caller that decided a path once (a store's read route, confkv.store.read) decides again when it moved
+generation = 0
 
 
 class NativeBuildError(RuntimeError):
@@ -178,14 +181,18 @@ def available() -> bool:
 
 def reset() -> None:
     """Forget the loaded library and the CONFKV_NATIVE setting (tests: another $CC, cache directory or setting)."""
+    global generation
     _state.clear()
+    generation += 1
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Within the block every caller runs its torch code (A/B timings, tests); the library stays loaded."""
+    global generation
     saved = _state.get("lib", _UNSET)
     _state["lib"] = None
+    generation += 1
     try:
         yield
     finally:
@@ -193,3 +200,4 @@ def disabled() -> Iterator[None]:
             _state.pop("lib", None)
         else:
             _state["lib"] = saved
+        generation += 1

@@ -171,6 +171,39 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
     lib = library()
     if lib is None or unsupported(query, segments) is not None or not segments:
         return None
+    return _read(lib, query, segments, scaling, need_mass, rotation_matrix(segments))
+
+
+def rotation_matrix(segments: Sequence) -> Tensor | None:
+    """The one rotation of the page segments as the kernel takes it ([D, D] float32, contiguous), or None."""
+    rotations = _rotations(segments)
+    return rotations[0].to(torch.float32).contiguous() if rotations else None
+
+
+class PageReader:
+    """:func:`page_read` for the reads of one store that the read plan sent here, checked once (issue 32: the
+    path is decided when the kind of read changes, :meth:`confkv.store.read.AttentionRead._tiered_read`, and the
+    steps between call the kernel without asking again).
+
+    Args:
+        lib: the loaded library.
+        rotation: the pages' rotation matrix as :func:`rotation_matrix` gives it, or None.
+    """
+
+    __slots__ = ("lib", "rotation")
+
+    def __init__(self, lib: ctypes.CDLL, rotation: Tensor | None) -> None:
+        self.lib, self.rotation = lib, rotation
+
+    def __call__(self, query: Tensor, segments: Sequence, scaling: float,
+                 need_mass: bool = True) -> tuple[Tensor, list[Tensor] | None]:
+        """:func:`page_read`'s result for a read of the kind this reader was made for (not checked again)."""
+        return _read(self.lib, query, segments, scaling, need_mass, self.rotation)
+
+
+def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, need_mass: bool,
+          rotation: Tensor | None) -> tuple[Tensor, list[Tensor] | None]:
+    """The C call of :func:`page_read` (the read checked by the caller; ``rotation`` the pages' [D, D] float32)."""
     batch, q_heads, queries, head_dim = query.shape
     kv_heads = segments[0].kv_heads if _is_paged(segments[0]) else segments[0].keys.shape[1]
     if q_heads % kv_heads:
@@ -189,12 +222,10 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
     mass = [torch.empty(batch, kv_heads, n, dtype=torch.float32) for n in lengths] if need_mass else None
     count = len(segments)
     mass_ptrs = (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]) if need_mass else None
-    rotations = [m.to(torch.float32).contiguous() for m in _rotations(segments)]
-    keep += rotations
     status = lib.confkv_page_read(q.data_ptr(), batch, q_heads, queries, head_dim, kv_heads, count,
                                   (ctypes.c_void_p * len(pointers))(*pointers), (ctypes.c_int64 * len(meta))(*meta),
                                   float(scaling), out.data_ptr(), mass_ptrs,
-                                  rotations[0].data_ptr() if rotations else None, torch.get_num_threads())
+                                  rotation.data_ptr() if rotation is not None else None, torch.get_num_threads())
     if status == 1:
         raise MemoryError("confkv native page read: out of memory for the scores")
     if status:

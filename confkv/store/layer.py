@@ -97,6 +97,8 @@ class LayerStore(AttentionRead):
         self.cold_read: torch.Tensor | None = None  # [B] cold pages the next read takes (None: the first)
         self.window: WindowBuffer | None = None  # the recent region's slots with spare capacity (decode_step)
         self.decode_plan: DecodePlan | None = None  # the pointers of the native decode step (_decode_in_place)
+        self.read_route = None  # with a cold tier: the read path planned for the last signature (read.ReadRoute)
+        self.page_handling = None  # with a cold tier: (key, paged, turns_pages), see AttentionRead._page_handling
         if isinstance(policy, TieredPolicy) and sliding_window is None:
             if policy.cold.promote is not None and not policy.needs_attention:
                 raise ConfigError(f"promote: policy {policy.name!r} reads no attention mass, so no page can earn "

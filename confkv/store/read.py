@@ -16,9 +16,11 @@ import torch
 
 from confkv import native, profiling
 from confkv.attention import KVSegment, attention_read
-from confkv.attention.read_plan import hands_pages, triton_reads
+from confkv.attention.read_plan import hands_pages, page_reader, triton_reads
 from confkv.attention.mass_read import MAX_SCORES, mass_read
 from confkv.config import ALL_PAGES, StoreConfig
+from confkv.native import loader
+from confkv.native import pages as native_pages
 from confkv.native.decode import DecodePlan
 from confkv.store.window_buffer import WindowBuffer
 from confkv.tiers.ladder import LadderTier
@@ -28,6 +30,26 @@ if TYPE_CHECKING:
     from confkv.policies.base import Policy
     from confkv.store.region import Region
     from confkv.tiers.storage import Storage
+
+
+class ReadRoute:
+    """What a store with a cold tier decided for its reads of one signature (issue 32: the read path is decided once
+    per store, when the kind of its read changes, not at every step): ``reader``, the native page read to call, or
+    None (each read goes through ``attention_read``, which plans it and counts the fallback). ``kept``: the objects
+    whose identity the signature names (the pages' rotations), held so that no other object takes their ``id``.
+
+    A copied store (``ConfKVCache.clone``) starts without one (the reader holds the library's handle)."""
+
+    __slots__ = ("signature", "reader", "kept")
+
+    def __init__(self, signature: tuple, reader: native_pages.PageReader | None, kept: list) -> None:
+        self.signature, self.reader, self.kept = signature, reader, kept
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())  # pickled as None, for the same reason
 
 
 class AttentionRead:
@@ -50,6 +72,8 @@ class AttentionRead:
     cold_read: torch.Tensor | None
     window: WindowBuffer | None
     decode_plan: DecodePlan | None
+    read_route: ReadRoute | None
+    page_handling: tuple | None
 
     def decode_step(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, *, scaling: float) -> torch.Tensor:
         """:meth:`append` then :meth:`attend` of one new token per sequence, nothing padded, the same state
@@ -181,11 +205,7 @@ class AttentionRead:
             need_mass = bool(self.stat_names) and self.policy.needs_attention
         rotation = None
         if self.cold is not None:  # every cold token is older than every query: no causal mask
-            paged = hands_pages(query, self.config.read_backend)  # the Triton and the native page read take packed pages
-            # a rotated page format (confkv.tiers.hadamard): read in its basis, so the pages are not
-            # rotated back token by token; the few hot keys/values, the query and the output turn instead,
-            # unless the native page read takes the pages with their rotation and turns the query itself
-            turns_pages = paged and not triton_reads(query, self.config.read_backend)
+            paged, turns_pages = self._page_handling(query)
             if any(r.is_int8 for r in regions):  # read dequantized (a few hundred tokens): the page reads take floats
                 segments = [s.to_float() for s in segments]
             rotation = self.cold.read_rotation(turns_pages)
@@ -196,8 +216,11 @@ class AttentionRead:
                                            rotated=rotation is not None)  # timed inside
         read_query = query if rotation is None else rotation.forward(query)
         with profiling.section("attention read"):
-            out, masses = attention_read(read_query, segments, scaling, block_size=self.config.block_size,
-                                         softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
+            if self.cold is not None:
+                out, masses = self._tiered_read(read_query, segments, scaling, softcap, need_mass)
+            else:
+                out, masses = attention_read(read_query, segments, scaling, block_size=self.config.block_size,
+                                             softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
         if rotation is not None:
             out = rotation.inverse(out).to(query.dtype)
         if need_mass:
@@ -209,6 +232,40 @@ class AttentionRead:
                     if self.cold.config.promote is not None and new == 1:
                         self._promote(masses[-1])
         return out
+
+    def _page_handling(self, query: torch.Tensor) -> tuple[bool, bool]:
+        """(paged, turns_pages) for this store's reads, decided once per query device, backend and library state.
+
+        paged: the cold tier hands its selected pages over still packed (the Triton and the native page read take
+        them). turns_pages: the native page read turns the query into a rotated format's basis itself; otherwise
+        (confkv.tiers.hadamard) the read is in the pages' basis, so the few hot keys / values, the query and the
+        output turn instead of the pages, token by token."""
+        key = (loader.generation, query.device, self.config.read_backend)
+        if self.page_handling is None or self.page_handling[0] != key:
+            paged = hands_pages(query, self.config.read_backend)
+            self.page_handling = (key, paged, paged and not triton_reads(query, self.config.read_backend))
+        return self.page_handling[1], self.page_handling[2]
+
+    def _tiered_read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None,
+                     need_mass: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """``attention_read`` of a store with a cold tier, on the path planned for reads of this signature.
+
+        The plan (:func:`confkv.attention.read_plan.plan`) depends only on what the signature holds: the library's
+        state, the query's device, dtype and shape, softcap and mass, whether the scores fit, and each segment's
+        ``read_kind``. So it is made when the signature changes (the first pages, a prefill chunk, the library
+        switched off, ...), and a read the plan sends to the native page read calls it directly, without the
+        wrappers' checks (:class:`ReadRoute`); any other read goes through ``attention_read``, which plans it
+        and counts the fallback with its reason, as before."""
+        signature = (loader.generation, query.device, query.dtype, query.shape[:3], softcap, need_mass,
+                     native_pages.score_entries(query, segments) <= MAX_SCORES, tuple(s.read_kind for s in segments))
+        route = self.read_route
+        if route is None or route.signature != signature:
+            reader = page_reader(query, segments, softcap, need_mass, self.config.read_backend)
+            route = self.read_route = ReadRoute(signature, reader, [getattr(s, "rotation", None) for s in segments])
+        if route.reader is not None:
+            return route.reader(query, segments, scaling, need_mass)
+        return attention_read(query, segments, scaling, block_size=self.config.block_size, softcap=softcap,
+                              need_mass=need_mass, backend=self.config.read_backend)
 
     def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
         if region.is_int8:

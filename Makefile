@@ -47,7 +47,8 @@ mutate: $(STAMP)
 
 # Mutation testing of the native C kernels (kernels.c, c/*.[ch]), which mutmut does not reach (docs/MUTATION.md,
 # "The native kernels"): each mutant compiled by the project's loader and run against the native tests.
-# Results in ./mutants-native/results.json (resumes where it stopped); NATIVE_SAMPLE=N: a seeded sample of
+# Verdicts in results/mutation/native.json, committed (resumes where it stopped, across sessions; a verdict holds
+# while its line reads the same); NATIVE_SAMPLE=N: a seeded sample of
 # N mutants (0: all, about 1,000: hours on 2 cores); NATIVE_RERUN=survived re-tests the survivors.
 NATIVE_SAMPLE ?= 0
 NATIVE_RERUN ?=

@@ -19,8 +19,9 @@ Outcomes:
   in docs/MUTATION.md (lines ``- `native:<id>`: <reason>``).
 
 The run works on a snapshot of confkv/, tests/ and benchmarks/ taken when it starts. Results go to
-``mutants-native/results.json`` (git-ignored), one entry per mutant id, so an interrupted run
-resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--sample N`` runs a
+``results/mutation/native.json`` (in the repository, so a run spread over sessions and machines adds up), one
+entry per mutant id with the text of the mutated line: a verdict holds while that line reads the same (a changed
+line is run again, and the ids that no longer exist are dropped), so an interrupted run resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--sample N`` runs a
 seeded sample of N mutants spread over the files (the full set takes hours on two cores). The table of
 docs/MUTATION.md (between ``<!-- native-mutation-table -->`` markers) is rewritten at the end.
 
@@ -46,7 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "confkv" / "native"
 DOC = ROOT / "docs" / "MUTATION.md"
-OUT = ROOT / "mutants-native"
+#: every verdict so far (see the module docstring)
+STORE = ROOT / "results" / "mutation" / "native.json"
 BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
@@ -84,6 +86,8 @@ class Mutant:
     old: str
     new: str
     kind: str
+    #: the mutated line as it reads unmutated (stripped): a verdict is kept only while the line reads the same
+    line_text: str = ""
 
     @property
     def id(self) -> str:
@@ -181,7 +185,10 @@ def mutants(root: Path = NATIVE) -> list[Mutant]:
         mask = code_mask(text)
         def add(start: int, end: int, new: str, kind: str) -> None:
             if all(mask[start:end]) and text[start:end] != new:
-                found.append(Mutant(rel, text.count("\n", 0, start) + 1, start, end, text[start:end], new, kind))
+                line_start = text.rfind("\n", 0, start) + 1
+                line_end = text.find("\n", start)
+                line = text[line_start:len(text) if line_end < 0 else line_end].strip()
+                found.append(Mutant(rel, text.count("\n", 0, start) + 1, start, end, text[start:end], new, kind, line))
         for kind, pattern, replace in _RULES:
             for m in pattern.finditer(text):
                 new = replace[m.group(1)] if isinstance(replace, dict) else replace(m)
@@ -299,6 +306,23 @@ def table(results: dict[str, dict], all_mutants: list[Mutant], doc: str) -> str:
     return "\n".join(lines)
 
 
+def still_valid(results: dict[str, dict], every: list[Mutant]) -> dict[str, dict]:
+    """The verdicts of ``results`` that still hold: those of a mutant that exists now (same id: file, line, kind,
+    offset) whose line reads as it did when it was run. Anything else is dropped, and run again when chosen."""
+    by_id = {m.id: m for m in every}
+    return {i: r for i, r in results.items()
+            if i in by_id and r.get("line") == by_id[i].line_text and r.get("new") == by_id[i].new}
+
+
+def record(mutant: Mutant, outcome: str, seconds: float, tail: str) -> dict:
+    """A verdict as stored: the output's tail only where someone will read it (a survivor, an error)."""
+    entry = {"outcome": outcome, "seconds": round(seconds, 1), "old": mutant.old, "new": mutant.new,
+             "line": mutant.line_text}
+    if outcome not in ("killed", "timeout"):
+        entry["tail"] = tail[-300:]
+    return entry
+
+
 def write_table(results: dict[str, dict], all_mutants: list[Mutant]) -> None:
     doc = DOC.read_text()
     if BEGIN not in doc or END not in doc:
@@ -333,9 +357,8 @@ def main() -> None:
             print(f"{m.id}\t{m.old!r} -> {m.new!r}")
         print(f"{len(chosen)} of {len(every)} mutants", file=sys.stderr)
         return
-    OUT.mkdir(exist_ok=True)
-    store = OUT / "results.json"
-    results: dict[str, dict] = json.loads(store.read_text()) if store.exists() else {}
+    STORE.parent.mkdir(parents=True, exist_ok=True)
+    results = still_valid(json.loads(STORE.read_text()) if STORE.exists() else {}, every)
     if args.table_only:
         write_table(results, every)
         return
@@ -359,9 +382,8 @@ def main() -> None:
             apply(mutant, native, scratch / "src")
             outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file)
             shutil.rmtree(scratch / "cache", ignore_errors=True)
-            results[mutant.id] = {"outcome": outcome, "seconds": round(seconds, 1), "old": mutant.old,
-                                  "new": mutant.new, "tail": tail[-300:]}
-            store.write_text(json.dumps(results, indent=1, sort_keys=True))
+            results[mutant.id] = record(mutant, outcome, seconds, tail)
+            STORE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
             print(f"[{n}/{len(chosen)}] {outcome:13s} {seconds:5.1f}s {mutant.id} {mutant.old!r} -> {mutant.new!r}",
                   flush=True)
     finally:

@@ -78,3 +78,24 @@ def test_every_test_a_file_names_is_one_the_runs_take():
         assert set(modules) <= stems, (file, set(modules) - stems)
         assert (ROOT / "confkv" / "native" / file).exists(), file
     assert all((ROOT / t).exists() for t in mutate_native.TESTS)
+
+
+def test_a_verdict_holds_only_while_its_line_reads_the_same(tmp_path):
+    """The verdicts live in the repository across sessions: one of a line edited since, or of an id that no longer
+    exists, is dropped (and run again when chosen); one of an unchanged line is kept."""
+    found = mutate_native.mutants(_tree(tmp_path))
+    loop = next(m for m in found if m.kind == "compare")
+    assert loop.line_text == "for (int64_t i = 0; i < n; i++) s = fmaf(a[i], a[i], s);"
+    results = {m.id: mutate_native.record(m, "killed", 1.0, "tail") for m in found}
+    results["c/part.c:99:arith:4000"] = {"outcome": "killed", "new": " - ", "line": "gone"}
+    assert mutate_native.still_valid(results, found).keys() == {m.id for m in found}
+    assert "tail" not in results[loop.id]  # a kill's output is not kept
+    assert mutate_native.record(loop, "survived", 1.0, "x" * 500)["tail"] == "x" * 300
+    # one line edited, its length kept (so the next line's mutants keep their ids)
+    (tmp_path / "c" / "part.c").write_text(SOURCE.replace("fmaf(a[i], a[i], s)", "fmaf(a[i], a[i], 0)"))
+    edited = mutate_native.mutants(tmp_path)
+    kept = mutate_native.still_valid(results, edited)
+    same_id = next(m for m in edited if m.id == loop.id)
+    assert same_id.line_text != loop.line_text and loop.id not in kept  # the same place, the line edited: run again
+    last_line = {m.id for m in edited if m.line == 6}
+    assert last_line and kept.keys() == last_line  # the untouched line's verdicts stay

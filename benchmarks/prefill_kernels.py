@@ -51,26 +51,32 @@ def projection_rows(chunk: int, hidden: int, inner: int, repeats: int) -> list[t
     return [(name, flop / best_seconds(fn, repeats) / 1e9) for name, fn in kernels]
 
 
-def attention_rows(chunk: int, context: int, kv_heads: int, group: int, head_dim: int,
-                   repeats: int) -> list[tuple[str, float]]:
-    """(read, GFLOP/s) of one chunk of ``chunk`` queries over ``context`` keys, the chunk's own keys causal."""
+def attention_reads(chunk: int, context: int, kv_heads: int, group: int, head_dim: int) -> dict:
+    """{read: a function returning its output [1, Hq, chunk, D]} for one chunk of ``chunk`` queries over ``context``
+    keys, the chunk's own keys causal (the same random operands for every read)."""
     query = torch.randn(1, kv_heads * group, chunk, head_dim).bfloat16()
     keys, values = torch.randn(1, kv_heads, context, head_dim).bfloat16(), torch.randn(1, kv_heads, context, head_dim).bfloat16()
     visible = (torch.arange(context)[None, :] <= torch.arange(context - chunk, context)[:, None])[None, None]
     scaling = head_dim ** -0.5
-    flop = 4 * kv_heads * group * chunk * context * head_dim
-    rows = [("block-wise float32 read, mass", lambda: blockwise_attention(query, [KVSegment(keys, values, visible)],
-                                                                          scaling, need_mass=True)),
-            ("block-wise float32 read, no mass", lambda: blockwise_attention(query, [KVSegment(keys, values, visible)],
-                                                                             scaling, need_mass=False))]
+    segments = [KVSegment(keys, values, visible)]
+    reads = {"block-wise float32 read, mass": lambda: blockwise_attention(query, segments, scaling, need_mass=True)[0],
+             "block-wise float32 read, no mass": lambda: blockwise_attention(query, segments, scaling, need_mass=False)[0]}
     if _FLASH is not None:
         additive = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, float("-inf"))
         additive = additive.expand(1, kv_heads, chunk, context).unsqueeze(2).expand(
             1, kv_heads, group, chunk, context).reshape(1, kv_heads, group * chunk, context)
         grouped = query.reshape(1, kv_heads, group * chunk, head_dim)
-        rows.append(("torch's fused CPU flash kernel, masked, no mass",
-                     lambda: _FLASH(grouped, keys, values, 0.0, False, attn_mask=additive, scale=scaling)))
-    return [(name, flop / best_seconds(fn, repeats) / 1e9) for name, fn in rows]
+        reads["torch's fused CPU flash kernel, masked, no mass"] = lambda: _FLASH(
+            grouped, keys, values, 0.0, False, attn_mask=additive, scale=scaling)[0].reshape(query.shape)
+    return reads
+
+
+def attention_rows(chunk: int, context: int, kv_heads: int, group: int, head_dim: int,
+                   repeats: int) -> list[tuple[str, float]]:
+    """(read, GFLOP/s) of each of :func:`attention_reads`."""
+    flop = 4 * kv_heads * group * chunk * context * head_dim
+    reads = attention_reads(chunk, context, kv_heads, group, head_dim)
+    return [(name, flop / best_seconds(fn, repeats) / 1e9) for name, fn in reads.items()]
 
 
 def prefill_split(model_name: str, tokens: int, chunk: int) -> list[tuple[str, float, float]]:

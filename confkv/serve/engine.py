@@ -181,10 +181,11 @@ class Engine:
                 with self.step_lock:
                     try:
                         end = self._step(job)
-                        if end is not None:  # the row leaves: accounted before its client hears the end
+                        if end is not None:  # the row leaves: accounted before its client hears the end,
+                            self._finish(job, end[0])  # and the totals before it leaves the running list,
+                        self._update_totals()  # so a reader that sees it gone sees its bytes gone too
+                        if end is not None:
                             self.running.remove(job)
-                            self._finish(job, end[0])
-                        self._update_totals()
                     except Exception as error:  # noqa: BLE001 - the loop's own bookkeeping failed: this row ends
                         end = ("failed", "error", f"internal error: {type(error).__name__}: {error}")
                         if job in self.running:
@@ -261,7 +262,7 @@ class Engine:
         if close is not None:
             close()
         job.cache = None  # the row's KV memory goes with it
-        job.kv_bytes = 0
+        job.kv_bytes = job.target_bytes = 0
 
     def _update_totals(self) -> None:
         rows = list(self.running)

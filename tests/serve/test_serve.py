@@ -581,3 +581,48 @@ def test_nan_logits_end_that_request_with_an_error(tiny):
     finally:
         running.stop()
         handle.remove()
+
+
+def test_a_row_that_leaves_the_running_list_has_left_the_totals_already(tiny):
+    """The engine's totals (read by /metrics without a lock) are brought up to date before a finished or cancelled
+    row leaves ``running``: a reader that sees the row gone never sees its KV bytes or its target still counted."""
+    from confkv.serve.engine import Engine, Job
+
+    model, _ = tiny
+    engine = Engine(model, chunk=CHUNK, max_batch=2)
+    seen = []
+
+    class Checked(list):
+        def remove(self, job):
+            rest = [j for j in self if j is not job]
+            seen.append((engine.kv_bytes_held == sum(j.kv_bytes for j in rest),
+                         engine.target_bytes_held == sum(j.target_bytes for j in rest),
+                         job.kv_bytes == job.target_bytes == 0 and job.cache is None))
+            super().remove(job)
+
+    engine.running = Checked()
+    done = threading.Event()
+    finished = []
+
+    def emit(kind, payload):
+        if kind != "token":
+            finished.append(payload)
+            if len(finished) == 2:
+                done.set()
+
+    ids = list(range(3, 40))
+    jobs = [Job(prompt=ids, cache=ConfKVCache.for_model(model, memory=0.25), max_tokens=6, emit=emit),
+            Job(prompt=ids, cache=ConfKVCache.for_model(model, memory=0.5), max_tokens=400, emit=emit)]
+    engine.start()
+    try:
+        for job in jobs:
+            engine.submit(job)
+        deadline = time.monotonic() + 60
+        while len(jobs[1].tokens) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        jobs[1].cancel()
+        assert done.wait(60)
+    finally:
+        engine.stop(drain=False, timeout=30)
+    assert sorted(finished) == ["cancelled", "length"]
+    assert seen == [(True, True, True)] * 2

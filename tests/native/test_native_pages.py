@@ -381,9 +381,10 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
 # codes per multishift), a value block of 4 rows per pass. The cases: plane order (32 channels, groups of 8),
 # a head that is not a multiple of 16 (the dot product's tail), channel order (64 and 128 channels, one and
 # two value groups, and groups of 32), a value group of 264 channels (3-bit words unpacked 32 at a time: a
-# second, partial run of them), every bit width; pages of 8 to 264 slots with about a fifth invalid, so that
-# full and partial value blocks occur.
-FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264)]
+# second, partial run of them), plane order in three groups of 16 channels (48: plane order on every machine; a
+# group of two 3-bit words, so each group's words start 3 x 2 bytes after the last), every bit width; pages of 8
+# to 264 slots with about a fifth invalid, so that full and partial value blocks occur.
+FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264), (16, 48, 16)]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

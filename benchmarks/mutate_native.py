@@ -53,7 +53,7 @@ BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
          "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
-         "tests/store/test_window_buffer.py", "tests/native/test_native_pages.py",
+         "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
          "tests/native/test_native_page_formats.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
@@ -66,8 +66,9 @@ TESTS_FOR = {
     "c/pages.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],
+    "c/prefill.c": ["test_native_prefill"],
     "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
-                 "test_native_layer"],
+                 "test_native_layer", "test_native_prefill"],
 }
 #: loader tests that build libraries of their own and test no kernel
 DESELECT = ["tests/native/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",

@@ -10,7 +10,10 @@ a real chunked prefill of N tokens under ``memory=0.25`` and full KV with the at
 Kernels: a projection ([chunk, hidden] x [hidden, intermediate]) in bfloat16 (torch / oneDNN), float32, with
 INT8 weights (``torch._weight_int8pack_mm``, the prefill path of ``--dtype bfloat16-w8``) and int8 x int8
 (``torch._int_mm``, what a W8A8 prefill could use); the attention read of one chunk (GQA, causal mask on the
-chunk) by the block-wise float32 read (confkv's prefill read) and by torch's fused CPU flash kernel with the mask.
+chunk) by the block-wise float32 read (confkv's prefill read before stop 46), by the native prefill read
+(confkv/native/c/prefill.c, the read plan's ``native_prefill``: bfloat16 products by ``vdpbf16ps``, float32 sums)
+and by torch's fused CPU flash kernel with the mask. ``--prefill`` times each cache twice in one process: with the
+native prefill read and without it (the plan's choice before it existed), so their ratio is one run's.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import time
 
 import torch
 
+from confkv.attention import read_plan
 from confkv.attention.blockwise import blockwise_attention
 from confkv.attention.segments import KVSegment
+from confkv.native import prefill as native_prefill
+from confkv.native.loader import library
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -61,6 +67,9 @@ def attention_reads(chunk: int, context: int, kv_heads: int, group: int, head_di
     segments = [KVSegment(keys, values, visible)]
     reads = {"block-wise float32 read, mass": lambda: blockwise_attention(query, segments, scaling, need_mass=True)[0],
              "block-wise float32 read, no mass": lambda: blockwise_attention(query, segments, scaling, need_mass=False)[0]}
+    if library() is not None:
+        reads["native prefill read, mass"] = lambda: native_prefill.prefill_read(query, segments, scaling, True)[0]
+        reads["native prefill read, no mass"] = lambda: native_prefill.prefill_read(query, segments, scaling, False)[0]
     if _FLASH is not None:
         additive = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, float("-inf"))
         additive = additive.expand(1, kv_heads, chunk, context).unsqueeze(2).expand(
@@ -80,7 +89,8 @@ def attention_rows(chunk: int, context: int, kv_heads: int, group: int, head_dim
 
 
 def prefill_split(model_name: str, tokens: int, chunk: int) -> list[tuple[str, float, float]]:
-    """(cache, seconds, attention read seconds) of a chunked prefill of ``tokens`` random tokens."""
+    """(cache and read, seconds, attention read seconds) of a chunked prefill of ``tokens`` random tokens, each cache
+    with the native prefill read and without it (``read_plan``'s ``native_prefill`` turned down), in one process."""
     from confkv import profiling  # noqa: PLC0415
     from confkv.hf import ConfKVCache, prefill  # noqa: PLC0415
     from confkv.models import load_model  # noqa: PLC0415
@@ -88,13 +98,19 @@ def prefill_split(model_name: str, tokens: int, chunk: int) -> list[tuple[str, f
     model, _ = load_model(model_name, dtype=torch.bfloat16)
     ids = torch.randint(0, 30000, (1, tokens), generator=torch.Generator().manual_seed(0))
     out = []
+    eligible = native_prefill.eligible
     for label, make in (("full", lambda: ConfKVCache.for_model(model, "full")),
                         ("memory=0.25", lambda: ConfKVCache.for_model(model, memory=0.25))):
-        cache, timers = make(), profiling.Timers()
-        began = time.perf_counter()
-        with torch.no_grad(), profiling.enabled(timers):
-            prefill(model, cache, ids, chunk=chunk)
-        out.append((label, time.perf_counter() - began, timers.seconds.get("attention read", 0.0)))
+        for read, allowed in (("native prefill read", eligible), ("without it", lambda *args: False)):
+            read_plan.native_prefill.eligible = allowed
+            try:
+                cache, timers = make(), profiling.Timers()
+                began = time.perf_counter()
+                with torch.no_grad(), profiling.enabled(timers):
+                    prefill(model, cache, ids, chunk=chunk)
+                out.append((f"{label}, {read}", time.perf_counter() - began, timers.seconds.get("attention read", 0.0)))
+            finally:
+                read_plan.native_prefill.eligible = eligible
     return out
 
 
@@ -117,7 +133,7 @@ def main() -> None:
         print(f"  attention   {name:48s} {rate:7.1f} GFLOP/s")
     if args.prefill:
         for label, seconds, read in prefill_split(args.model, args.prefill, args.chunk):
-            print(f"  prefill of {args.prefill} tokens, {label:12s} {seconds:6.1f} s ({args.prefill / seconds:5.1f} tok/s), "
+            print(f"  prefill of {args.prefill} tokens, {label:33s} {seconds:6.1f} s ({args.prefill / seconds:5.1f} tok/s), "
                   f"attention read {read:5.1f} s ({100 * read / seconds:.0f}%)")
 
 

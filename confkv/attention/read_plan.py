@@ -6,6 +6,8 @@
 ==================  ===========================================================================
 ``triton``          CUDA query with ``triton``: the Triton read (packed pages read in its kernel)
 ``fused``           PyTorch's fused CPU kernel (no mask, no mass, full precision, no pages)
+``native_prefill``  :func:`confkv.native.prefill.prefill_read`: a prefill chunk's many rows over dense segments
+                    (packed pages dequantized first), masks and the mass in one C call (AVX512-BF16 products)
 ``native_mass``     :func:`confkv.native.mass_read`: mass needed, every slot visible, no pages
 ``native_pages``    :func:`confkv.native.pages.page_read`: masks and packed KIVI pages in one C call
 ``mass``            :func:`confkv.attention.mass_read.mass_read` (torch), the native library missing
@@ -33,10 +35,11 @@ from confkv.attention.fused_cpu import fused_read_eligible
 from confkv.attention.mass_read import MAX_SCORES, mass_read, mass_read_eligible
 from confkv.attention.segments import KVSegment, PagedSegment, densify
 from confkv.native import pages as native_pages
+from confkv.native import prefill as native_prefill
 
 BACKENDS = ("auto", "torch", "fused", "triton")
 #: the paths that are not a fallback
-FAST = ("triton", "fused", "native_mass", "native_pages")
+FAST = ("triton", "fused", "native_prefill", "native_mass", "native_pages")
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -107,6 +110,8 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
     if not native.available():
         return ReadPlan("mass" if mass_eligible else "torch", "native kernels unavailable")
     if not has_pages:
+        if native_prefill.eligible(query, segments, softcap):
+            return ReadPlan("native_prefill")
         if mass_eligible:
             if query.dtype in _NATIVE_DTYPES and all(s.keys.dtype in _NATIVE_DTYPES and s.values.dtype in
                                                      _NATIVE_DTYPES for s in segments):
@@ -115,6 +120,8 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
         if not need_mass:
             return ReadPlan("torch", "no mass needed, not fused-eligible")
         return ReadPlan("torch", _dense_reason(query, segments, softcap))
+    if native_prefill.eligible(query, segments, softcap):  # a prefill chunk: its many rows read pages dequantized
+        return ReadPlan("native_prefill")
     if softcap is not None:
         return ReadPlan("torch", "softcap")
     why = native_pages.unsupported(query, segments)
@@ -181,7 +188,13 @@ def attention_read(
             return fast_pages
         profiling.left_native("native page read declined")
         path = "torch"
-    segments = densify(list(segments))  # the torch paths read packed pages gathered and dequantized
+    segments = densify(list(segments))  # the torch paths and the prefill read take packed pages dequantized
+    if path == "native_prefill":
+        fast_prefill = native_prefill.prefill_read(query, segments, scaling, need_mass)
+        if fast_prefill is not None:
+            return fast_prefill
+        profiling.left_native("native prefill read declined")
+        path = "torch"
     if path == "fused":
         return fused_cpu.fused_attention(query, segments, scaling), None
     if path == "native_mass":

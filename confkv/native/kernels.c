@@ -17,6 +17,7 @@
 #include "c/pages.c"      /* the read of dense segments with masks and packed KIVI cold pages */
 #include "c/page_codes.c" /* its fast path: codes unpacked in plane order, 64 codes a multishift */
 #include "c/page_tasks.c" /* its tasks (slices of a unit's pages) and entry point */
+#include "c/prefill.c"    /* the read of a prefill chunk: many query rows, dense bfloat16 segments, masks */
 #include "c/rows.c"       /* the confidence's terms, RMSNorm, rotary */
 #include "c/gemv.c"       /* the INT8 GEMV's row kernels (W8A16 and W8A8) */
 #include "c/pool.c"       /* the worker pool */

@@ -123,6 +123,11 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_mass_read.argtypes = [ptr, i32, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, f32,
                                      ptr, ptr, i32]
     lib.confkv_page_read.restype = i32
+    lib.confkv_prefill_read.restype = i32
+    lib.confkv_prefill_vectorised.restype = i32
+    lib.confkv_prefill_vectorised.argtypes = []
+    lib.confkv_prefill_read.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, f32,
+                                        ptr, ptr, i32, i32]
     lib.confkv_page_read.argtypes = [ptr, i64, i64, i64, i64, i64, i32, ptr, ptr, f32, ptr, ptr, ptr, i32]
     lib.confkv_rms_norm.restype = None
     lib.confkv_rms_norm.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i64, f32, i32]

@@ -489,3 +489,70 @@ def test_a_few_units_pages_are_read_in_slices_as_the_torch_read(pages_per_segmen
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+
+
+@pytest.mark.parametrize("change", ["key bits 5", "value bits 5", "outliers without index", "outliers without values",
+                                    "outliers without value index", "outliers without value values"])
+def test_the_kernel_itself_refuses_pages_it_does_not_take(monkeypatch, change):
+    """The wrapper checks widths before the C call (``unsupported``); the kernel checks again and returns 2 (a
+    ValueError) instead of reading what it cannot: a width other than 2, 3, 4, 8 for keys or values, and pages
+    that say they keep outliers (meta[35] > 0) with one of the four outlier tensors missing. The other three
+    pointers are real tensors, so a kernel that read on would read them, and the missing one would crash it."""
+    gen = torch.Generator().manual_seed(21)
+    segments = [*_hot(gen), _pages(gen, 4, "all")]
+    query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
+    real = native_pages._paged
+    stand_in = torch.zeros(64, dtype=torch.int64)
+
+    def altered(segment, keep):
+        ptrs, meta = real(segment, keep)
+        if change == "key bits 5":
+            meta[4] = 5
+        elif change == "value bits 5":
+            meta[33] = 5
+        else:
+            keep.append(stand_in)
+            meta[35] = 1  # one outlier per page (its strides, meta[36..47], are zero: never read)
+            missing = ["outliers without index", "outliers without values", "outliers without value index",
+                       "outliers without value values"].index(change)
+            ptrs[9:13] = [0 if i == missing else stand_in.data_ptr() for i in range(4)]
+        return ptrs, meta
+
+    monkeypatch.setattr(native_pages, "_paged", altered)
+    with pytest.raises(ValueError, match="bits, group size or outlier storage"):
+        native_pages.page_read(query, segments, DIM ** -0.5)
+
+
+def test_a_read_too_big_for_memory_is_refused_not_attempted(monkeypatch):
+    """A hot segment that says it holds 2^44 slots: the kernel's score buffer (64 TB) cannot be allocated, so it
+    returns 1 (a MemoryError) before writing anything."""
+    gen = torch.Generator().manual_seed(22)
+    segments = [*_hot(gen), _pages(gen, 4, "all")]
+    query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
+    real = native_pages._dense
+
+    def huge(segment, batch, kv_heads, queries, keep):
+        ptrs, meta = real(segment, batch, kv_heads, queries, keep)
+        meta[1] = 1 << 44
+        return ptrs, meta
+
+    monkeypatch.setattr(native_pages, "_dense", huge)
+    with pytest.raises(MemoryError, match="out of memory"):
+        native_pages.page_read(query, segments, DIM ** -0.5, need_mass=False)
+
+
+@pytest.mark.parametrize("large_row", [0, 2])
+def test_each_row_is_softmaxed_at_its_own_maximum(large_row):
+    """One query row whose scores reach the hundreds beside rows of ordinary scores (GQA 3: three rows a unit):
+    a row exponentiated at another row's maximum, or at 0, would overflow float32 (e^89) or underflow to nothing.
+    The read must give the torch read's output and masses."""
+    gen = torch.Generator().manual_seed(23)
+    segments = [*_hot(gen), _pages(gen, 4, "all")]
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen)
+    query[:, large_row::3] *= 80.0  # the first (or last) query head of each KV head
+    out, mass = native_pages.page_read(query, segments, DIM ** -0.5)
+    ref, ref_mass = blockwise_attention(query, densify(list(segments)), DIM ** -0.5)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, ref, **TENS_TOL)
+    for got, want in zip(mass, ref_mass):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0.0)

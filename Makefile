@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.confkv-installed
 
-.PHONY: demo test test-all install clean mutate mutate-native qwen
+.PHONY: demo test test-all install clean mutate mutate-native sanitize-native qwen
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,14 @@ NATIVE_SAMPLE ?= 0
 NATIVE_RERUN ?=
 mutate-native: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 15 $(PY) benchmarks/mutate_native.py --sample $(NATIVE_SAMPLE) $(if $(NATIVE_RERUN),--rerun $(NATIVE_RERUN))
+
+# The native tests on a build with AddressSanitizer (docs/MUTATION.md, "The kernels under a sanitizer"): a read or
+# write past a malloc'd block or a stack array aborts with its place. Not part of `make test` (minutes); needs
+# libasan (GCC's or Clang's), loaded first through LD_PRELOAD.
+SANITIZE_TESTS ?= tests/native
+sanitize-native: $(STAMP)
+	CONFKV_NATIVE_SANITIZE=address ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
+	LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 clean:
 	rm -rf $(VENV) mutants mutants-native

@@ -25,7 +25,11 @@ line is run again, and the ids that no longer exist are dropped), so an interrup
 seeded sample of N mutants spread over the files (the full set takes hours on two cores). The table of
 docs/MUTATION.md (between ``<!-- native-mutation-table -->`` markers) is rewritten at the end.
 
-Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--list] [--table-only]``
+``--sanitize address`` builds and tests each mutant under AddressSanitizer: a mutant whose only effect is a read or
+write past a malloc'd block or a stack array (which the plain tests cannot see) is killed, and its verdict says so.
+
+Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address] [--list]
+[--table-only]``
 (``make mutate-native``).
 """
 
@@ -236,11 +240,26 @@ def snapshot(target: Path) -> Path:
     return target
 
 
-def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str | None = None) -> tuple[str, float, str]:
+def sanitizer_env(name: str) -> dict[str, str]:
+    """The environment that builds the kernels with sanitizer ``name`` (confkv.native.loader.SANITIZERS) and loads
+    its runtime first in the test process (as ``make sanitize-native``); {} for none."""
+    if not name:
+        return {}
+    cc = os.environ.get("CC") or "cc"
+    runtime = subprocess.run([cc, f"-print-file-name=lib{name[:1]}san.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(runtime):
+        sys.exit(f"--sanitize {name}: {cc} has no lib{name[:1]}san.so; install the compiler's sanitizer runtime")
+    return {"CONFKV_NATIVE_SANITIZE": name, "LD_PRELOAD": runtime,
+            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1"}
+
+
+def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str | None = None,
+              sanitize: str = "") -> tuple[str, float, str]:
     """Build the sources at ``source`` and run :data:`TESTS` of ``root`` (a :func:`snapshot`) on them, those of
-    :data:`TESTS_FOR` ``file`` when it names a mutated file listed there: (outcome, seconds, tail of the output)."""
+    :data:`TESTS_FOR` ``file`` when it names a mutated file listed there: (outcome, seconds, tail of the output).
+    ``sanitize``: build and run under that sanitizer (a mutant that reads or writes out of bounds is killed)."""
     env = {**os.environ, "CONFKV_NATIVE_SOURCE": str(source), "CONFKV_NATIVE_CACHE": str(cache),
-           "OMP_NUM_THREADS": "1", "CONFKV_NATIVE": "1"}
+           "OMP_NUM_THREADS": "1", "CONFKV_NATIVE": "1", **sanitizer_env(sanitize)}
     build = [sys.executable, "-c", "from confkv.native import loader; loader.build()"]
     done = subprocess.run(build, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode:
@@ -300,6 +319,12 @@ def table(results: dict[str, dict], all_mutants: list[Mutant], doc: str) -> str:
         share = f"{100 * (c[2] + c[3]) / scored:.1f}%" if scored else "-"
         label = "**all**" if name == "all" else f"`{name}`"
         lines.append(f"| {label} | " + " | ".join(str(x) for x in c) + f" | {share} |")
+    sanitized = sorted(i for i, r in results.items() if r.get("sanitizer") and r["outcome"] in ("killed", "timeout"))
+    if sanitized:
+        lines += ["", f"Killed in a run under AddressSanitizer (`--sanitize address`, run on the plain run's survivors: "
+                      f"accesses out of bounds that the plain tests cannot see): {len(sanitized)}, counted as killed "
+                      "above:", ""]
+        lines += [f"- `native:{i}`" for i in sanitized]
     survivors = sorted(i for i, r in results.items() if r["outcome"] == "survived" and i not in listed)
     if survivors:
         lines += ["", "Survivors not yet killed nor listed as equivalent:", ""]
@@ -315,10 +340,13 @@ def still_valid(results: dict[str, dict], every: list[Mutant]) -> dict[str, dict
             if i in by_id and r.get("line") == by_id[i].line_text and r.get("new") == by_id[i].new}
 
 
-def record(mutant: Mutant, outcome: str, seconds: float, tail: str) -> dict:
-    """A verdict as stored: the output's tail only where someone will read it (a survivor, an error)."""
+def record(mutant: Mutant, outcome: str, seconds: float, tail: str, sanitize: str = "") -> dict:
+    """A verdict as stored: the output's tail only where someone will read it (a survivor, an error); a verdict
+    reached under a sanitizer says which."""
     entry = {"outcome": outcome, "seconds": round(seconds, 1), "old": mutant.old, "new": mutant.new,
              "line": mutant.line_text}
+    if sanitize:
+        entry["sanitizer"] = sanitize
     if outcome not in ("killed", "timeout"):
         entry["tail"] = tail[-300:]
     return entry
@@ -343,6 +371,9 @@ def main() -> None:
     parser.add_argument("--lines", default="", help="only mutants on lines A-B (with --only naming one file)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results and exit")
+    parser.add_argument("--sanitize", choices=["", "address"], default="",
+                        help="build and test each mutant under AddressSanitizer (LD_PRELOAD of the compiler's "
+                             "libasan): a read or write past a malloc'd block or a stack array kills it")
     args = parser.parse_args()
     every = mutants()
     chosen = [m for m in every if args.only in m.id]
@@ -367,7 +398,7 @@ def main() -> None:
     try:
         root = snapshot(scratch / "root")
         native = root / "confkv" / "native"
-        outcome, baseline, tail = run_tests(root, native, scratch / "cache-clean", timeout=1200)
+        outcome, baseline, tail = run_tests(root, native, scratch / "cache-clean", timeout=1200, sanitize=args.sanitize)
         if outcome != "survived":
             sys.exit(f"the unmutated sources do not pass the native tests ({outcome}):\n{tail}")
         timeout = 3 * baseline + 60
@@ -381,9 +412,10 @@ def main() -> None:
             if previous is not None and mutant.id in listed:  # a survivor listed as equivalent: nothing to re-test
                 continue
             apply(mutant, native, scratch / "src")
-            outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file)
+            outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file,
+                                               args.sanitize)
             shutil.rmtree(scratch / "cache", ignore_errors=True)
-            results[mutant.id] = record(mutant, outcome, seconds, tail)
+            results[mutant.id] = record(mutant, outcome, seconds, tail, args.sanitize)
             STORE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
             print(f"[{n}/{len(chosen)}] {outcome:13s} {seconds:5.1f}s {mutant.id} {mutant.old!r} -> {mutant.new!r}",
                   flush=True)

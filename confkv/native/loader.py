@@ -85,10 +85,26 @@ def _cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
+#: ``$CONFKV_NATIVE_SANITIZE=address``: build with AddressSanitizer (reads and writes past a malloc'd block or a
+#: stack array abort the process). The process must load libasan first: ``make sanitize-native`` sets LD_PRELOAD.
+SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
+
+
+def default_flags() -> list[str]:
+    """:data:`FLAGS`, plus a sanitizer's when ``$CONFKV_NATIVE_SANITIZE`` names one (an unknown name raises)."""
+    chosen = os.environ.get("CONFKV_NATIVE_SANITIZE", "")
+    if not chosen:
+        return list(FLAGS)
+    if chosen not in SANITIZERS:
+        raise NativeBuildError(f"$CONFKV_NATIVE_SANITIZE={chosen!r} is not a sanitizer this build knows; use one of "
+                               f"{sorted(SANITIZERS)} or unset it")
+    return FLAGS + SANITIZERS[chosen]
+
+
 def build(directory: Path | None = None, flags: list[str] | None = None) -> Path:
     """Compile kernels.c into ``directory`` (default :func:`cache_dir`) with ``flags`` (default
-    :data:`FLAGS`) unless cached; returns the .so path."""
-    flags = FLAGS if flags is None else flags
+    :func:`default_flags`) unless cached; returns the .so path."""
+    flags = default_flags() if flags is None else flags
     cc = compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

@@ -88,7 +88,8 @@ def prefill_read(query: Tensor, segments: Sequence, scaling: float,
     Returns:
         (out [B, Hq, Q, D] bfloat16, masses or None), or None when the library is off or a segment's dtype is
         neither bfloat16 nor float32. Raises MemoryError
-        when the C read cannot allocate its scratch.
+        when the C read cannot allocate its scratch, ValueError for an odd head size or more than
+        :data:`MAX_SEGMENTS` segments (the C read's own check: :func:`eligible` refuses them first).
     """
     lib = library()
     if lib is None:
@@ -129,6 +130,10 @@ def prefill_read(query: Tensor, segments: Sequence, scaling: float,
         (ctypes.c_int64 * len(meta))(*meta), scaling, out.data_ptr(),
         pointers(*[m.data_ptr() for m in mass]) if mass is not None else None, torch.get_num_threads(),
         int(portable))
+    if status == 2:
+        raise ValueError(f"confkv native prefill read: takes an even head size and at most {MAX_SEGMENTS} segments, "
+                         f"got head size {head_dim} and {count} segments; check eligible() first, or read with "
+                         "confkv.attention.blockwise.blockwise_attention")
     if status:
         raise MemoryError("confkv native prefill read: out of memory for its packed keys and mass")
     return out, mass

@@ -278,3 +278,15 @@ def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch
     layer.write_text(layer.read_text() + "\n/* edited */\n")
     second = loader.build(tmp_path / "cache")
     assert second != first and second.exists()
+
+
+def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch):
+    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's flags to the build (so its
+    library has its own hash); a name the loader does not know stops the build with the names it knows."""
+    monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
+    assert loader.default_flags() == loader.FLAGS
+    monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "address")
+    assert loader.default_flags() == loader.FLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "thread")
+    with pytest.raises(loader.NativeBuildError, match=r"'thread' is not a sanitizer.*\['address'\]"):
+        loader.default_flags()

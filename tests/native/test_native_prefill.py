@@ -113,10 +113,12 @@ def test_the_prefill_read_is_softmax_attention_rounded_once(arithmetic, batch, k
         torch.testing.assert_close(mass.double(), want, **MASS_TOL)
 
 
-@pytest.mark.parametrize("lengths", [(4000, 100), (9000,)], ids=["16 rows a unit", "8 rows a unit"])
+@pytest.mark.parametrize("lengths", [(4000, 100), (9000,), (17000,)],
+                         ids=["16 rows a unit", "8 rows a unit", "never fewer than 8"])
 def test_long_keys_take_fewer_rows_a_unit(arithmetic, lengths):
-    """Past 4,096 keys a unit takes 16 query rows (its kept scores within 512 KiB), past 8,192 eight: 42 rows
-    (not a multiple of either) over 4,100 and 9,000 keys, a causal corner on the last segment."""
+    """Past 4,096 keys a unit takes 16 query rows (its kept scores within 512 KiB), past 8,192 eight, and never
+    fewer (the vector kernels take rows eight at a time): 42 rows (not a multiple of either) over 4,100, 9,000 and
+    17,000 keys, a causal corner on the last segment."""
     query, segments = _data(13, 1, 2, 2, 21, lengths, 16)
     last = segments[-1]
     segments[-1] = KVSegment(last.keys, last.values, _causal(21, last.length))
@@ -142,6 +144,72 @@ def test_float32_segments_beside_bfloat16_ones_are_read(arithmetic, batch, kv_he
     _assert_rounded_once(out, exact, spread)
     for mass, want in zip(masses, exact_masses):
         torch.testing.assert_close(mass.double(), want, **MASS_TOL)
+
+
+@pytest.mark.parametrize("lengths, dim", [((2000,), 16), ((70, 130), 64)], ids=["2000 keys, D 16", "two, D 64"])
+def test_float32_segments_read_last_over_many_blocks(arithmetic, lengths, dim):
+    """Every segment in float32, the last one over several 64-key blocks: a score block written one key or one row
+    past its own lands on keys already scored (the last segment has no later one to write over it again), and a
+    long one reaches past the unit's kept scores into its bookkeeping."""
+    query, segments = _data(14, 1, 2, 4, 16, lengths, dim)
+    gen = torch.Generator().manual_seed(15)
+    segments = [KVSegment(s.keys.float() + 1e-3 * torch.randn(s.keys.shape, generator=gen),
+                          s.values.float() + 1e-3 * torch.randn(s.values.shape, generator=gen), None)
+                for s in segments]
+    out, masses = native_prefill.prefill_read(query, segments, dim ** -0.5, True)
+    exact, exact_masses, spread = _reference(query, segments, dim ** -0.5)
+    _assert_rounded_once(out, exact, spread)
+    for mass, want in zip(masses, exact_masses):
+        torch.testing.assert_close(mass.double(), want, **MASS_TOL)
+
+
+def test_each_row_is_softmaxed_at_its_own_maximum_wherever_it_falls(arithmetic):
+    """Two query rows whose best key, at the last slot of a 64-key block (63 and 127), scores 128 and 64: a
+    maximum that missed a block's last key leaves ``exp`` an argument ~120 past its range; a softmax shifted up
+    by its maximum instead of down (``s + max``) takes ``exp`` of 59-69 for the row's ordinary keys and past its
+    range for the best one. With ordinary scores the softmax does not care which maximum it subtracts, so only
+    large ones show it (at 128 alone the shifted-up softmax is still right by accident: every term falls out of
+    range the same way)."""
+    query, segments = _data(16, 1, 1, 4, 16, (130,), 64)
+    keys = segments[0].keys.clone()
+    keys[0, 0, 63] = 4.0
+    keys[0, 0, 127] = -4.0
+    query[0, 1, 5] = 4.0  # row 1 * 16 + 5: q . k_63 = 1024, times 1/8
+    query[0, 2, 9] = 0.0
+    query[0, 2, 9, :32] = -4.0  # q . k_127 = 512, times 1/8
+    segments = [KVSegment(keys, segments[0].values, None)]
+    out, masses = native_prefill.prefill_read(query, segments, 0.125, True)
+    exact, exact_masses, spread = _reference(query, segments, 0.125)
+    assert exact_masses[0][0, 0, 63] > 0.24 and exact_masses[0][0, 0, 127] > 0.24  # a quarter of the 4 heads each
+    _assert_rounded_once(out, exact, spread)
+    torch.testing.assert_close(masses[0].double(), exact_masses[0], **MASS_TOL)
+
+
+def test_sixty_four_segments_are_read_and_the_kernel_itself_refuses_more_or_an_odd_head_size(arithmetic):
+    """The C read's own check (``eligible`` refuses these first): up to 64 segments, an even head size; past
+    them a ValueError that names both limits, before anything is read."""
+    gen = torch.Generator().manual_seed(17)
+    lengths = tuple(int(n) for n in torch.randint(0, 9, (64,), generator=gen))
+    query, segments = _data(17, 1, 1, 4, 16, lengths, 16)
+    out, masses = native_prefill.prefill_read(query, segments, 0.25, True)
+    exact, exact_masses, spread = _reference(query, segments, 0.25)
+    _assert_rounded_once(out, exact, spread)
+    for mass, want in zip(masses, exact_masses):
+        torch.testing.assert_close(mass.double(), want, **MASS_TOL)
+    with pytest.raises(ValueError, match="at most 64 segments"):
+        native_prefill.prefill_read(query, segments + segments[:1], 0.25, False)
+    query, segments = _data(17, 1, 1, 4, 16, (20,), 15)
+    with pytest.raises(ValueError, match="even head size"):
+        native_prefill.prefill_read(query, segments, 0.25, False)
+
+
+def test_a_read_too_big_for_memory_is_refused_not_attempted():
+    """A segment that says it holds 2^44 slots (one key, expanded: no memory behind it): the packed keys would take
+    512 TiB, so the C read returns before packing and the wrapper raises MemoryError."""
+    query, (segment,) = _data(18, 1, 1, 4, 16, (1,), 16)
+    huge = KVSegment(segment.keys.expand(1, 1, 2 ** 44, 16), segment.values.expand(1, 1, 2 ** 44, 16), None)
+    with pytest.raises(MemoryError, match="out of memory"):
+        native_prefill.prefill_read(query, [huge], 0.25, False)
 
 
 @pytest.mark.parametrize("kind", ["per sequence", "per KV head", "whole rows", "none seen"])

@@ -21,7 +21,8 @@ Outcomes:
 The run works on a snapshot of confkv/, tests/ and benchmarks/ taken when it starts. Results go to
 ``results/mutation/native.json`` (in the repository, so a run spread over sessions and machines adds up), one
 entry per mutant id with the text of the mutated line: a verdict holds while that line reads the same (a changed
-line is run again, and the ids that no longer exist are dropped), so an interrupted run resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--sample N`` runs a
+line is run again, and the ids that no longer exist are dropped), so an interrupted run resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--rerun equivalent``
+those listed (with ``--sanitize address``: whether any reads or writes out of bounds), ``--sample N`` runs a
 seeded sample of N mutants spread over the files (the full set takes hours on two cores). The table of
 docs/MUTATION.md (between ``<!-- native-mutation-table -->`` markers) is rewritten at the end.
 
@@ -366,7 +367,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sample", type=int, default=0, help="a seeded sample of N mutants (0: all)")
     parser.add_argument("--seed", type=int, default=30)
-    parser.add_argument("--rerun", choices=["survived", "all"], help="re-test these outcomes (default: only new)")
+    parser.add_argument("--rerun", choices=["survived", "equivalent", "all"],
+                        help="re-test these outcomes (default: only new); equivalent: the survivors listed as "
+                             "equivalent (with --sanitize: does any of them read or write out of bounds?)")
     parser.add_argument("--only", default="", help="only mutants whose id contains this text")
     parser.add_argument("--lines", default="", help="only mutants on lines A-B (with --only naming one file)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
@@ -403,13 +406,15 @@ def main() -> None:
             sys.exit(f"the unmutated sources do not pass the native tests ({outcome}):\n{tail}")
         timeout = 3 * baseline + 60
         print(f"baseline {baseline:.0f} s; timeout {timeout:.0f} s; {len(chosen)} mutants", flush=True)
-        redo = {"survived": {"survived"}, "all": None}.get(args.rerun or "", set())
-        listed = equivalent(DOC.read_text()) if args.rerun == "survived" else set()
+        redo = {"survived": {"survived"}, "equivalent": {"survived"}, "all": None}.get(args.rerun or "", set())
+        listed = equivalent(DOC.read_text()) if args.rerun in ("survived", "equivalent") else set()
         for n, mutant in enumerate(chosen, 1):
             previous = results.get(mutant.id)
             if previous is not None and not (redo is None or previous["outcome"] in redo):
                 continue
-            if previous is not None and mutant.id in listed:  # a survivor listed as equivalent: nothing to re-test
+            if previous is not None and args.rerun == "survived" and mutant.id in listed:  # listed as equivalent
+                continue
+            if args.rerun == "equivalent" and mutant.id not in listed:
                 continue
             apply(mutant, native, scratch / "src")
             outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file,

@@ -414,7 +414,8 @@ def main() -> None:
                 continue
             if previous is not None and args.rerun == "survived" and mutant.id in listed:  # listed as equivalent
                 continue
-            if args.rerun == "equivalent" and mutant.id not in listed:
+            if args.rerun == "equivalent" and (mutant.id not in listed or  # only those listed, once per sanitizer
+                                               (previous or {}).get("sanitizer", "") == args.sanitize != ""):
                 continue
             apply(mutant, native, scratch / "src")
             outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file,

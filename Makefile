@@ -55,9 +55,10 @@ NATIVE_RERUN ?=
 mutate-native: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 15 $(PY) benchmarks/mutate_native.py --sample $(NATIVE_SAMPLE) $(if $(NATIVE_RERUN),--rerun $(NATIVE_RERUN))
 
-# The native tests on a build with AddressSanitizer (docs/MUTATION.md, "The kernels under a sanitizer"): a read or
-# write past a malloc'd block or a stack array aborts with its place. Not part of `make test` (minutes); needs
-# libasan (GCC's or Clang's), loaded first through LD_PRELOAD.
+# The native tests on a build with AddressSanitizer (docs/MUTATION.md, "Stop 47"): a read or write past a malloc'd
+# block or a stack array aborts with its place. Not part of `make test` (minutes); needs libasan (GCC's or Clang's),
+# loaded first through LD_PRELOAD. SANITIZE_TESTS="tests/store tests/hf tests/tiers tests/attention" runs the stores
+# and the lean decoder too (folders that import matplotlib cannot run under the preloaded runtime).
 SANITIZE_TESTS ?= tests/native
 sanitize-native: $(STAMP)
 	CONFKV_NATIVE_SANITIZE=address ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \

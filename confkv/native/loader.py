@@ -98,6 +98,10 @@ def default_flags() -> list[str]:
     if chosen not in SANITIZERS:
         raise NativeBuildError(f"$CONFKV_NATIVE_SANITIZE={chosen!r} is not a sanitizer this build knows; use one of "
                                f"{sorted(SANITIZERS)} or unset it")
+    if "asan" not in os.environ.get("LD_PRELOAD", ""):  # else the library fails to load, with a less clear message
+        raise NativeBuildError("$CONFKV_NATIVE_SANITIZE=address needs its runtime loaded before Python: run with "
+                               "LD_PRELOAD=$(cc -print-file-name=libasan.so) (as `make sanitize-native` does), or "
+                               "unset CONFKV_NATIVE_SANITIZE")
     return FLAGS + SANITIZERS[chosen]
 
 

@@ -282,10 +282,15 @@ def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch
 
 def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch):
     """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's flags to the build (so its
-    library has its own hash); a name the loader does not know stops the build with the names it knows."""
+    library has its own hash) when its runtime is preloaded, and says how to preload it when not; a name the loader
+    does not know stops the build with the names it knows."""
     monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
     assert loader.default_flags() == loader.FLAGS
     monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "address")
+    monkeypatch.setenv("LD_PRELOAD", "")
+    with pytest.raises(loader.NativeBuildError, match=r"LD_PRELOAD=\$\(cc -print-file-name=libasan.so\)"):
+        loader.default_flags()  # without its runtime first the library would not load
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libasan.so")
     assert loader.default_flags() == loader.FLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer"]
     monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "thread")
     with pytest.raises(loader.NativeBuildError, match=r"'thread' is not a sanitizer.*\['address'\]"):

@@ -3,7 +3,9 @@
 A streaming run under a memory target is the same run, step for step, as a shorter one over its
 first tokens (the target depends only on the current length), so one run of N tokens gives the
 perplexity of every prefix: the table shows each prefix length the run covers. Rows: one per
-file (policy, target; the file's name where two files ran the same setting); the full-KV file of the same corpus and dtype is the reference. Usage::
+file (policy, target; the file's name where two files ran the same setting); the full-KV file of the same corpus and dtype is the reference
+(``confkv ppl --policy full``, or ``benchmarks/full_ppl_forward.py``'s forward passes: ``method=forward``, no
+trace, so no peak-KV share). Usage::
 
     .venv/bin/python benchmarks/memory_ppl_table.py results/memory/ppl/*.json
     .venv/bin/python benchmarks/memory_ppl_table.py --mean results/memory/ppl/*_4k.json   # mean rise per setting
@@ -45,6 +47,8 @@ def load(paths: list[Path]) -> list[dict]:
         summary = data["summary"]
         kv = [sum(step) for step in data["trace"]["kv_bytes"]]
         params = {k: v for k, v in (summary.get("params") or {}).items() if k not in ("memory", "max_kv_bytes")}
+        if summary.get("method"):  # a full-KV reference from forward passes (benchmarks/full_ppl_forward.py): no trace
+            params["method"] = summary["method"]
         if summary.get("kv_int8"):  # the store's INT8 hot tier (--int8), with its FP window where the file says it
             params["int8"] = True
             if summary.get("fp_window") is not None:
@@ -170,7 +174,8 @@ def tables(runs: list[dict]) -> str:
                 value = _ppl(r["nll"], p)
                 delta = "" if full is None or r is full else f" ({(value / _ppl(full['nll'], p) - 1) * 100:+.1f}%)"
                 cells.append(f"{value:.3f}{delta}")
-            share = "" if full is None else f"{max(r['kv']) / max(full['kv'][:len(r['kv'])]):.1%}"
+            share = "" if full is None or not r["kv"] or not full["kv"] else \
+                f"{max(r['kv']) / max(full['kv'][:len(r['kv'])]):.1%}"
             name = _name(r)
             twins = [o for o in group if (o["policy"], o["params"], o["target"]) == (r["policy"], r["params"], r["target"])]
             if len(twins) > 1:  # the same setting run on different code: the file tells them apart

@@ -107,3 +107,16 @@ def test_what_a_layer_holds_at_a_step_from_the_trace(tmp_path):
     text = memory_ppl_table.held_table(memory_ppl_table.load([path]), [3, 99])
     assert "| run | 3 | 5 | 5 / 1 | 11 | 75% |" in text
     assert len(text.splitlines()) == 3  # header, rule, one row: no step had seen 99 positions
+
+
+def test_a_forward_pass_reference_without_a_trace_is_the_full_row(tmp_path):
+    """benchmarks/full_ppl_forward.py writes a full-KV file with ``method: forward`` and no trace steps: it is the
+    reference (rises against it), named for its method, with no peak-KV share."""
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps({"summary": {"policy": "full", "params": {}, "method": "forward", "corpus": "text",
+                                            "dtype": "bfloat16"}, "nll": [1.0] * 2047, "trace": {"kv_bytes": []}}))
+    preset = _write(tmp_path / "preset.json", "tiered", {"memory": 0.25}, [1.1] * 2047)
+    text = memory_ppl_table.tables(memory_ppl_table.load([full, preset]))
+    assert "| full (method=forward) | none | 2.718 | 2.718 |  |" in text
+    rise = (math.exp(1.1) / math.e - 1) * 100
+    assert f"3.004 (+{rise:.1f}%)" in text and text.count("%)") == 2

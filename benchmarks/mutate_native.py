@@ -27,7 +27,9 @@ seeded sample of N mutants spread over the files (the full set takes hours on tw
 docs/MUTATION.md (between ``<!-- native-mutation-table -->`` markers) is rewritten at the end.
 
 ``--sanitize address`` builds and tests each mutant under AddressSanitizer: a mutant whose only effect is a read or
-write past a malloc'd block or a stack array (which the plain tests cannot see) is killed, and its verdict says so.
+write past a malloc'd block or a stack array (which the plain tests cannot see) is killed, and its verdict says so
+(a mutant killed there is run once more without the sanitizer: if the plain tests kill it too, the verdict is a
+plain kill).
 
 Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address] [--list]
 [--table-only]``
@@ -421,7 +423,14 @@ def main() -> None:
             outcome, seconds, tail = run_tests(root, scratch / "src", scratch / "cache", timeout, mutant.file,
                                                args.sanitize)
             shutil.rmtree(scratch / "cache", ignore_errors=True)
-            results[mutant.id] = record(mutant, outcome, seconds, tail, args.sanitize)
+            by = args.sanitize
+            if by and outcome in ("killed", "timeout"):  # would the plain tests kill it too (a test added since)?
+                plain, seconds_plain, tail_plain = run_tests(root, scratch / "src", scratch / "cache", timeout,
+                                                             mutant.file)
+                shutil.rmtree(scratch / "cache", ignore_errors=True)
+                if plain in ("killed", "timeout"):
+                    outcome, seconds, tail, by = plain, seconds_plain, tail_plain, ""
+            results[mutant.id] = record(mutant, outcome, seconds, tail, by)
             STORE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
             print(f"[{n}/{len(chosen)}] {outcome:13s} {seconds:5.1f}s {mutant.id} {mutant.old!r} -> {mutant.new!r}",
                   flush=True)

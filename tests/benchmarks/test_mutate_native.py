@@ -99,3 +99,20 @@ def test_a_verdict_holds_only_while_its_line_reads_the_same(tmp_path):
     assert same_id.line_text != loop.line_text and loop.id not in kept  # the same place, the line edited: run again
     last_line = {m.id for m in edited if m.line == 6}
     assert last_line and kept.keys() == last_line  # the untouched line's verdicts stay
+
+
+def test_kills_under_the_sanitizer_are_counted_and_named_and_survivals_there_still_equivalent(tmp_path):
+    """A verdict reached under ``--sanitize address`` says so: a kill counts as killed and is named in its own list
+    (an access out of bounds the plain tests cannot see); a listed equivalent that survived the sanitizer stays
+    equivalent. Without a sanitizer the run's environment is the plain one."""
+    found = mutate_native.mutants(_tree(tmp_path))
+    results = {found[0].id: {"outcome": "killed", "old": found[0].old, "new": found[0].new, "sanitizer": "address"},
+               found[1].id: {"outcome": "survived", "old": found[1].old, "new": found[1].new, "sanitizer": "address"},
+               found[2].id: {"outcome": "killed", "old": found[2].old, "new": found[2].new}}
+    doc = f"- `native:{found[1].id}`: the same value either way\n"
+    table = mutate_native.table(results, found, doc)
+    row = next(line for line in table.splitlines() if line.startswith("| `c/part.c`"))
+    assert row == f"| `c/part.c` | {len(found)} | 3 | 2 | 0 | 0 | 1 | 0 | 100.0% |"
+    named = table.split("Killed in a run under AddressSanitizer", 1)[1]
+    assert f"`native:{found[0].id}`" in named and f"`native:{found[2].id}`" not in named
+    assert mutate_native.sanitizer_env("") == {}

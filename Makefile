@@ -57,7 +57,7 @@ mutate-native: $(STAMP)
 
 # The native tests on a build with AddressSanitizer (docs/MUTATION.md, "Stop 47"): a read or write past a malloc'd
 # block or a stack array aborts with its place. Not part of `make test` (minutes); needs libasan (GCC's or Clang's),
-# loaded first through LD_PRELOAD. SANITIZE_TESTS="tests/store tests/hf tests/tiers tests/attention" runs the stores
+# loaded first through LD_PRELOAD. SANITIZE_TESTS="-m 'not integration' tests/store tests/hf tests/tiers tests/attention" runs the stores
 # and the lean decoder too (folders that import matplotlib cannot run under the preloaded runtime).
 SANITIZE_TESTS ?= tests/native
 sanitize-native: $(STAMP)

@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from confkv.eval.quality.ppl import streaming_ppl
@@ -40,10 +41,9 @@ def test_a_check_file_of_another_text_is_refused(tmp_path, capsys):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"summary": {"policy": "full", "corpus": "stdlib-docs", "dtype": "bfloat16"},
                                  "nll": [1.0]}))
-    try:
+    with pytest.raises(SystemExit) as exit_:
         full_ppl_forward.main(["--corpus", "pydoc-topics", "--dtype", "bfloat16", "--check", str(other),
                                "--out", str(tmp_path / "out.json")])
-    except SystemExit as exit_:
-        assert exit_.code == 2
+    assert exit_.value.code == 2
     assert "a full-KV run of 'stdlib-docs'" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()

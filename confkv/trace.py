@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from confkv.display import budget_to_json
+from confkv.tiers.ladder import LadderTier
+
+if TYPE_CHECKING:
+    from confkv.store import LayerStore
 
 
 @dataclass
@@ -14,7 +21,8 @@ class StepRecord:
     """One end-of-step snapshot.
 
     Attributes:
-        confidence: [B] float32.
+        confidence: [B] float32; NaN at a step that did not work it out (a cache without
+            ``record_confidence`` works it out only at steps that use it).
         budget: [B] int64 budget of the managed layers (their mean, for a pyramid).
         kept: [num_layers, B] int64 tokens kept per layer and sequence.
         kv_bytes: [num_layers] int64 exact KV bytes held per layer.
@@ -35,6 +43,25 @@ class StepRecord:
     offloaded_bytes: int = 0
     target_bytes: int | None = None
     rung_tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def of_stores(cls, stores: list[LayerStore], confidence: torch.Tensor, budget: torch.Tensor,
+                  target_bytes: int | None) -> StepRecord:
+        """The record of the step that just ended, from every layer's store (index = layer).
+
+        Args:
+            confidence: [B] the step's confidence (any device).
+            budget: [B, managed] the budgets the step ran with (recorded as their mean).
+        """
+        ladders = [s.cold for s in stores if isinstance(s.cold, LadderTier)]
+        rungs = tuple(map(sum, zip(*(ladder.rung_slot_counts() for ladder in ladders)))) if ladders else ()
+        return cls(target_bytes=target_bytes, rung_tokens=rungs,
+                   confidence=confidence.cpu(), budget=budget.float().mean(-1).round().long().cpu(),
+                   kept=torch.tensor([s.kept_list() for s in stores], dtype=torch.int64),
+                   kv_bytes=torch.tensor([s.kv_bytes() for s in stores], dtype=torch.int64),
+                   seen=stores[0].seen_tokens,
+                   cold_bytes_read=sum(s.cold.bytes_read for s in stores if s.cold is not None),
+                   offloaded_bytes=sum(s.offloaded_bytes() for s in stores))
 
 
 @dataclass
@@ -109,7 +136,7 @@ class MemoryTrace:
         """Plain lists, ready for JSON (an unlimited budget is written ``"unlimited"``)."""
         return {
             "seen": [s.seen for s in self.steps],
-            "confidence": [s.confidence.tolist() for s in self.steps],
+            "confidence": [[None if math.isnan(c) else c for c in s.confidence.tolist()] for s in self.steps],
             "budget": [budget_to_json(s.budget.tolist()) for s in self.steps],
             "kept": [s.kept.tolist() for s in self.steps],
             "kv_bytes": [s.kv_bytes.tolist() for s in self.steps],

@@ -81,7 +81,7 @@ def run_demo(model_name: str = "smollm2", prompt: str | None = None, max_new_tok
     print(full_text.strip(), "\n")
     rows = [("full KV", full_n / full_s, full_bytes, full_bytes, "")]
     for label, name, params in (("memory=0.25", None, DEMO_MEMORY), ("CONF-KV", "confkv", DEMO_POLICY)):
-        cache = ConfKVCache.for_model(model, name, store=store, **params)
+        cache = ConfKVCache.for_model(model, name, store=store, record_confidence=True, **params)
         text_out, n_out, seconds = _generate(model, tokenizer, input_ids, cache, max_new_tokens)
         settings = " ".join(f"{k}={v}" for k, v in params.items())
         name = name or "tiered, the default preset"

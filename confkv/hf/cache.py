@@ -1,7 +1,7 @@
 """``ConfKVCache``: a transformers ``Cache`` whose layers evict, driven by the model's confidence.
 
 Usage: ``cache = ConfKVCache.for_model(model, memory=0.25)``, then ``model.generate(ids, past_key_values=cache)``;
-``cache.trace`` holds each step's confidence, budgets, kept tokens and exact KV bytes.
+``cache.trace`` holds each step's budgets, kept tokens, exact KV bytes and confidence (where worked out).
 
 Contract with transformers (METHOD.md, "Integration traps"):
 
@@ -9,7 +9,7 @@ Contract with transformers (METHOD.md, "Integration traps"):
   (positions keep growing); ``get_mask_sizes`` reports the *physical* slots held. The
   attention read itself masks from the positions the store tracks.
 - Every forward pass ends with ``end_step(logits)``: confidence from the last position's
-  logits, budgets from the policy, ageing and eviction in every layer, one trace record.
+  logits (where used), budgets from the policy or the memory target, ageing and eviction in every layer, one trace record.
   confkv's own loops call it themselves (:meth:`steps_by_hand`); after a pass they do not
   drive (transformers' ``generate``), the model's forward hook calls it (:mod:`confkv.hf.enable`).
 - ``crop`` (assisted decoding, prompt-lookup) assumes the cache is a prefix: refused.
@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +36,7 @@ from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
 from confkv.hf import attention as attention_glue
 from confkv.hf.enable import enable
-from confkv.hf.support import LayerLayout, kv_shape, layer_layout
+from confkv.hf.support import LayerLayout, floor_bytes_of, layer_layout
 from confkv.policies import UNLIMITED, Policy
 from confkv.tiers.page_file import PageFile
 from confkv.policies.tee import TeePolicy
@@ -136,12 +138,16 @@ class ConfKVCache(Cache):
             hot tier lets go is dropped).
         rope: the model's rotary embedding (:class:`confkv.tiers.prerope.Rope`), for cold-page
             formats that store keys before it (``prerope``); :meth:`for_model` passes it.
+        record_confidence: work out the model's confidence at every step, for the trace. Without it, only
+            steps that use it do (the paper's gate, a ladder stepping down by ``"confidence"``): NaN elsewhere.
     """
 
     def __init__(self, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
                  trace_limit: int | None = None,
-                 rope=None, *, target: MemoryTarget | None = None, storage: Storage | None = None) -> None:
+                 rope=None, *, target: MemoryTarget | None = None, storage: Storage | None = None,
+                 record_confidence: bool = False) -> None:
         self.rope = rope
+        self.record_confidence = record_confidence
         self.policy = policy
         self.store_config = store_with_hot_int8(store, storage)
         self.layout = layout
@@ -168,6 +174,7 @@ class ConfKVCache(Cache):
         self.evict = True  # set False to defer eviction (e.g. query-aware prefill)
         gate = getattr(policy, "gate", None)
         self.confidence_config: ConfidenceConfig = gate.confidence if gate is not None else ConfidenceConfig()
+        self._ladder_by_confidence = self.storage is not None and self.storage.step_down_by == "confidence"
         #: True between the first cache write of a forward pass and its ``end_step``
         self.pass_open = False
         #: True while the caller closes every step itself (:meth:`steps_by_hand`): the model's hook then stays out
@@ -182,7 +189,8 @@ class ConfKVCache(Cache):
     @classmethod
     def for_model(cls, model: torch.nn.Module, policy: str | Policy | None = None, *, memory: float | None = None,
                   max_kv_bytes: int | None = None, storage: Storage | None = None, store: StoreConfig | None = None,
-                  trace_limit: int | None = None, **policy_params: Any) -> "ConfKVCache":
+                  trace_limit: int | None = None, record_confidence: bool = False,
+                  **policy_params: Any) -> "ConfKVCache":
         """Build a cache for ``model`` and switch the model to confkv attention (see :func:`confkv.hf.enable`).
 
         - ``for_model(model)``: the best measured preset (:data:`confkv.presets.DEFAULT_PRESET`) at
@@ -195,6 +203,7 @@ class ConfKVCache(Cache):
           Without a target (``policy="confkv"``, ...) the policy's own budgets run: the paper's rows.
         - ``policy_params``: the policy's parameters; with a preset, :class:`Storage` field names
           (``ladder``, ``hot_share``, ...) override the preset's storage.
+        - ``record_confidence``: the model's confidence at every step in the trace (see the class).
         """
         from confkv.presets import resolve  # noqa: PLC0415
 
@@ -207,16 +216,14 @@ class ConfKVCache(Cache):
             check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store_with_hot_int8(store, storage)))
         enable(model)
         return cls(layout, built, store, trace_limit=trace_limit, rope=Rope.from_model(model), target=target,
-                   storage=storage)
+                   storage=storage, record_confidence=record_confidence)
 
     def fork(self, member: int) -> "ConfKVCache":
         """A copy of this cache run from now on by member ``member`` of its :class:`TeePolicy`.
 
-        For one shared prefill followed by several policies (query-aware comparisons): prefill
-        with ``ConfKVCache.for_model(model, TeePolicy.of(members))`` and ``cache.evict = False``,
-        then ``cache.fork(i).end_step(logits)`` brings member ``i``'s copy to its budget.
-        The copy holds cloned tensors, the member's statistics, a fresh budget gate and the
-        records of this cache's trace so far.
+        For one shared prefill, then several policies (query-aware comparisons): prefill with
+        ``for_model(model, TeePolicy.of(members))`` and ``cache.evict = False``, then ``cache.fork(i).end_step(logits)``
+        brings member ``i``'s copy (cloned tensors, its statistics, a fresh gate, the trace so far) to its budget.
         """
         if not isinstance(self.policy, TeePolicy):
             raise ValueError("confkv: fork() needs a cache built with a TeePolicy (one prefill, several policies)")
@@ -224,7 +231,7 @@ class ConfKVCache(Cache):
             raise ValueError(f"confkv: member {member} out of range; the tee has {len(self.policy.members)}")
         policy = self.policy.members[member]
         twin = ConfKVCache(self.layout, policy, self.store_config, trace_limit=self.trace.max_steps, rope=self.rope,
-                           target=self.target, storage=self.storage)
+                           target=self.target, storage=self.storage, record_confidence=self.record_confidence)
         tee = self.policy
         for twin_layer, layer in zip(twin.layers, self.layers):
             twin_layer.store = layer.store.fork(policy, lambda stats: tee.member_stats(member, stats))
@@ -274,10 +281,13 @@ class ConfKVCache(Cache):
                 "confkv: keys were cached but never read by confkv attention; the model is not running with "
                 "attn_implementation='confkv'. Build the cache with ConfKVCache.for_model(model, ...) "
                 "or call confkv.hf.enable(model) first.")
-        with profiling.section("confidence"):
-            conf = confidence_of(logits.detach(), self.confidence_config)
         tiered = isinstance(self.policy, TieredPolicy)
         on_target = self.target is not None and self.evict
+        if self.record_confidence or not on_target or tiered or self._ladder_by_confidence:
+            with profiling.section("confidence"):
+                conf = confidence_of(logits.detach(), self.confidence_config)
+        else:  # nothing in this step reads it: not worked out (NaN in the trace); NaN logits still warned of
+            conf = _unscored(logits)
         if not on_target or tiered:  # under a target the plan sets the budgets: the gate would run for nothing
             with profiling.section("budget gate"):
                 budgets = self.controller.step(conf)
@@ -290,7 +300,8 @@ class ConfKVCache(Cache):
             for layer_idx, store in enumerate(stores):
                 store.end_step(budget_of.get(layer_idx) if self.evict else None, cold_read)
         with profiling.section("trace record"):
-            self._record(conf, budgets, stores)
+            self.trace.record(StepRecord.of_stores(stores, conf, budgets,
+                                                   self.last_plan.target_bytes if self.last_plan is not None else None))
 
     def _end_step_on_target(self, stores: list[LayerStore], conf: torch.Tensor,
                             cold_read: torch.Tensor | None) -> torch.Tensor:
@@ -322,7 +333,7 @@ class ConfKVCache(Cache):
         for layer_idx in self.managed:
             store = stores[layer_idx]
             store.policy = policy
-            if isinstance(store.cold, LadderTier):
+            if self._ladder_by_confidence and isinstance(store.cold, LadderTier):
                 store.cold.set_confidence(conf)
             store.end_step(row, cold_read)
             store.fit(plan.layer_bytes)
@@ -345,18 +356,6 @@ class ConfKVCache(Cache):
             has_budget = any(f.name == "budget" for f in dataclasses.fields(self.policy))
             self._policy_at[budget] = dataclasses.replace(self.policy, budget=budget) if has_budget else self.policy
         return self._policy_at[budget]
-
-    def _record(self, conf: torch.Tensor, budgets: torch.Tensor, stores: list[LayerStore]) -> None:
-        ladders = [s.cold for s in stores if isinstance(s.cold, LadderTier)]
-        rungs = tuple(map(sum, zip(*(ladder.rung_slot_counts() for ladder in ladders)))) if ladders else ()
-        self.trace.record(StepRecord(
-            target_bytes=self.last_plan.target_bytes if self.last_plan is not None else None, rung_tokens=rungs,
-            confidence=conf.cpu(), budget=budgets.float().mean(-1).round().long().cpu(),
-            kept=torch.tensor([s.kept_list() for s in stores], dtype=torch.int64),
-            kv_bytes=torch.tensor([s.kv_bytes() for s in stores], dtype=torch.int64),
-            seen=stores[0].seen_tokens,
-            cold_bytes_read=sum(s.cold.bytes_read for s in stores if s.cold is not None),
-            offloaded_bytes=sum(s.offloaded_bytes() for s in stores)))
 
     # -- reporting -------------------------------------------------------------------------------
     def kv_bytes(self) -> int:
@@ -393,8 +392,9 @@ class ConfKVCache(Cache):
             self.controller.gated = self.controller.gated.repeat_interleave(repeats)
 
 
-def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
-                   batch: int = 1) -> int:
-    """:func:`floor_bytes` of ``model`` under ``policy`` (one sequence by default)."""
-    store = store or StoreConfig()
-    return floor_bytes(kv_shape(model), layout, floor_tokens(policy, store), store, batch)
+def _unscored(logits: torch.Tensor) -> torch.Tensor:
+    """[B] NaN, the confidence of a step that nothing reads, for logits [B, V]; NaN logits still warned of."""
+    if bool(torch.isnan(logits).any()):
+        warnings.warn(f"confkv: NaN logits in {int(torch.isnan(logits).any(dim=-1).sum())} sequence(s); the model's "
+                      "output is not a number (check the inputs, the dtype and the weights)", RuntimeWarning, stacklevel=3)
+    return torch.full((logits.shape[0],), math.nan)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from confkv.config import StoreConfig
 from confkv.errors import UnsupportedModelError
 from confkv.tiers.byte_model import KVShape
+from confkv.tiers.planner import floor_bytes, floor_tokens
 
 #: model_type -> human name. Each was checked with a tiny random model (tests/hf/test_exactness.py).
 SUPPORTED_MODEL_TYPES = {
@@ -74,3 +76,10 @@ def kv_shape(model) -> KVShape:
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     element_size = next(model.parameters()).element_size()
     return KVShape(kv_heads, head_dim, element_size, tuple(layer_layout(model.config).sliding_windows))
+
+
+def floor_bytes_of(model, layout: LayerLayout, policy, store=None, batch: int = 1) -> int:
+    """The smallest bytes ``model``'s cache can hold under ``policy`` (:func:`confkv.tiers.planner.floor_bytes`),
+    for ``batch`` sequences; ``store`` a :class:`~confkv.config.StoreConfig` (default one)."""
+    store = store or StoreConfig()
+    return floor_bytes(kv_shape(model), layout, floor_tokens(policy, store), store, batch)

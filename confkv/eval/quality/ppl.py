@@ -80,7 +80,7 @@ def streaming_ppl(model: torch.nn.Module, input_ids: torch.Tensor, policy: str |
     if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [1, N] with N >= 2, got {tuple(input_ids.shape)}")
     check_prompt_length(model, input_ids.shape[1])
-    cache = ConfKVCache.for_model(model, policy, store=store, **policy_params)
+    cache = ConfKVCache.for_model(model, policy, store=store, record_confidence=True, **policy_params)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     steps = input_ids.shape[1] - 1

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     model, tokenizer = ModelSpec(args.model)()  # a name for load_model, or tiny-<arch> (a test model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens, offset=args.offset)
     cache = ConfKVCache.for_model(model, args.policy, store=store, memory=args.memory,
-                                  max_kv_bytes=args.max_kv_bytes, **params)
+                                  max_kv_bytes=args.max_kv_bytes, record_confidence=True, **params)
     max_positions = model_max_positions(model)
 
     steps = args.tokens - 1

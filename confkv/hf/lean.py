@@ -45,6 +45,8 @@ from confkv.hf.weights import Int8Linear
 from confkv.native.layer import LayerKernels
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+#: the norm classes computed as ``weight * x / sqrt(mean(x^2) + variance_epsilon)``, which the native norm computes
+LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,16 @@ class _Layer:
     scaling: float
 
 
+def _llama_norm_eps(module: Any) -> float | None:
+    """The epsilon of a norm of a class in :data:`LLAMA_STYLE_NORMS`, or None for any other module (a norm put
+    in by hand may have a ``variance_epsilon`` and another formula)."""
+    return getattr(module, "variance_epsilon", None) if type(module).__name__ in LLAMA_STYLE_NORMS else None
+
+
 def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """An RMSNorm module on ``x`` [..., n]: the native kernel for Llama-style norms (``weight``,
-    ``variance_epsilon``) where available, else the module itself."""
-    eps = getattr(module, "variance_epsilon", None)
+    """An RMSNorm module on ``x`` [..., n]: the native kernel for Llama-style norms where available, else the
+    module itself."""
+    eps = _llama_norm_eps(module)
     out = native.rms_norm(x, module.weight, eps) if eps is not None else None
     return module(x) if out is None else out
 
@@ -199,8 +207,8 @@ class LeanDecoder:
         projections = tuple(m.native_projection() for m in modules)
         norms = []
         for norm in (layer.input_norm, layer.post_norm):
-            eps = getattr(norm, "variance_epsilon", None)
-            if eps is None or type(norm).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"):
+            eps = _llama_norm_eps(norm)
+            if eps is None:
                 return None
             norms.append((norm.weight.detach(), eps))
         if any(p is None for p in projections) or not LayerKernels.supports(projections, *norms, layer.head_dim):

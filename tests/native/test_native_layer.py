@@ -156,3 +156,83 @@ def test_threaded_mass_read_equals_the_single_threaded_one(dtype):
     assert all(torch.equal(a, b) for a, b in zip(mass1, mass2))
     workers = native.gemv_settings()
     assert workers >= 1  # the two-thread read ran on the pool (a worker exists)
+
+
+class _OffsetNorm(torch.nn.Module):
+    """A norm put in by hand with a ``variance_epsilon`` and Gemma's ``(1 + weight)`` scale: not the native norm's
+    formula, so neither the fused layer nor the per-op native norm may take it."""
+
+    def __init__(self, like: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(like.weight.shape, generator=torch.Generator().manual_seed(9)) * 0.1,
+                                         requires_grad=False)
+        self.variance_epsilon = like.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (x.float() * scale * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class _EpsNorm(_OffsetNorm):
+    """The same norm with its epsilon named ``eps`` (as Gemma's): no ``variance_epsilon`` at all."""
+
+    def __init__(self, like: torch.nn.Module) -> None:
+        super().__init__(like)
+        self.eps = self.__dict__.pop("variance_epsilon")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.variance_epsilon = self.eps
+        try:
+            return super().forward(x)
+        finally:
+            del self.variance_epsilon
+
+
+def _reference_logits(model, batch: int, steps: int = 6, prompt: int = 20) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, 250, (batch, prompt + steps), generator=gen)
+    cache = ConfKVCache.for_model(model, "streaming", budget=16)
+    prefill(model, cache, ids[:, :prompt], chunk=8)
+    with torch.no_grad():
+        return [model(ids[:, t:t + 1], cache=cache).logits[:, -1] for t in range(prompt, prompt + steps)]
+
+
+@pytest.mark.parametrize("norm_type", [_OffsetNorm, _EpsNorm], ids=["variance_epsilon", "eps"])
+@pytest.mark.parametrize("which", ["input_layernorm", "post_attention_layernorm"])
+def test_a_norm_of_another_formula_is_run_as_the_module(norm_type, which):
+    """A layer whose norm is not a Llama-style RMSNorm: the lean decoder (fused or per op) runs that module, so its
+    logits are the model's own; the layer is left out of the fused calls, the others keep them. fp32, batch 2."""
+    model = _model("llama", torch.float32)
+    layer = model.model.layers[1]
+    setattr(layer, which, norm_type(getattr(layer, which)))
+    reference = _reference_logits(model, batch=2, steps=6)
+    for fuse in (True, False):
+        logits, used, _ = _decode(model, fuse, batch=2, steps=6, policy=("streaming", {"budget": 16}))
+        for got, expected in zip(logits, reference):  # _decode left-pads the rows after the first: row 0 compared
+            torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=1e-4)
+        assert used == (6 * 2 if fuse else 0)  # layers 0 and 2 fused, layer 1 per op
+
+
+def test_mistral_takes_the_fused_calls():
+    model = _model("mistral", torch.bfloat16)
+    fused, used, _ = _decode(model, True, batch=1, steps=4)
+    per_op, _, _ = _decode(model, False, batch=1, steps=4)
+    assert used == 4 * 3
+    for got, expected in zip(fused, per_op):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_projection_without_a_native_form_leaves_its_layer_per_op(monkeypatch):
+    """A layer one of whose INT8 projections has no prepared GEMV (the library would not take its tensors) runs
+    per op; the other layers stay fused."""
+    from confkv.hf.weights import Int8Linear
+
+    model = _model("llama", torch.bfloat16)
+    odd = model.model.layers[2].mlp.up_proj
+    real = Int8Linear.native_projection
+    monkeypatch.setattr(Int8Linear, "native_projection", lambda self: None if self is odd else real(self))
+    fused, used, _ = _decode(model, True, batch=1, steps=4)
+    per_op, _, _ = _decode(model, False, batch=1, steps=4)
+    assert used == 4 * 2
+    for got, expected in zip(fused, per_op):
+        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)

@@ -236,3 +236,36 @@ def test_a_projection_without_a_native_form_leaves_its_layer_per_op(monkeypatch)
     assert used == 4 * 2
     for got, expected in zip(fused, per_op):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_the_per_op_path_takes_the_native_norm_and_rotary(monkeypatch):
+    """Per op (unquantized weights, or the fused calls off), a step still runs the norms and the rotary embedding
+    as native calls whose outputs are used: each layer's two norms and the final one (the norm modules never run),
+    and one rotary per layer. Counted on a step of
+    a tiny Llama (3 layers), bf16 and fp32."""
+    for dtype in (torch.bfloat16, torch.float32):
+        model = tiny_model("llama", num_hidden_layers=3).to(dtype)
+        decoder = LeanDecoder(model)
+        cache = ConfKVCache.for_model(model, "full")
+        decoder(torch.tensor([[5, 6, 7]]), cache)
+        counts = {"rms_norm": 0, "rotary": 0}
+        for name in counts:
+            real = getattr(native, name)
+
+            def counted(*args, _real=real, _name=name):
+                out = _real(*args)
+                counts[_name] += out is not None
+                return out
+
+            monkeypatch.setattr(native, name, counted)
+        modules_run = []
+        norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+        hooks = [m.register_forward_hook(lambda *_: modules_run.append(1)) for m in norms]
+        try:
+            decoder(torch.tensor([[8]]), cache)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        monkeypatch.undo()
+        assert counts == {"rms_norm": 3 * 2 + 1, "rotary": 3}, dtype
+        assert len(norms) == 7 and modules_run == []  # the native norm's output is used, the module never runs

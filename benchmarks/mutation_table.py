@@ -6,7 +6,8 @@ replaces the text between the ``<!-- mutation-table -->`` markers of docs/MUTATI
 
     module | mutants | killed | timeout | equivalent | survived | not run | % of non-equivalent killed
 
-* killed: a test failed (exit codes 1/3);
+* killed: a test failed (exit codes 1/3), or the tests crashed on a signal (SIGSEGV, SIGABRT, SIGFPE, SIGBUS,
+  SIGILL: exit codes -11/-6/-8/-7/-4, as mutmut reports "segfault" and "suspicious"), which fails the run as surely;
 * timeout: mutmut stopped the tests at its CPU-time limit (counted as killed, as mutmut does);
 * equivalent: survived and listed in docs/MUTATION.md with its reason;
 * survived: survived (exit 0), no selected test calls its function, or any other outcome, and not listed;
@@ -32,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "MUTATION.md"
 BEGIN, END = "<!-- mutation-table -->", "<!-- /mutation-table -->"
-KILLED_CODES = {1, 3}  # test failures, pytest internal error
+KILLED_CODES = {1, 3, -11, -6, -8, -7, -4}  # test failures, pytest internal error; the tests killed by a signal
 TIMEOUT_CODES = {24, -24, 152, 255, 36}
 EQUIVALENT_LINE = re.compile(r"^- `([\w.ǁ]+__mutmut_\d+)`: \S")
 

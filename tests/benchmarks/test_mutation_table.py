@@ -32,6 +32,18 @@ def test_table_counts_each_outcome_per_module(tmp_path):
     assert script.module_of("confkv.attention.x_attention_read__mutmut_1") == "confkv/attention/__init__.py"
 
 
+def test_tests_killed_by_a_signal_count_as_killed(tmp_path):
+    """mutmut's "segfault" (-11) and "suspicious" (-6, -8) outcomes: the tests crashed, so the mutant was seen."""
+    script = _script()
+    meta = tmp_path / "confkv" / "native" / "decode.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {f"confkv.native.decode.x_f__mutmut_{i}": code
+                                                     for i, code in enumerate((-11, -6, -8, 0, 1))}}))
+    text, survivors = script.table(script.load_results(tmp_path), set())
+    assert "| confkv/native/decode.py | 5 | 4 | 0 | 0 | 1 | 0 | 80.0 |" in text
+    assert survivors == ["confkv.native.decode.x_f__mutmut_3 (exit 0)"]
+
+
 def test_a_run_of_some_modules_writes_their_rows_into_a_table_of_its_own(tmp_path, monkeypatch):
     script = _script()
     for module, code in (("h2o", 1), ("tova", 0)):

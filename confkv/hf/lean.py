@@ -116,7 +116,6 @@ class LeanDecoder:
                 f"run this model through model(...) or confkv.hf.generate instead")
         enable(model)
         inner = model.model
-        self.model = model
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm = inner.norm

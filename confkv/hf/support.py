@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from confkv.config import StoreConfig
 from confkv.errors import UnsupportedModelError
 from confkv.tiers.byte_model import KVShape
 from confkv.tiers.planner import floor_bytes, floor_tokens
+
+if TYPE_CHECKING:
+    import torch
+
+    from confkv.policies import Policy
 
 #: model_type -> human name. Each was checked with a tiny random model (tests/hf/test_exactness.py).
 SUPPORTED_MODEL_TYPES = {
@@ -78,7 +84,8 @@ def kv_shape(model) -> KVShape:
     return KVShape(kv_heads, head_dim, element_size, tuple(layer_layout(model.config).sliding_windows))
 
 
-def floor_bytes_of(model, layout: LayerLayout, policy, store=None, batch: int = 1) -> int:
+def floor_bytes_of(model: torch.nn.Module, layout: LayerLayout, policy: Policy, store: StoreConfig | None = None,
+                   batch: int = 1) -> int:
     """The smallest bytes ``model``'s cache can hold under ``policy`` (:func:`confkv.tiers.planner.floor_bytes`),
     for ``batch`` sequences; ``store`` a :class:`~confkv.config.StoreConfig` (default one)."""
     store = store or StoreConfig()

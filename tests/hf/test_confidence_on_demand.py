@@ -119,3 +119,17 @@ def test_nan_logits_are_warned_of_when_confidence_is_not_worked_out():
         handle.remove()
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert sum("NaN logits in 1 sequence(s); the model's output is not a number" in m for m in messages) == 3, messages
+
+
+def test_a_trace_without_confidence_writes_json_null_and_reads_back():
+    """NaN (not worked out) is written as JSON null, not the non-standard NaN token, and read back as NaN."""
+    import json
+
+    from confkv.eval.report.plots import trace_from_dict
+
+    model = tiny_model("llama", seed=2)
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    _run(cache, model, _ids(5))
+    text = json.dumps(cache.trace.to_dict(), allow_nan=False)  # raises on a NaN token
+    again = trace_from_dict(json.loads(text))
+    assert len(again) == 5 and all(math.isnan(c) for c in again.confidences(0))

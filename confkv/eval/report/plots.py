@@ -51,7 +51,8 @@ def trace_from_dict(data: dict) -> MemoryTrace:
     targets = data.get("target_bytes") or [None] * len(data["seen"])  # traces made before memory targets: none
     for seen, conf, budget, kept, kv, target in zip(data["seen"], data["confidence"], data["budget"], data["kept"],
                                                     data["kv_bytes"], targets):
-        trace.record(StepRecord(confidence=torch.tensor(conf, dtype=torch.float32),
+        trace.record(StepRecord(confidence=torch.tensor([float("nan") if c is None else c for c in conf],
+                                                        dtype=torch.float32),  # None: not worked out
                                 budget=torch.tensor(budget_from_json(budget), dtype=torch.int64),
                                 kept=torch.tensor(kept, dtype=torch.int64),
                                 kv_bytes=torch.tensor(kv, dtype=torch.int64), seen=int(seen), target_bytes=target))

@@ -256,3 +256,57 @@ def test_the_native_step_updates_each_of_several_statistics_by_its_own_rule(thre
         torch.testing.assert_close(old.stats[name], old_before * scale + masses[0] * gain, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(window.stats[name][:, :, :6], window_before * scale + masses[1] * gain,
                                    rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step's plan")
+def test_one_buffer_and_one_plan_serve_the_steps_until_the_window_is_replaced():
+    """A step reuses the FP window's buffer while it backs the window and has a spare slot, and the plan while it
+    serves them; a buffer is made with ``move_block`` spare slots once the step's token is in (its bytes are
+    counted, so their number is part of the contract). B 2, tiny Llama, move_block 4, nothing evicted."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 250, (2, 40), generator=torch.Generator().manual_seed(5))
+    cache = ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
+    prefill(model, cache, ids[:, :20], chunk=8)
+    lean = LeanDecoder(model)
+    store = cache.layers[0].store
+    fresh = reused = 0
+    for t in range(20, 40):
+        window, plan = store.window, store.decode_plan
+        reusable = window is not None and window.backs(store.recent) and store.recent.length < window.capacity
+        serves = reusable and plan is not None and plan.serves(window, store.old)
+        lean(ids[:, t:t + 1], cache)
+        if reusable:
+            assert store.window is window or store.window is None  # None: the step aged the window
+            reused += store.window is window
+            if serves and store.window is window:
+                assert store.decode_plan is plan
+        if store.window is not None and store.window is not window:
+            fresh += 1
+            assert store.window.capacity - store.recent.length == 4  # move_block spare slots after the token
+    assert fresh >= 2 and reused >= 8
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step")
+def test_a_full_buffer_that_backs_the_window_is_replaced_before_the_write():
+    """A buffer with no spare slot left (it backs the window exactly) is replaced by a larger one, not written
+    past: the step's logits equal model(...)'s. B 2, tiny Llama."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 250, (2, 26), generator=torch.Generator().manual_seed(6))
+    caches = [ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
+              for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, ids[:, :24], chunk=8)
+    lean = LeanDecoder(model)
+    lean(ids[:, 24:25], caches[1])
+    model(input_ids=ids[:, 24:25], cache=caches[0])
+    fulls = []
+    for layer in caches[1].layers:
+        store = layer.store
+        full = WindowBuffer.around(store.recent, store.recent.length)
+        store.window, store.recent = full, full.views(store.recent.length)
+        assert full.backs(store.recent) and store.recent.length == full.capacity
+        fulls.append(full)
+    expected = model(input_ids=ids[:, 25:26], cache=caches[0], logits_to_keep=1).logits[:, -1]
+    torch.testing.assert_close(lean(ids[:, 25:26], caches[1]), expected, rtol=1e-5, atol=1e-5)
+    for layer, full in zip(caches[1].layers, fulls):
+        assert layer.store.window is not full and layer.store.window.backs(layer.store.recent)

@@ -310,3 +310,57 @@ def test_a_full_buffer_that_backs_the_window_is_replaced_before_the_write():
     torch.testing.assert_close(lean(ids[:, 25:26], caches[1]), expected, rtol=1e-5, atol=1e-5)
     for layer, full in zip(caches[1].layers, fulls):
         assert layer.store.window is not full and layer.store.window.backs(layer.store.recent)
+
+
+@pytest.mark.skipif(not native.available(), reason="the native decode step and mass read")
+@pytest.mark.parametrize("with_plan", [True, False], ids=["plan", "no plan"])
+def test_the_in_place_step_reads_natively_and_times_its_sections_under_the_bench_names(with_plan, monkeypatch):
+    """With its plan the step is one timed section, "native decode step"; without one (the plan refused) it is
+    "append (FP window)", "attention read" (the native mass read, whose output is used: torch's read never runs)
+    and "EMA / stats update", the name `confkv bench` counts as policy work. B 2, tiny Llama, H2O, 3 steps."""
+    from confkv import profiling
+    from confkv.eval.bench.run import POLICY_SECTIONS
+
+    import confkv.store.read as read_module
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, 250, (2, 23), generator=torch.Generator().manual_seed(7))
+    caches = [ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
+              for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, ids[:, :20], chunk=8)
+    if not with_plan:
+        monkeypatch.setattr(DecodePlan, "build", classmethod(lambda cls, *args: None))
+
+        def torch_read(*args):
+            raise AssertionError("the torch mass read ran where the native one reads")
+
+        monkeypatch.setattr(read_module, "mass_read", torch_read)
+    lean, timers = LeanDecoder(model), profiling.Timers()
+    for t in range(20, 23):
+        with profiling.enabled(timers):
+            got = lean(ids[:, t:t + 1], caches[1])
+        expected = model(input_ids=ids[:, t:t + 1], cache=caches[0], logits_to_keep=1).logits[:, -1]
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    layers, steps = len(caches[1].layers), 3
+    sections = dict(timers.calls)
+    if with_plan:
+        assert sections.get("native decode step") == layers * steps and "attention read" not in sections
+    else:
+        assert "native decode step" not in sections
+        for name in ("append (FP window)", "attention read", "EMA / stats update"):
+            assert sections.get(name) == layers * steps, (name, sections)
+        assert "EMA / stats update" in POLICY_SECTIONS
+
+
+def test_the_first_tokens_of_a_fresh_cache_decode_as_the_model_does():
+    """One token at a time from an empty cache (no prefill): the first step finds no region to write in place
+    and appends; later steps may take the in-place step. Logits equal model(...)'s. B 2, tiny Llama."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 250, (2, 6), generator=torch.Generator().manual_seed(8))
+    caches = [ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
+              for _ in range(2)]
+    lean = LeanDecoder(model)
+    for t in range(6):
+        expected = model(input_ids=ids[:, t:t + 1], cache=caches[0], logits_to_keep=1).logits[:, -1]
+        torch.testing.assert_close(lean(ids[:, t:t + 1], caches[1]), expected, rtol=1e-5, atol=1e-5)

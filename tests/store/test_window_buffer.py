@@ -1,6 +1,8 @@
 """The FP window's preallocated buffer (confkv/store/window_buffer.py) and the store's in-place decode step
 (LayerStore.decode_step): the same state and output as append + attend, its spare bytes counted."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -364,3 +366,64 @@ def test_the_first_tokens_of_a_fresh_cache_decode_as_the_model_does():
     for t in range(6):
         expected = model(input_ids=ids[:, t:t + 1], cache=caches[0], logits_to_keep=1).logits[:, -1]
         torch.testing.assert_close(lean(ids[:, t:t + 1], caches[1]), expected, rtol=1e-5, atol=1e-5)
+
+
+def _ready_store(name="h2o", params=None, store=None, **model_overrides):
+    """A prefilled layer store that may take the in-place step, with a matching new key and query:
+    (store, keys [2, 2, 1, 16], query [2, 4, 1, 16]) of a tiny Llama (2 KV heads, 4 query heads)."""
+    model = tiny_model("llama", **model_overrides)
+    cache = ConfKVCache.for_model(model, name, store=store or StoreConfig(), **(params or {"budget": 200, "protect": 4}))
+    prefill(model, cache, torch.randint(1, 250, (2, 20), generator=torch.Generator().manual_seed(9)), chunk=8)
+    gen = torch.Generator().manual_seed(10)
+    return cache.layers[0].store, torch.randn(2, 2, 1, 16, generator=gen), torch.randn(2, 4, 1, 16, generator=gen)
+
+
+def _change_nothing(store, keys, query):
+    return keys, query
+
+
+CANNOT = {
+    "two new keys": lambda s, k, q: (torch.cat([k, k], 2), q),
+    "two queries": lambda s, k, q: (k, torch.cat([q, q], 2)),
+    "keys in another dtype": lambda s, k, q: (k.bfloat16(), q),
+    "a query on another device": lambda s, k, q: (k, q.to("meta")),
+    "a pending token": lambda s, k, q: (s.append(k, k) or k, q),
+    "another read backend": lambda s, k, q: (setattr(s, "config", dataclasses.replace(s.config, read_backend="torch"))
+                                            or k, q),
+    "an INT8 store": lambda s, k, q: (setattr(s, "int8", True) or k, q),
+    "a sliding layer": lambda s, k, q: (setattr(s, "sliding_window", 8) or k, q),
+    "no statistics": lambda s, k, q: (setattr(s, "stat_names", ()) or k, q),
+    "a padded older region": lambda s, k, q: (setattr(s.old, "all_valid", False) or k, q),
+    "a padded window": lambda s, k, q: (setattr(s.recent, "all_valid", False) or k, q),
+}
+
+
+@pytest.mark.parametrize("case", ["possible", *CANNOT])
+def test_the_in_place_check_refuses_each_step_it_cannot_take(case):
+    """``can_decode_in_place`` is True for one full-precision token of an attention-ranked store on CPU, and False
+    when any one condition fails (each case changes one thing)."""
+    store, keys, query = _ready_store()
+    keys, query = CANNOT.get(case, _change_nothing)(store, keys, query)
+    assert store.can_decode_in_place(keys, query) is (case == "possible")
+
+
+@pytest.mark.parametrize("case", ["a memory target", "a cold tier", "no attention mass"])
+def test_the_in_place_check_refuses_other_stores(case):
+    name, params = {"a memory target": ("h2o", {"memory": 0.5, "protect": 4}),  # evicted tokens dropped: no cold tier
+                    "a cold tier": ("confkv-r", {"budget": 16, "protect": 4, "bits": 4, "page_size": 4,
+                                                 "group_size": 4, "k": 2}),
+                    "no attention mass": ("streaming", {"budget": 20, "sinks": 2})}[case]
+    store, keys, query = _ready_store(name, params)
+    assert not store.can_decode_in_place(keys, query)
+
+
+def test_the_in_place_check_holds_to_the_score_limit(monkeypatch):
+    """The step's scores, B x Hq x (slots + 1), may reach MAX_SCORES exactly, not one more."""
+    import confkv.store.read as read_module
+
+    store, keys, query = _ready_store()
+    scores = query.shape[0] * query.shape[1] * (store.physical_length + 1)
+    monkeypatch.setattr(read_module, "MAX_SCORES", scores)
+    assert store.can_decode_in_place(keys, query)
+    monkeypatch.setattr(read_module, "MAX_SCORES", scores - 1)
+    assert not store.can_decode_in_place(keys, query)

@@ -256,3 +256,22 @@ def test_torch_order_sum_at_every_vector_width_sums_each_element_once(lanes):
         got = lib.confkv_torch_order_sum(row.data_ptr(), n, lanes)
         exact = float(row.double().sum())
         assert abs(got - exact) <= n * 2.0 ** -23 * exact, (n, got, exact)
+
+
+def test_the_softmax_exp_keeps_its_smallest_weight_and_drops_below_it():
+    """The kernels' exp of ``x - max`` gives 0 below -87.3 and exp(x) from -87.3 up (the smallest normal float
+    range): a key scoring exactly -87.3 under the best keeps its weight (1.19e-38, torch's too), one a little
+    lower gets 0. Read through the native mass read, one query, three keys, fp32."""
+    low = torch.tensor(-87.3, dtype=torch.float32)
+    query = torch.zeros(1, 1, 1, 16)
+    query[..., 0] = 1.0
+    keys = torch.zeros(1, 1, 3, 16)
+    keys[0, 0, 1, 0] = low
+    keys[0, 0, 2, 0] = torch.nextafter(low, torch.tensor(-100.0))  # one float below the cut
+    values = torch.zeros(1, 1, 3, 16)
+    values[0, 0, 1, 0] = 1.0  # the output's channel 0 is key 1's weight alone
+    out, masses = native.mass_read(query, [KVSegment(keys, values, None)], 1.0)
+    weight = float(masses[0][0, 0, 1])
+    assert weight == pytest.approx(float(torch.exp(low)), rel=1e-5) and weight > 0.0
+    assert float(masses[0][0, 0, 2]) == 0.0
+    assert float(out[0, 0, 0, 0]) == pytest.approx(float(torch.exp(low)), rel=1e-5)

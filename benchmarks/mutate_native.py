@@ -61,15 +61,15 @@ BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
          "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
          "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
-         "tests/native/test_native_page_formats.py"]
+         "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
-    "c/decode_step.c": ["test_native_contracts", "test_window_buffer", "test_native_kernels"],
+    "c/decode_step.c": ["test_native_contracts", "test_window_buffer", "test_native_kernels", "test_native_decode_plan"],
     "c/rows.c": ["test_native_contracts", "test_native_confidence", "test_native_kernels", "test_native_layer"],
     "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
     "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
-    "c/layer.c": ["test_native_contracts", "test_native_layer"],
+    "c/layer.c": ["test_native_contracts", "test_native_layer", "test_native_w8a8"],  # w8a8: the fused W8A8 layer
     "c/pages.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],

@@ -17,6 +17,7 @@ from confkv.hf.lean import LEAN_MODEL_TYPES, LeanDecoder
 from confkv.hf.weights import quantize_linear_weights
 from confkv.models import tiny_model
 from confkv.native.layer import LayerKernels
+from call_counts import counted_calls
 
 
 def _logits_both(model, batch: int, padded: int, steps: int = 4, prompt: int = 12):
@@ -65,20 +66,10 @@ def test_other_model_types_are_refused_naming_the_supported_ones_and_the_fix():
 
 
 def _fused_calls(model, steps: int = 3) -> int:
-    calls = []
-    original = LayerKernels.mlp
-
-    def counted(self, attention, hidden):
-        calls.append(1)
-        return original(self, attention, hidden)
-
-    LayerKernels.mlp = counted
-    try:
+    with counted_calls(LayerKernels, "mlp") as calls:
         decoder, cache = LeanDecoder(model), ConfKVCache.for_model(model, "full")
         for t in range(steps):
             decoder(torch.tensor([[7 + t]]), cache)
-    finally:
-        LayerKernels.mlp = original
     return len(calls)
 
 

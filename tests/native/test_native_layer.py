@@ -11,6 +11,7 @@ from confkv.hf.lean import LeanDecoder
 from confkv.hf.weights import quantize_linear_weights
 from confkv.models import tiny_model
 from confkv.native.layer import LayerKernels
+from call_counts import counted_calls
 
 pytestmark = [pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
@@ -40,16 +41,8 @@ def _decode(model, fuse: bool, batch: int, steps: int = 12, prompt: int = 20, po
     prefill(model, cache, ids[:, :prompt], attention_mask=mask[:, :prompt], chunk=8)
     decoder = LeanDecoder(model)
     decoder.fuse_layers = fuse
-    calls = []
-    original = LayerKernels.mlp
-    def counted(self, attention, hidden):
-        calls.append(1)
-        return original(self, attention, hidden)
-    LayerKernels.mlp = counted
-    try:
+    with counted_calls(LayerKernels, "mlp") as calls:
         logits = [decoder(ids[:, t:t + 1], cache, attention_mask=mask[:, :t + 1]) for t in range(prompt, prompt + steps)]
-    finally:
-        LayerKernels.mlp = original
     return logits, len(calls), cache
 
 
@@ -213,13 +206,19 @@ def test_a_norm_of_another_formula_is_run_as_the_module(norm_type, which):
         assert used == (6 * 2 if fuse else 0)  # layers 0 and 2 fused, layer 1 per op
 
 
-def test_mistral_takes_the_fused_calls():
-    model = _model("mistral", torch.bfloat16)
-    fused, used, _ = _decode(model, True, batch=1, steps=4)
-    per_op, _, _ = _decode(model, False, batch=1, steps=4)
-    assert used == 4 * 3
+def _fused_calls_matching_per_op(model, steps: int) -> int:
+    """Decode ``steps`` tokens (batch 1) with the fused calls and per op; their logits agree (bf16 tolerance).
+    Returns the fused run's fused-call count (one per fused layer and step)."""
+    fused, used, _ = _decode(model, True, batch=1, steps=steps)
+    per_op, _, _ = _decode(model, False, batch=1, steps=steps)
     for got, expected in zip(fused, per_op):
         torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    return used
+
+
+def test_mistral_takes_the_fused_calls():
+    model = _model("mistral", torch.bfloat16)
+    assert _fused_calls_matching_per_op(model, steps=4) == 4 * 3
 
 
 def test_a_projection_without_a_native_form_leaves_its_layer_per_op(monkeypatch):
@@ -231,11 +230,7 @@ def test_a_projection_without_a_native_form_leaves_its_layer_per_op(monkeypatch)
     odd = model.model.layers[2].mlp.up_proj
     real = Int8Linear.native_projection
     monkeypatch.setattr(Int8Linear, "native_projection", lambda self: None if self is odd else real(self))
-    fused, used, _ = _decode(model, True, batch=1, steps=4)
-    per_op, _, _ = _decode(model, False, batch=1, steps=4)
-    assert used == 4 * 2
-    for got, expected in zip(fused, per_op):
-        torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    assert _fused_calls_matching_per_op(model, steps=4) == 4 * 2
 
 
 def test_the_per_op_path_takes_the_native_norm_and_rotary(monkeypatch):

@@ -288,16 +288,23 @@ def test_one_buffer_and_one_plan_serve_the_steps_until_the_window_is_replaced():
     assert fresh >= 2 and reused >= 8
 
 
+def _two_prefilled_h2o_caches(model, ids: torch.Tensor, prompt: int) -> list[ConfKVCache]:
+    """Two H2O caches (nothing evicted, move_block 4) with ``ids[:, :prompt]`` prefilled: model(...) decodes into
+    the first, the lean decoder into the second."""
+    caches = [ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
+              for _ in range(2)]
+    for cache in caches:
+        prefill(model, cache, ids[:, :prompt], chunk=8)
+    return caches
+
+
 @pytest.mark.skipif(not native.available(), reason="the native decode step")
 def test_a_full_buffer_that_backs_the_window_is_replaced_before_the_write():
     """A buffer with no spare slot left (it backs the window exactly) is replaced by a larger one, not written
     past: the step's logits equal model(...)'s. B 2, tiny Llama."""
     model = tiny_model("llama")
     ids = torch.randint(1, 250, (2, 26), generator=torch.Generator().manual_seed(6))
-    caches = [ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
-              for _ in range(2)]
-    for cache in caches:
-        prefill(model, cache, ids[:, :24], chunk=8)
+    caches = _two_prefilled_h2o_caches(model, ids, 24)
     lean = LeanDecoder(model)
     lean(ids[:, 24:25], caches[1])
     model(input_ids=ids[:, 24:25], cache=caches[0])
@@ -327,10 +334,7 @@ def test_the_in_place_step_reads_natively_and_times_its_sections_under_the_bench
 
     model = tiny_model("llama")
     ids = torch.randint(1, 250, (2, 23), generator=torch.Generator().manual_seed(7))
-    caches = [ConfKVCache.for_model(model, "h2o", store=StoreConfig(move_block=4), budget=200, protect=4)
-              for _ in range(2)]
-    for cache in caches:
-        prefill(model, cache, ids[:, :20], chunk=8)
+    caches = _two_prefilled_h2o_caches(model, ids, 20)
     if not with_plan:
         monkeypatch.setattr(DecodePlan, "build", classmethod(lambda cls, *args: None))
 

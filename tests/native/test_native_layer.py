@@ -21,6 +21,8 @@ SHAPES = {
     "ragged": {"hidden_size": 40, "head_dim": 10, "intermediate_size": 72},  # widths not multiples of 16
     # random norm weights and biases (Llama: on every projection), head_dim 16 != hidden 40 / 4 heads
     "asymmetric": {"asymmetric": True},
+    # an MLP narrower than the hidden size (the fused MLP's scratch rows are sized by the wider of the two)
+    "narrow_mlp": {"intermediate_size": 48},
 }
 
 

@@ -59,10 +59,13 @@ mutate-native: $(STAMP)
 # block or a stack array aborts with its place. Not part of `make test` (minutes); needs libasan (GCC's or Clang's),
 # loaded first through LD_PRELOAD. SANITIZE_TESTS="-m 'not integration' tests/store tests/hf tests/tiers tests/attention" runs the stores
 # and the lean decoder too (folders that import matplotlib cannot run under the preloaded runtime).
+# SANITIZER=thread: ThreadSanitizer instead (libtsan; the worker pool's chunks split statically over the threads, so
+# a race between two chunks is reported on every run).
 SANITIZE_TESTS ?= tests/native
+SANITIZER ?= address
 sanitize-native: $(STAMP)
-	CONFKV_NATIVE_SANITIZE=address ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 \
-	LD_PRELOAD=$$($${CC:-cc} -print-file-name=libasan.so) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
+	CONFKV_NATIVE_SANITIZE=$(SANITIZER) ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions=$(CURDIR)/tests/native/tsan_suppressions.txt" \
+	LD_PRELOAD=$$($${CC:-cc} -print-file-name=lib$(shell echo $(SANITIZER) | cut -c1)san.so) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 clean:
 	rm -rf $(VENV) mutants mutants-native

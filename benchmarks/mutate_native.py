@@ -21,17 +21,23 @@ Outcomes:
 The run works on a snapshot of confkv/, tests/ and benchmarks/ taken when it starts. Results go to
 ``results/mutation/native.json`` (in the repository, so a run spread over sessions and machines adds up), one
 entry per mutant id with the text of the mutated line: a verdict holds while that line reads the same (a changed
-line is run again, and the ids that no longer exist are dropped), so an interrupted run resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--rerun equivalent``
+line is run again, a line moved by an edit above it keeps its verdicts under its new id, and the ids that no longer
+exist are dropped), so an interrupted run resumes where it stopped; ``--rerun survived`` re-tests the survivors not listed as equivalent (after new tests), ``--rerun equivalent``
 those listed (with ``--sanitize address``: whether any reads or writes out of bounds), ``--sample N`` runs a
 seeded sample of N mutants spread over the files (the full set takes hours on two cores). The table of
 docs/MUTATION.md (between ``<!-- native-mutation-table -->`` markers) is rewritten at the end.
 
 ``--sanitize address`` builds and tests each mutant under AddressSanitizer: a mutant whose only effect is a read or
-write past a malloc'd block or a stack array (which the plain tests cannot see) is killed, and its verdict says so
+write past a malloc'd block or a stack array (which the plain tests cannot see) is killed, and its verdict says so;
+``--sanitize thread`` under ThreadSanitizer, with the worker pool's chunks split statically over the threads
+(``CONFKV_POOL_STATIC``): a mutant whose only effect is a race between two threads' chunks is killed
 (a mutant killed there is run once more without the sanitizer: if the plain tests kill it too, the verdict is a
 plain kill).
 
-Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address] [--list]
+The mutants are made in ``benchmarks/native_mutants.py``, the verdicts kept and the table written in
+``benchmarks/native_verdicts.py``; this script runs them.
+
+Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address|thread] [--list]
 [--table-only]``
 (``make mutate-native``).
 """
@@ -42,21 +48,20 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from native_mutants import apply, mutants  # noqa: E402  (the mutants: benchmarks/native_mutants.py)
+# the verdicts and the table (benchmarks/native_verdicts.py); BEGIN, END, still_valid, table: re-exported for the tests
+from native_verdicts import (BEGIN, DOC, END, STORE, equivalent, record, rename_listed,  # noqa: E402
+                             still_valid, table, verdicts_now, write_table)
+
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE = ROOT / "confkv" / "native"
-DOC = ROOT / "docs" / "MUTATION.md"
-#: every verdict so far (see the module docstring)
-STORE = ROOT / "results" / "mutation" / "native.json"
-BEGIN, END = "<!-- native-mutation-table -->", "<!-- /native-mutation-table -->"
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
          "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
@@ -80,157 +85,8 @@ TESTS_FOR = {
 #: loader tests that build libraries of their own and test no kernel
 DESELECT = ["tests/native/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",
             "tests/native/test_native_kernels.py::test_a_changed_part_of_the_source_builds_a_new_library"]
-EQUIVALENT_LINE = re.compile(r"^- `native:([\w./:-]+)`(?:, `native:[\w./:-]+`)*: \S")
 
 
-@dataclass(frozen=True)
-class Mutant:
-    """One change: ``file`` (relative to confkv/native) with text[start:end] replaced by ``new``."""
-
-    file: str
-    line: int
-    start: int
-    end: int
-    old: str
-    new: str
-    kind: str
-    #: the mutated line as it reads unmutated (stripped): a verdict is kept only while the line reads the same
-    line_text: str = ""
-
-    @property
-    def id(self) -> str:
-        return f"{self.file}:{self.line}:{self.kind}:{self.start}"
-
-
-def code_mask(text: str) -> list[bool]:
-    """Per character of C source ``text``: True where it is code (not a comment, string, char literal or
-    preprocessor line)."""
-    mask = [True] * len(text)
-    i, n = 0, len(text)
-    line_start = True
-    while i < n:
-        c = text[i]
-        if line_start and text[i:].lstrip(" \t").startswith("#"):
-            j = i
-            while j < n:  # a preprocessor line, with its backslash continuations
-                end = text.find("\n", j)
-                end = n if end < 0 else end
-                if end > 0 and text[end - 1] == "\\":
-                    j = end + 1
-                    continue
-                j = end
-                break
-            for k in range(i, j):
-                mask[k] = False
-            i = j
-            continue
-        line_start = False
-        if text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-        elif text.startswith("//", i):
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            j += 1
-        else:
-            if c == "\n":
-                line_start = True
-            i += 1
-            continue
-        for k in range(i, min(j, n)):
-            mask[k] = False
-        i = j
-    return mask
-
-
-def _close_paren(text: str, open_at: int) -> int:
-    """Index of the ``)`` matching the ``(`` at ``open_at``."""
-    depth = 0
-    for i in range(open_at, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
-    raise ValueError("unbalanced parentheses")
-
-
-def _split_args(inner: str) -> list[str]:
-    """Top-level comma-separated arguments of a call's inside."""
-    args, depth, start = [], 0, 0
-    for i, c in enumerate(inner):
-        depth += {"(": 1, ")": -1, "[": 1, "]": -1}.get(c, 0)
-        if c == "," and depth == 0:
-            args.append(inner[start:i].strip())
-            start = i + 1
-    args.append(inner[start:].strip())
-    return args
-
-
-_SIMPLE = r"[A-Za-z_]\w*(?:\[[^\[\]]*\])?"
-_RULES: list[tuple[str, re.Pattern, object]] = [
-    # (kind, pattern, replacement: a dict old -> new for the whole match, or a function of the match)
-    ("arith", re.compile(r"(?<=[\w)\]]) ([-+*/]) (?=[\w(])"), {"+": " - ", "-": " + ", "*": " / ", "/": " * "}),
-    ("compare", re.compile(r" (<=|>=|<|>|==|!=) "), {"<": " <= ", "<=": " < ", ">": " >= ", ">=": " > ",
-                                                        "==": " != ", "!=": " == "}),
-    ("logic", re.compile(r" (&&|\|\|) "), {"&&": " || ", "||": " && "}),
-    ("swap", re.compile(rf"(?<![\w.>*/])({_SIMPLE}) ([-/]) ({_SIMPLE})(?![\w\[(.])"),
-     lambda m: f"{m.group(3)} {m.group(2)} {m.group(1)}"),
-    ("bound", re.compile(r"(for \([^;]*; \w+ <=? )([^;]+)(;)"), lambda m: f"{m.group(1)}({m.group(2)}) - 1{m.group(3)}"),
-    ("start", re.compile(r"(for \((?:const )?(?:int64_t|int) \w+ = )0(;)"), lambda m: f"{m.group(1)}1{m.group(2)}"),
-]
-
-
-def mutants(root: Path = NATIVE) -> list[Mutant]:
-    """Every mutant of kernels.c and c/*.[ch], in file and position order, duplicates (same text) removed."""
-    found: list[Mutant] = []
-    files = [root / "kernels.c", *sorted((root / "c").glob("*.[ch]"))]
-    for path in files:
-        text = path.read_text()
-        rel = str(path.relative_to(root))
-        mask = code_mask(text)
-        def add(start: int, end: int, new: str, kind: str) -> None:
-            if all(mask[start:end]) and text[start:end] != new:
-                line_start = text.rfind("\n", 0, start) + 1
-                line_end = text.find("\n", start)
-                line = text[line_start:len(text) if line_end < 0 else line_end].strip()
-                found.append(Mutant(rel, text.count("\n", 0, start) + 1, start, end, text[start:end], new, kind, line))
-        for kind, pattern, replace in _RULES:
-            for m in pattern.finditer(text):
-                new = replace[m.group(1)] if isinstance(replace, dict) else replace(m)
-                add(m.start(), m.end(), new, kind)
-        for name in ("round_to", "fmaf"):  # dropped roundings
-            for m in re.finditer(rf"\b{name}\(", text):
-                if not mask[m.start()] or text[m.start() - 7:m.start()].endswith("float "):  # not the definition
-                    continue
-                close = _close_paren(text, m.end() - 1)
-                args = _split_args(text[m.end():close])
-                if name == "round_to" and len(args) == 2:
-                    add(m.start(), close + 1, f"({args[0]})", "no-round")
-                elif name == "fmaf" and len(args) == 3:
-                    add(m.start(), close + 1, f"(({args[0]}) * ({args[1]}) + ({args[2]}))", "split-fma")
-    unique, seen = [], set()
-    for mutant in found:
-        key = (mutant.file, mutant.start, mutant.end, mutant.new)
-        if key not in seen:
-            seen.add(key)
-            unique.append(mutant)
-    return unique
-
-
-def apply(mutant: Mutant, source: Path, target: Path) -> None:
-    """A copy of the sources at ``source`` in ``target`` with ``mutant`` applied."""
-    if target.exists():
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
-    shutil.copy(source / "kernels.c", target / "kernels.c")
-    shutil.copytree(source / "c", target / "c")
-    path = target / mutant.file
-    text = path.read_text()
-    assert text[mutant.start:mutant.end] == mutant.old, mutant
-    path.write_text(text[:mutant.start] + mutant.new + text[mutant.end:])
 
 
 def snapshot(target: Path) -> Path:
@@ -253,7 +109,8 @@ def sanitizer_env(name: str) -> dict[str, str]:
     if not os.path.isabs(runtime):
         sys.exit(f"--sanitize {name}: {cc} has no lib{name[:1]}san.so; install the compiler's sanitizer runtime")
     return {"CONFKV_NATIVE_SANITIZE": name, "LD_PRELOAD": runtime,
-            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1"}
+            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1", "TSAN_OPTIONS": "halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions="
+                            + str(Path(__file__).resolve().parents[1] / "tests/native/tsan_suppressions.txt")}
 
 
 def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str | None = None,
@@ -285,84 +142,6 @@ def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str |
     return "killed", seconds, output[-300:]
 
 
-def equivalent(doc: str) -> set[str]:
-    """Mutant ids listed as equivalent in MUTATION.md, outside the table (which lists the survivors): lines
-    ``- `native:<id>`: <reason>``, or ``- `native:<id>`, `native:<id>`: <reason>`` for several."""
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = head + rest.split(END, 1)[1]
-    found = set()
-    for line in doc.splitlines():
-        if EQUIVALENT_LINE.match(line):
-            reasonless = line.split("`: ", 1)[0] + "`"  # the ids before the first reason
-            found.update(re.findall(r"`native:([\w./:-]+)`", reasonless))
-    return found
-
-
-def table(results: dict[str, dict], all_mutants: list[Mutant], doc: str) -> str:
-    """The per-file table: mutants, run, killed, timeout, compile errors, equivalent, survived, % killed."""
-    listed = equivalent(doc)
-    rows, totals = [], None
-    files = sorted({m.file for m in all_mutants})
-    def counts(ids: list[str]) -> list[int]:
-        outcome = [results.get(i, {}).get("outcome") for i in ids]
-        killed = outcome.count("killed")
-        timeout = outcome.count("timeout")
-        errors = outcome.count("compile-error") + outcome.count("load-error")
-        eq = sum(1 for i, o in zip(ids, outcome) if o == "survived" and i in listed)
-        survived = sum(1 for i, o in zip(ids, outcome) if o == "survived" and i not in listed)
-        run = killed + timeout + errors + eq + survived
-        return [len(ids), run, killed, timeout, errors, eq, survived]
-    lines = ["| file | mutants | run | killed | timeout | compile error | equivalent | survived | killed of non-equivalent |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name in [*files, "all"]:
-        ids = [m.id for m in all_mutants if name in ("all", m.file)]
-        c = counts(ids)
-        scored = c[2] + c[3] + c[6]
-        share = f"{100 * (c[2] + c[3]) / scored:.1f}%" if scored else "-"
-        label = "**all**" if name == "all" else f"`{name}`"
-        lines.append(f"| {label} | " + " | ".join(str(x) for x in c) + f" | {share} |")
-    sanitized = sorted(i for i, r in results.items() if r.get("sanitizer") and r["outcome"] in ("killed", "timeout"))
-    if sanitized:
-        lines += ["", f"Killed in a run under AddressSanitizer (`--sanitize address`, run on the plain run's survivors: "
-                      f"accesses out of bounds that the plain tests cannot see): {len(sanitized)}, counted as killed "
-                      "above:", ""]
-        lines += [f"- `native:{i}`" for i in sanitized]
-    survivors = sorted(i for i, r in results.items() if r["outcome"] == "survived" and i not in listed)
-    if survivors:
-        lines += ["", "Survivors not yet killed nor listed as equivalent:", ""]
-        lines += [f"- `native:{i}`: `{results[i]['old']}` -> `{results[i]['new']}`" for i in survivors]
-    return "\n".join(lines)
-
-
-def still_valid(results: dict[str, dict], every: list[Mutant]) -> dict[str, dict]:
-    """The verdicts of ``results`` that still hold: those of a mutant that exists now (same id: file, line, kind,
-    offset) whose line reads as it did when it was run. Anything else is dropped, and run again when chosen."""
-    by_id = {m.id: m for m in every}
-    return {i: r for i, r in results.items()
-            if i in by_id and r.get("line") == by_id[i].line_text and r.get("new") == by_id[i].new}
-
-
-def record(mutant: Mutant, outcome: str, seconds: float, tail: str, sanitize: str = "") -> dict:
-    """A verdict as stored: the output's tail only where someone will read it (a survivor, an error); a verdict
-    reached under a sanitizer says which."""
-    entry = {"outcome": outcome, "seconds": round(seconds, 1), "old": mutant.old, "new": mutant.new,
-             "line": mutant.line_text}
-    if sanitize:
-        entry["sanitizer"] = sanitize
-    if outcome not in ("killed", "timeout"):
-        entry["tail"] = tail[-300:]
-    return entry
-
-
-def write_table(results: dict[str, dict], all_mutants: list[Mutant]) -> None:
-    doc = DOC.read_text()
-    if BEGIN not in doc or END not in doc:
-        print(table(results, all_mutants, doc))
-        return
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{BEGIN}\n{table(results, all_mutants, doc)}\n{END}{tail}")
 
 
 def main() -> None:
@@ -376,9 +155,11 @@ def main() -> None:
     parser.add_argument("--lines", default="", help="only mutants on lines A-B (with --only naming one file)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results and exit")
-    parser.add_argument("--sanitize", choices=["", "address"], default="",
+    parser.add_argument("--sanitize", choices=["", "address", "thread"], default="",
                         help="build and test each mutant under AddressSanitizer (LD_PRELOAD of the compiler's "
-                             "libasan): a read or write past a malloc'd block or a stack array kills it")
+                             "libasan): a read or write past a malloc'd block or a stack array kills it; or under "
+                             "ThreadSanitizer (libtsan; the pool's chunks split statically over two threads): a "
+                             "race between two chunks kills it")
     args = parser.parse_args()
     every = mutants()
     chosen = [m for m in every if args.only in m.id]
@@ -395,7 +176,11 @@ def main() -> None:
         print(f"{len(chosen)} of {len(every)} mutants", file=sys.stderr)
         return
     STORE.parent.mkdir(parents=True, exist_ok=True)
-    results = still_valid(json.loads(STORE.read_text()) if STORE.exists() else {}, every)
+    results, renamed = verdicts_now(json.loads(STORE.read_text()) if STORE.exists() else {}, every)
+    if renamed:  # lines moved by an edit above them: their verdicts (kept) and their ids in the doc follow
+        DOC.write_text(rename_listed(DOC.read_text(), renamed))
+        STORE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        print(f"{len(renamed)} verdicts follow their moved lines (ids renamed in {DOC.name})", flush=True)
     if args.table_only:
         write_table(results, every)
         return

@@ -86,8 +86,13 @@ def _cpu() -> str:
 
 
 #: ``$CONFKV_NATIVE_SANITIZE=address``: build with AddressSanitizer (reads and writes past a malloc'd block or a
-#: stack array abort the process). The process must load libasan first: ``make sanitize-native`` sets LD_PRELOAD.
-SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"]}
+#: stack array abort the process). ``=thread``: ThreadSanitizer (two threads touching the same memory, one
+#: writing, with nothing ordering them), with the worker pool's chunks split statically over the threads
+#: (``CONFKV_POOL_STATIC``, c/pool.c) so that every call of several chunks runs on two threads whatever the
+#: timing. The process must load the sanitizer's runtime (libasan / libtsan) first: ``make sanitize-native``
+#: sets LD_PRELOAD.
+SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"],
+              "thread": ["-fsanitize=thread", "-DCONFKV_POOL_STATIC"]}
 
 
 def default_flags() -> list[str]:
@@ -98,9 +103,10 @@ def default_flags() -> list[str]:
     if chosen not in SANITIZERS:
         raise NativeBuildError(f"$CONFKV_NATIVE_SANITIZE={chosen!r} is not a sanitizer this build knows; use one of "
                                f"{sorted(SANITIZERS)} or unset it")
-    if "asan" not in os.environ.get("LD_PRELOAD", ""):  # else the library fails to load, with a less clear message
-        raise NativeBuildError("$CONFKV_NATIVE_SANITIZE=address needs its runtime loaded before Python: run with "
-                               "LD_PRELOAD=$(cc -print-file-name=libasan.so) (as `make sanitize-native` does), or "
+    runtime = f"lib{chosen[0]}san"  # libasan, libtsan
+    if runtime not in os.environ.get("LD_PRELOAD", ""):  # else the library fails to load, with a less clear message
+        raise NativeBuildError(f"$CONFKV_NATIVE_SANITIZE={chosen} needs its runtime loaded before Python: run with "
+                               f"LD_PRELOAD=$(cc -print-file-name={runtime}.so) (as `make sanitize-native` does), or "
                                "unset CONFKV_NATIVE_SANITIZE")
     return FLAGS + SANITIZERS[chosen]
 

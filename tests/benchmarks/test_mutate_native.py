@@ -116,3 +116,45 @@ def test_kills_under_the_sanitizer_are_counted_and_named_and_survivals_there_sti
     named = table.split("Killed in a run under AddressSanitizer", 1)[1]
     assert f"`native:{found[0].id}`" in named and f"`native:{found[2].id}`" not in named
     assert mutate_native.sanitizer_env("") == {}
+
+
+MOVED_SOURCE = """static float g(const float *a, float s) {
+    s = a[0] * a[1] * a[2];
+    s = s - a[3];
+    s = s - a[3];
+    return s;
+}
+"""
+
+
+def test_a_verdict_follows_its_line_when_an_edit_above_moves_it(tmp_path):
+    """An edit above a line shifts its line number and offset, so its mutants' ids: their verdicts follow them
+    (the same line text, change and place on the line: two `*` on one line keep theirs apart), and so do the ids
+    listed in the doc. A line whose text repeats in the file is run again instead (which copy was which is not
+    known), and so is the edited line."""
+    tree = _tree(tmp_path)
+    (tree / "c" / "part.c").write_text(MOVED_SOURCE)
+    before = mutate_native.mutants(tree)
+    outcomes = {m.id: ("killed" if n % 2 else "survived") for n, m in enumerate(before)}
+    results = {m.id: mutate_native.record(m, outcomes[m.id], 1.0, "") for m in before}
+    (tree / "c" / "part.c").write_text("/* a new first line */\nstatic int h(int x) { return x + 1; }\n" +
+                                       MOVED_SOURCE)
+    after = mutate_native.mutants(tree)
+    kept, renamed = mutate_native.verdicts_now(results, after)
+    products = [m for m in before if m.line_text.startswith("s = a[0]") and m.kind == "arith"]
+    assert len(products) == 2 and {outcomes[m.id] for m in products} == {"killed", "survived"}
+    for m in products:
+        now = renamed[m.id]
+        moved_to = next(x for x in after if x.id == now)
+        assert moved_to.line == m.line + 2 and moved_to.start > m.start and moved_to.old == m.old
+        assert moved_to.start - m.start == len("/* a new first line */\nstatic int h(int x) { return x + 1; }\n")
+        assert kept[now]["outcome"] == outcomes[m.id]  # each `*` its own verdict
+    assert not any(m.line_text.startswith("s = s - a[3]") for m in before if m.id in renamed)  # repeated text
+    assert set(renamed.values()) <= kept.keys() and not set(renamed) & kept.keys()
+    doc = f"- `native:{products[0].id}`: a reason\n- `native:c/other.c:1:arith:5`: kept as it is\n"
+    assert mutate_native.rename_listed(doc, renamed) == \
+        f"- `native:{renamed[products[0].id]}`: a reason\n- `native:c/other.c:1:arith:5`: kept as it is\n"
+    # the same line edited: nothing follows
+    (tree / "c" / "part.c").write_text(MOVED_SOURCE.replace("a[0] * a[1] * a[2]", "a[0] * a[1] * a[3]"))
+    kept, renamed = mutate_native.verdicts_now(results, mutate_native.mutants(tree))
+    assert not renamed and not any(i in kept for i in (m.id for m in products))

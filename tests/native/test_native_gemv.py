@@ -149,7 +149,7 @@ def test_nan_and_inf_in_the_input_propagate_as_in_torch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_portable_c_loop_equals_the_exact_product(dtype, tmp_path, monkeypatch):
     """A build without AVX-512 runs the plain C loop (and its pool)."""
-    path = loader.build(tmp_path, loader.FLAGS + ["-mno-avx512f"])
+    path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     saved = torch.get_num_threads()
     try:

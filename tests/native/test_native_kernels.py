@@ -89,7 +89,7 @@ def test_mass_read_takes_strided_inputs_and_propagates_nan():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_portable_c_loops_equal_the_torch_mass_read(dtype, tmp_path, monkeypatch):
     """A build without AVX-512 runs the generic C loops for every head dim."""
-    path = loader.build(tmp_path, loader.FLAGS + ["-mno-avx512f"])
+    path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     for lengths, dim in (([33, 0, 8], 64), ([5], 16)):
         segments = unmasked_segments(lengths, dim=dim, dtype=dtype)
@@ -238,6 +238,9 @@ def test_a_failing_compiler_is_named_in_the_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("CONFKV_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CONFKV_NATIVE", raising=False)
+    # a plain build: under `make sanitize-native SANITIZER=thread` the stub, started with libtsan preloaded, says nothing
+    monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     with pytest.warns(RuntimeWarning, match="(?s)broken-cc failed to build kernels.c.*fatal error.*CONFKV_NATIVE=0"):
         assert not native.available()
     assert list((tmp_path / "cache").iterdir()) == []  # no half-written library left behind
@@ -281,8 +284,8 @@ def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch
 
 
 def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch):
-    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's flags to the build (so its
-    library has its own hash) when its runtime is preloaded, and says how to preload it when not; a name the loader
+    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's or ThreadSanitizer's flags to the
+    build (so its library has its own hash) when its runtime is preloaded, and says how to preload it when not; a name the loader
     does not know stops the build with the names it knows."""
     monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
     assert loader.default_flags() == loader.FLAGS
@@ -292,6 +295,11 @@ def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch)
         loader.default_flags()  # without its runtime first the library would not load
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libasan.so")
     assert loader.default_flags() == loader.FLAGS + ["-fsanitize=address", "-fno-omit-frame-pointer"]
-    monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "thread")
-    with pytest.raises(loader.NativeBuildError, match=r"'thread' is not a sanitizer.*\['address'\]"):
+    monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "thread")  # libasan preloaded is not libtsan
+    with pytest.raises(loader.NativeBuildError, match=r"LD_PRELOAD=\$\(cc -print-file-name=libtsan.so\)"):
+        loader.default_flags()
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libtsan.so.2")
+    assert loader.default_flags() == loader.FLAGS + ["-fsanitize=thread", "-DCONFKV_POOL_STATIC"]
+    monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "memory")
+    with pytest.raises(loader.NativeBuildError, match=r"'memory' is not a sanitizer.*\['address', 'thread'\]"):
         loader.default_flags()

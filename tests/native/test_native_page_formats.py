@@ -251,3 +251,65 @@ def test_greedy_tokens_are_the_same_with_the_native_read_on_and_off(monkeypatch,
     with disabled():
         torch_tokens = generate()
     assert torch.equal(native_tokens, torch_tokens)
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+def test_the_portable_build_reads_a_ladder_of_two_widths_and_outliers_as_the_torch_read(tmp_path, monkeypatch):
+    """Built without AVX-512 (no VBMI unpacking, the plain C dot product that scores pages with outliers): what a
+    CPU without AVX-512 runs. The ladder of the test above, every reader's shape, both GQA widths."""
+    from confkv.native import loader
+
+    monkeypatch.setitem(loader._state, "lib", loader.load(loader.build(tmp_path, [*loader.default_flags(), "-mno-avx512f"])))
+    for page, dim, group in SHAPES:
+        for gqa in (3, 1):
+            test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_torch_read(page, dim, group, gqa)
+
+
+@pytest.mark.parametrize("page, dim, group", [(8, 24, 4), (64, 64, 64)])  # the row-by-row readers; the fast ones
+def test_pages_with_outliers_give_the_same_bits_at_two_threads(page, dim, group):
+    """Each task sorts and patches a page's outliers in scratch of its own (after its float work buffer): tasks
+    that shared it would give other bits only when two ran at once, so the read is repeated. Under
+    ``make sanitize-native SANITIZER=thread`` (the pool's chunks split statically) a shared scratch is a race
+    reported on the first read. The second segment keeps more outliers a page than the first: the scratch is
+    sized by the segment that needs the most."""
+    gen = torch.Generator().manual_seed(page + dim)
+    segments = []
+    for bits, value_bits, fraction in [(4, 2, 0.01), (3, 3, 0.05)]:
+        fmt = KiviFormat(bits, group, dim, parse_format("outliers"), outlier_fraction=fraction, value_bits=value_bits)
+        data, valid, _ = _encoded(gen, fmt, page, dim)
+        segments.append(_segment(fmt, data, valid, gen, "all"))
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_mass = native_pages.page_read(query, segments, dim ** -0.5)
+        torch.set_num_threads(2)
+        for _ in range(10):
+            two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
+            assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+    finally:
+        torch.set_num_threads(threads)
+    _compare(query, segments, dim ** -0.5)
+
+
+def test_segments_of_two_page_sizes_with_outliers_are_read_at_two_threads_as_at_one():
+    """Each task's outlier scratch is sized by the segment that needs the most (a page's rows dequantized whole:
+    page x dim floats): here the second segment's pages are 8x the first's, so scratch sized by the first would
+    spill into the next task's buffers, which another thread is using (seen under ThreadSanitizer)."""
+    gen = torch.Generator().manual_seed(11)
+    dim, segments = 64, []
+    for page, group in [(8, 8), (64, 64)]:
+        fmt = KiviFormat(4, group, dim, parse_format("outliers"), outlier_fraction=0.02)
+        data, valid, _ = _encoded(gen, fmt, page, dim)
+        segments.append(_segment(fmt, data, valid, gen, "all"))
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_mass = native_pages.page_read(query, segments, dim ** -0.5)
+        torch.set_num_threads(2)
+        two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+    _compare(query, segments, dim ** -0.5)

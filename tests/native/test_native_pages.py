@@ -425,7 +425,7 @@ def test_the_portable_build_reads_as_the_torch_read(tmp_path):
     portable dot product serve every head, and read what the torch read reads."""
     from confkv.native import loader
 
-    lib = loader.load(loader.build(tmp_path, [*loader.FLAGS, "-mno-avx512f"]))
+    lib = loader.load(loader.build(tmp_path, [*loader.default_flags(), "-mno-avx512f"]))
     saved = loader._state.get("lib")
     loader._state["lib"] = lib
     try:

@@ -53,7 +53,7 @@ def test_w8a8_gemv_equals_the_reference(width, rows, dtype, with_bias):
 
 def test_the_portable_w8a8_loop_equals_the_reference(tmp_path, monkeypatch):
     """A build without AVX-512 (so without VNNI) runs the portable integer loop."""
-    path = loader.build(tmp_path, loader.FLAGS + ["-mno-avx512f"])
+    path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     gen = torch.Generator().manual_seed(3)
     for width in (576, 100):

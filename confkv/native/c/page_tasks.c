@@ -258,7 +258,8 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
             if (m[35] && !(ptrs[PR_PTRS * s + 9] && ptrs[PR_PTRS * s + 10] && ptrs[PR_PTRS * s + 11] &&
                            ptrs[PR_PTRS * s + 12]))
                 return 2;
-            if (m[35] && m[3] * D + m[3] + m[35] > a.outlier_ints) a.outlier_ints = m[3] * D + m[3] + m[35];
+            const int64_t outlier_need = m[35] ? m[3] * D + m[3] + m[35] : 0; /* a page's rows (P x D) or sort (P + O) */
+            if (outlier_need > a.outlier_ints) a.outlier_ints = outlier_need;
         }
         a.total += m[1];
     }

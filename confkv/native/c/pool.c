@@ -20,6 +20,7 @@ static struct {
     int64_t done;          /* chunks finished in the current generation */
     int64_t spin_ns;       /* how long an idle worker spins before it sleeps */
     int64_t chunks;        /* of the current call */
+    int64_t active;        /* threads taking part in the current call (CONFKV_POOL_STATIC only) */
     void (*task)(const void *ctx, int64_t chunk); /* computes one chunk of the current call */
     const void *ctx;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .spin_ns = 50000};
@@ -29,6 +30,13 @@ static struct {
 #endif
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+#ifdef CONFKV_POOL_STATIC
+/* Built for ThreadSanitizer (loader.SANITIZERS["thread"]): chunk i goes to thread i % active (the caller is 0,
+ * worker w is w), so every call of more than one chunk runs on two threads whatever the timing, and a race
+ * between two chunks' memory is reported on every run. Not for speed: a late worker holds the caller up. */
+static __thread int64_t pool_slot;
+#endif
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -69,6 +77,14 @@ static int pool_claim(uint64_t generation, int64_t *index) {
 /* claim and compute chunks of `generation` until none is left */
 static void pool_work(uint64_t generation) {
     int64_t index;
+#ifdef CONFKV_POOL_STATIC
+    (void)generation; /* the caller cannot start another call before this thread's chunks are done */
+    for (index = pool_slot; index < LOAD(&pool.chunks) && pool_slot < LOAD(&pool.active); index += LOAD(&pool.active)) {
+        pool.task(pool.ctx, index);
+        __atomic_add_fetch(&pool.done, 1, __ATOMIC_SEQ_CST);
+    }
+    return;
+#endif
     while (pool_claim(generation, &index)) {
         pool.task(pool.ctx, index);
         __atomic_add_fetch(&pool.done, 1, __ATOMIC_SEQ_CST);
@@ -77,6 +93,9 @@ static void pool_work(uint64_t generation) {
 
 /* a worker's whole life: wait for a generation, take chunks, wait again */
 static void *pool_worker(void *arg) {
+#ifdef CONFKV_POOL_STATIC
+    pool_slot = (int64_t)(intptr_t)arg;
+#endif
     (void)arg;
     uint64_t seen = LOAD(&pool.born); /* not the generation now: the caller may have bumped it already */
     for (;;) {
@@ -108,7 +127,7 @@ static int pool_grow(int wanted) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&thread, &attr, pool_worker, NULL);
+        const int failed = pthread_create(&thread, &attr, pool_worker, (void *)(intptr_t)(pool.workers + 1));
         pthread_attr_destroy(&attr);
         if (failed) break;
         pool.workers++;
@@ -136,6 +155,7 @@ static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_
     pool.task = task;
     pool.ctx = ctx;
     STORE(&pool.chunks, chunks);
+    STORE(&pool.active, (int64_t)(threads < pool.workers + 1 ? threads : pool.workers + 1));
     POOL_PAUSE_WHILE_ARMING(); /* nothing, except in tests/native/pool_stress.c, which widens this window */
     STORE(&pool.done, 0);
     STORE(&pool.generation, generation);

@@ -168,7 +168,7 @@ def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read(gr
     _compare(query, [pages], dim ** -0.5)
 
 
-@pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8)])
+@pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)])
 def test_an_outlier_index_outside_its_page_is_left_out(page, dim, group):
     """Stored indices are always inside their page, but the kernel reads them from memory it is handed: an index
     of -1 or of P * D (one past the page) is left out, as if that entry were a copy of another outlier of the page
@@ -177,11 +177,12 @@ def test_an_outlier_index_outside_its_page_is_left_out(page, dim, group):
     fmt = KiviFormat(3, group, dim, parse_format("outliers"), outlier_fraction=0.05)
     data, valid, _ = _encoded(gen, fmt, page, dim)
     reference = {name: t.clone() for name, t in data.items()}
-    for which, bad in (("key", page * dim), ("value", -1)):
-        index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
-        index[..., 1], value[..., 1] = bad, 1000.0
-        reference[f"{which}_outlier_index"][..., 1] = reference[f"{which}_outlier_index"][..., 0]
-        reference[f"{which}_outlier_value"][..., 1] = reference[f"{which}_outlier_value"][..., 0]
+    for which in ("key", "value"):  # each tensor both edges: -1 and P * D, on both of its readers' paths
+        for slot, bad in ((1, page * dim), (2, -1)):
+            index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
+            index[..., slot], value[..., slot] = bad, 1000.0
+            reference[f"{which}_outlier_index"][..., slot] = reference[f"{which}_outlier_index"][..., 0]
+            reference[f"{which}_outlier_value"][..., slot] = reference[f"{which}_outlier_value"][..., 0]
     pages = _segment(fmt, data, valid, torch.Generator().manual_seed(1), "all")
     same = _segment(fmt, reference, valid, torch.Generator().manual_seed(1), "all")
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)

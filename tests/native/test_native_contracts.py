@@ -74,9 +74,10 @@ def test_the_portable_gemv_loops_round_as_torch_bit_for_bit(dtype, tmp_path, mon
 
 
 def _layer_operands(dtype: torch.dtype, hidden: int = 40, heads: int = 4, kv_heads: int = 2, dim: int = 16,
-                    inner: int = 72, seed: int = 0):
+                    inner: int = 72, seed: int = 0, activation_bits: int = 16):
     """Random INT8 projections (with biases), norm weights (not 1) for one Llama layer whose head_dim * heads
-    (64) != hidden (40); returns (LayerKernels, the Int8Projections q, k, v, o, gate, up, down, the norms)."""
+    (64) != hidden (40); returns (LayerKernels, the Int8Projections q, k, v, o, gate, up, down, the norms).
+    ``activation_bits`` 8: W8A8 projections (each input quantised once for all of its products)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = [(heads * dim, hidden), (kv_heads * dim, hidden), (kv_heads * dim, hidden), (hidden, heads * dim),
               (inner, hidden), (inner, hidden), (hidden, inner)]
@@ -85,7 +86,7 @@ def _layer_operands(dtype: torch.dtype, hidden: int = 40, heads: int = 4, kv_hea
         weight = torch.randint(-127, 128, (outputs, inputs), dtype=torch.int8, generator=gen)
         scale = (torch.rand(outputs, generator=gen) / 100 + 1e-3).to(dtype)
         bias = (torch.randn(outputs, generator=gen) * 0.1).to(dtype)
-        projections.append(native.Int8Projection(weight, scale, bias))
+        projections.append(native.Int8Projection(weight, scale, bias, activation_bits=activation_bits))
     norms = [((torch.rand(hidden, generator=gen) + 0.5).to(dtype), 1e-5) for _ in range(2)]
     if not LayerKernels.supports(tuple(projections), *norms, dim):
         pytest.skip("the fused layer does not take bfloat16 here (torch's sum order not reproduced)")
@@ -125,9 +126,12 @@ def test_fused_mlp_rounds_each_step_as_the_torch_lines(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_attention_inputs_equal_the_torch_lines_bit_for_bit(dtype):
-    """LayerKernels.attention_inputs: norm, q / k / v with biases, rotary on q and k (head_dim 16 != 40 / 4)."""
-    kernels, (q, k, v, *_), norms = _layer_operands(dtype, seed=2)
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_fused_attention_inputs_equal_the_torch_lines_bit_for_bit(dtype, activation_bits):
+    """LayerKernels.attention_inputs: norm, q / k / v with biases, rotary on q and k (head_dim 16 != 40 / 4).
+    W8A8: the fused call quantises the normed input once and hands it to all three products, each of which
+    must equal its own projection of that input (which quantises it the same way)."""
+    kernels, (q, k, v, *_), norms = _layer_operands(dtype, seed=2, activation_bits=activation_bits)
     gen = torch.Generator().manual_seed(3)
     for batch, length in ((1, 1), (3, 1), (2, 2)):
         x = torch.randn(batch, length, 40, generator=gen).to(dtype)

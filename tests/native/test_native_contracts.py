@@ -64,7 +64,8 @@ def test_gemv_rounds_as_torch_bit_for_bit(dtype, bias, rows, activation_bits):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_portable_gemv_loops_round_as_torch_bit_for_bit(dtype, tmp_path, monkeypatch):
     """The same contract on a build without AVX-512 (the plain C loops, W8A16 and W8A8), with and without bias."""
-    monkeypatch.setitem(loader._state, "lib", loader.load(loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])))
+    portable = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
+    monkeypatch.setitem(loader._state, "lib", loader.load(portable))
     for bias in (False, True):
         for rows, (outputs, inputs) in ((1, (37, 53)), (3, (12, 80)), (4, (5, 64))):
             x, weight, scale, shift = _integer_operands(rows, outputs, inputs, dtype, seed=rows, bias=bias)

@@ -238,7 +238,7 @@ def test_a_failing_compiler_is_named_in_the_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv("CONFKV_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("CONFKV_NATIVE", raising=False)
-    # a plain build: under `make sanitize-native SANITIZER=thread` the stub, started with libtsan preloaded, says nothing
+    # a plain build: under `make sanitize-native SANITIZER=thread` the stub, run with libtsan preloaded, says nothing
     monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     with pytest.warns(RuntimeWarning, match="(?s)broken-cc failed to build kernels.c.*fatal error.*CONFKV_NATIVE=0"):
@@ -284,9 +284,9 @@ def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch
 
 
 def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch):
-    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's or ThreadSanitizer's flags to the
-    build (so its library has its own hash) when its runtime is preloaded, and says how to preload it when not; a name the loader
-    does not know stops the build with the names it knows."""
+    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's or ThreadSanitizer's flags to
+    the build (so its library has its own hash) when its runtime is preloaded, and says how to preload it when not; a
+    name the loader does not know stops the build with the names it knows."""
     monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
     assert loader.default_flags() == loader.FLAGS
     monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "address")

@@ -260,7 +260,8 @@ def test_the_portable_build_reads_a_ladder_of_two_widths_and_outliers_as_the_tor
     CPU without AVX-512 runs. The ladder of the test above, every reader's shape, both GQA widths."""
     from confkv.native import loader
 
-    monkeypatch.setitem(loader._state, "lib", loader.load(loader.build(tmp_path, [*loader.default_flags(), "-mno-avx512f"])))
+    portable = loader.build(tmp_path, [*loader.default_flags(), "-mno-avx512f"])
+    monkeypatch.setitem(loader._state, "lib", loader.load(portable))
     for page, dim, group in SHAPES:
         for gqa in (3, 1):
             test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_torch_read(page, dim, group, gqa)

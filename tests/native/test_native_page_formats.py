@@ -25,6 +25,7 @@ from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, densify
 from confkv.native import pages as native_pages
 from confkv.native.loader import available
 from confkv.tiers.formats import KiviFormat, parse_format
+from thread_counts import same_bits_at_one_and_two_threads
 
 pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
@@ -281,16 +282,7 @@ def test_pages_with_outliers_give_the_same_bits_at_two_threads(page, dim, group)
         data, valid, _ = _encoded(gen, fmt, page, dim)
         segments.append(_segment(fmt, data, valid, gen, "all"))
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one, one_mass = native_pages.page_read(query, segments, dim ** -0.5)
-        torch.set_num_threads(2)
-        for _ in range(10):
-            two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
-            assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
-    finally:
-        torch.set_num_threads(threads)
+    same_bits_at_one_and_two_threads(lambda: native_pages.page_read(query, segments, dim ** -0.5), repeats=10)
     _compare(query, segments, dim ** -0.5)
 
 
@@ -305,13 +297,5 @@ def test_segments_of_two_page_sizes_with_outliers_are_read_at_two_threads_as_at_
         data, valid, _ = _encoded(gen, fmt, page, dim)
         segments.append(_segment(fmt, data, valid, gen, "all"))
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one, one_mass = native_pages.page_read(query, segments, dim ** -0.5)
-        torch.set_num_threads(2)
-        two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+    same_bits_at_one_and_two_threads(lambda: native_pages.page_read(query, segments, dim ** -0.5))
     _compare(query, segments, dim ** -0.5)

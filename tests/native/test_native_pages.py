@@ -22,6 +22,7 @@ from confkv.attention.segments import PagedSegment, densify
 from confkv.native import pages as native_pages
 from confkv.native.loader import available, disabled
 from confkv.tiers import lowbit
+from thread_counts import same_bits_at_one_and_two_threads
 
 pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
@@ -252,15 +253,7 @@ def test_two_threads_give_the_same_bits_as_one():
     gen = torch.Generator().manual_seed(6)
     segments = [*_hot(gen), _pages(gen, 8, "all"), _pages(gen, 4, "all"), _pages(gen, 3, "all")]
     query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one, one_mass = native_pages.page_read(query, segments, DIM ** -0.5)
-        torch.set_num_threads(2)
-        two, two_mass = _compare(query, segments)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
+    same_bits_at_one_and_two_threads(lambda: _compare(query, segments))
 
 
 @pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (64, 64, 64)])  # the row-by-row readers; the fast path
@@ -283,16 +276,7 @@ def test_the_fast_path_gives_the_same_bits_at_two_threads_in_every_read():
     gen = torch.Generator().manual_seed(7)
     segments = [_pages_of(gen, 3, 64, 64, 64), _pages_of(gen, 4, 64, 64, 64)]
     query = torch.randn(BATCH, KV_HEADS * 3, 1, 64, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one, one_mass = native_pages.page_read(query, segments, 64 ** -0.5)
-        torch.set_num_threads(2)
-        for _ in range(20):
-            two, two_mass = native_pages.page_read(query, segments, 64 ** -0.5)
-            assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
-    finally:
-        torch.set_num_threads(threads)
+    same_bits_at_one_and_two_threads(lambda: native_pages.page_read(query, segments, 64 ** -0.5), repeats=20)
 
 
 def test_a_mask_that_differs_per_kv_head_and_per_query_is_read_as_given():

@@ -101,6 +101,29 @@ def test_a_ladder_stepping_down_by_confidence_gets_it(monkeypatch):
     assert not any(math.isnan(c) for c in cache.trace.confidences(0))
 
 
+def test_pages_stepped_down_by_confidence_carry_the_confidence_of_a_step_of_their_own_sequence():
+    """Each page on every rung holds the confidence the model had at a step of its sequence (the step it was sealed
+    at), not the 0.5 a tier starts with: the order of stepping down is read from it."""
+    from confkv.tiers.ladder import LadderTier
+
+    model = tiny_model("llama", seed=2)
+    cache = ConfKVCache.for_model(model, memory=0.25, step_down_by="confidence")
+    _run(cache, model, _ids(300, batch=2))
+    pages = 0
+    for layer in cache.layers:
+        store = layer.store
+        if not isinstance(store.cold, LadderTier):
+            continue
+        for rung in store.cold.rungs:
+            for b in range(2):
+                seen = set(cache.trace.confidences(b))
+                held = rung.pages["confidence"][b, :, :rung.num_pages].flatten().tolist()
+                pages += len(held)
+                assert set(held) <= seen, (sorted(set(held) - seen)[:3], b)
+    assert pages > 0
+    assert 0.5 not in set(cache.trace.confidences(0)) | set(cache.trace.confidences(1))
+
+
 def test_nan_logits_are_warned_of_when_confidence_is_not_worked_out():
     model = tiny_model("llama", seed=2)
 

@@ -82,6 +82,11 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     assert hot(0.5) == hot(0.5, "share") == 100
     # no ladder: nothing to keep at a bottom rung
     assert bottom_token_bytes(Storage(ladder=()), shape, torch.bfloat16) == 0.0
+    # outliers are counted at the bottom rung too: round(0.01 x 64 x 64) = 41 entries of each tensor, page and
+    # head, a float16 value and an int16 index each: 41 x 2 tensors x 2 heads x 4 bytes / 64 tokens = 10.25 more
+    with_outliers = Storage(ladder=(8, 4), page_size=64, group_size=64, hot_split="keep_all",
+                            format="kivi+outliers", outlier_fraction=0.01)
+    assert bottom_token_bytes(with_outliers, shape, torch.bfloat16) == 144.0 + 10.25
     # a 16-bit bottom rung costs what a hot token does: nothing to give back, the share as it is
     full_rung = Storage(ladder=(16,), page_size=64, group_size=64, hot_split="keep_all")
     assert bottom_token_bytes(full_rung, shape, torch.bfloat16) == 512.0

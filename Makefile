@@ -60,12 +60,15 @@ mutate-native: $(STAMP)
 # loaded first through LD_PRELOAD. SANITIZE_TESTS="-m 'not integration' tests/store tests/hf tests/tiers tests/attention" runs the stores
 # and the lean decoder too (folders that import matplotlib cannot run under the preloaded runtime).
 # SANITIZER=thread: ThreadSanitizer instead (libtsan; the worker pool's chunks split statically over the threads, so
-# a race between two chunks is reported on every run).
+# a race between two chunks is reported on every run). SANITIZER=undefined: UBSan (libubsan; an index past a
+# fixed-size array, a shift past the type's width, a signed overflow). --capture=sys: a sanitizer's report, written
+# by the C runtime to the process's stderr before it stops, reaches the terminal instead of pytest's capture.
 SANITIZE_TESTS ?= tests/native
 SANITIZER ?= address
+SANITIZER_RUNTIME = $(if $(filter undefined,$(SANITIZER)),libubsan,lib$(shell echo $(SANITIZER) | cut -c1)san)
 sanitize-native: $(STAMP)
-	CONFKV_NATIVE_SANITIZE=$(SANITIZER) ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions=$(CURDIR)/tests/native/tsan_suppressions.txt" \
-	LD_PRELOAD=$$($${CC:-cc} -print-file-name=lib$(shell echo $(SANITIZER) | cut -c1)san.so) $(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
+	CONFKV_NATIVE_SANITIZE=$(SANITIZER) ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions=$(CURDIR)/tests/native/tsan_suppressions.txt" \
+	LD_PRELOAD=$$($${CC:-cc} -print-file-name=$(SANITIZER_RUNTIME).so) $(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)
 
 clean:
 	rm -rf $(VENV) mutants mutants-native

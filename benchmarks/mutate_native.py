@@ -32,12 +32,14 @@ write past a malloc'd block or a stack array (which the plain tests cannot see) 
 ``--sanitize thread`` under ThreadSanitizer, with the worker pool's chunks split statically over the threads
 (``CONFKV_POOL_STATIC``): a mutant whose only effect is a race between two threads' chunks is killed
 (a mutant killed there is run once more without the sanitizer: if the plain tests kill it too, the verdict is a
-plain kill).
+plain kill). ``--sanitize undefined`` under UBSan, aborting at the first report: a mutant whose only effect is
+undefined behaviour that this compiler's code happens to survive (an index one past a fixed-size array such as
+the AVX-512 loops' register arrays, a shift by the type's width or more, a signed overflow) is killed.
 
 The mutants are made in ``benchmarks/native_mutants.py``, the verdicts kept and the table written in
 ``benchmarks/native_verdicts.py``; this script runs them.
 
-Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address|thread] [--list]
+Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address|thread|undefined] [--list]
 [--table-only]``
 (``make mutate-native``).
 """
@@ -104,12 +106,16 @@ def sanitizer_env(name: str) -> dict[str, str]:
     its runtime first in the test process (as ``make sanitize-native``); {} for none."""
     if not name:
         return {}
+    from confkv.native.loader import SANITIZER_RUNTIMES  # noqa: PLC0415
+
     cc = os.environ.get("CC") or "cc"
-    runtime = subprocess.run([cc, f"-print-file-name=lib{name[:1]}san.so"], capture_output=True, text=True).stdout.strip()
+    library = f"{SANITIZER_RUNTIMES[name]}.so"
+    runtime = subprocess.run([cc, f"-print-file-name={library}"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(runtime):
-        sys.exit(f"--sanitize {name}: {cc} has no lib{name[:1]}san.so; install the compiler's sanitizer runtime")
+        sys.exit(f"--sanitize {name}: {cc} has no {library}; install the compiler's sanitizer runtime")
     return {"CONFKV_NATIVE_SANITIZE": name, "LD_PRELOAD": runtime,
-            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1", "TSAN_OPTIONS": "halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions="
+            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1", "UBSAN_OPTIONS": "print_stacktrace=1",
+            "TSAN_OPTIONS": "halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions="
                             + str(Path(__file__).resolve().parents[1] / "tests/native/tsan_suppressions.txt")}
 
 
@@ -151,18 +157,21 @@ def main() -> None:
     parser.add_argument("--rerun", choices=["survived", "equivalent", "all"],
                         help="re-test these outcomes (default: only new); equivalent: the survivors listed as "
                              "equivalent (with --sanitize: does any of them read or write out of bounds?)")
-    parser.add_argument("--only", default="", help="only mutants whose id contains this text")
+    parser.add_argument("--only", default="", help="only mutants whose id contains this text (or one of several, "
+                                                   "joined by commas)")
     parser.add_argument("--lines", default="", help="only mutants on lines A-B (with --only naming one file)")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the results and exit")
-    parser.add_argument("--sanitize", choices=["", "address", "thread"], default="",
+    parser.add_argument("--sanitize", choices=["", "address", "thread", "undefined"], default="",
                         help="build and test each mutant under AddressSanitizer (LD_PRELOAD of the compiler's "
                              "libasan): a read or write past a malloc'd block or a stack array kills it; or under "
                              "ThreadSanitizer (libtsan; the pool's chunks split statically over two threads): a "
-                             "race between two chunks kills it")
+                             "race between two chunks kills it; or under UBSan (libubsan): an index past a "
+                             "fixed-size array, a shift past the type's width, a signed overflow kills it")
     args = parser.parse_args()
     every = mutants()
-    chosen = [m for m in every if args.only in m.id]
+    texts = args.only.split(",")
+    chosen = [m for m in every if any(text in m.id for text in texts)]
     if args.lines:
         first, _, last = args.lines.partition("-")
         if not (first.isdigit() and last.isdigit()):

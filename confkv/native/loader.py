@@ -89,10 +89,15 @@ def _cpu() -> str:
 #: stack array abort the process). ``=thread``: ThreadSanitizer (two threads touching the same memory, one
 #: writing, with nothing ordering them), with the worker pool's chunks split statically over the threads
 #: (``CONFKV_POOL_STATIC``, c/pool.c) so that every call of several chunks runs on two threads whatever the
-#: timing. The process must load the sanitizer's runtime (libasan / libtsan) first: ``make sanitize-native``
-#: sets LD_PRELOAD.
+#: timing. ``=undefined``: UndefinedBehaviorSanitizer (an index past a fixed-size array, such as the AVX-512
+#: loops' register arrays, a shift past the type's width, a signed overflow, a misaligned load), aborting at the
+#: first report. The process must load the sanitizer's runtime (:data:`SANITIZER_RUNTIMES`) first:
+#: ``make sanitize-native`` sets LD_PRELOAD.
 SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"],
-              "thread": ["-fsanitize=thread", "-DCONFKV_POOL_STATIC"]}
+              "thread": ["-fsanitize=thread", "-DCONFKV_POOL_STATIC"],
+              "undefined": ["-fsanitize=undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]}
+#: the runtime library each sanitizer loads (``cc -print-file-name=<name>.so`` finds it)
+SANITIZER_RUNTIMES = {"address": "libasan", "thread": "libtsan", "undefined": "libubsan"}
 
 
 def default_flags() -> list[str]:
@@ -103,7 +108,7 @@ def default_flags() -> list[str]:
     if chosen not in SANITIZERS:
         raise NativeBuildError(f"$CONFKV_NATIVE_SANITIZE={chosen!r} is not a sanitizer this build knows; use one of "
                                f"{sorted(SANITIZERS)} or unset it")
-    runtime = f"lib{chosen[0]}san"  # libasan, libtsan
+    runtime = SANITIZER_RUNTIMES[chosen]
     if runtime not in os.environ.get("LD_PRELOAD", ""):  # else the library fails to load, with a less clear message
         raise NativeBuildError(f"$CONFKV_NATIVE_SANITIZE={chosen} needs its runtime loaded before Python: run with "
                                f"LD_PRELOAD=$(cc -print-file-name={runtime}.so) (as `make sanitize-native` does), or "

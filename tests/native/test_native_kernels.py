@@ -284,7 +284,7 @@ def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch
 
 
 def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch):
-    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's or ThreadSanitizer's flags to
+    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's, ThreadSanitizer's or UBSan's flags to
     the build (so its library has its own hash) when its runtime is preloaded, and says how to preload it when not; a
     name the loader does not know stops the build with the names it knows."""
     monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
@@ -300,6 +300,12 @@ def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch)
         loader.default_flags()
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libtsan.so.2")
     assert loader.default_flags() == loader.FLAGS + ["-fsanitize=thread", "-DCONFKV_POOL_STATIC"]
+    monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "undefined")  # libubsan, not "libusan"
+    with pytest.raises(loader.NativeBuildError, match=r"LD_PRELOAD=\$\(cc -print-file-name=libubsan.so\)"):
+        loader.default_flags()
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/gcc/x86_64-linux-gnu/12/libubsan.so")
+    assert "-fsanitize=undefined" in loader.default_flags() and "-fno-sanitize-recover=undefined" in loader.default_flags()
     monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "memory")
-    with pytest.raises(loader.NativeBuildError, match=r"'memory' is not a sanitizer.*\['address', 'thread'\]"):
+    with pytest.raises(loader.NativeBuildError,
+                       match=r"'memory' is not a sanitizer.*\['address', 'thread', 'undefined'\]"):
         loader.default_flags()

@@ -55,7 +55,9 @@ def table(results: dict[str, dict], all_mutants: list[Mutant], doc: str) -> str:
         label = "**all**" if name == "all" else f"`{name}`"
         lines.append(f"| {label} | " + " | ".join(str(x) for x in c) + f" | {share} |")
     what = {"address": ("AddressSanitizer", "accesses out of bounds"),
-            "thread": ("ThreadSanitizer", "two threads touching the same memory unordered, one writing")}
+            "thread": ("ThreadSanitizer", "two threads touching the same memory unordered, one writing"),
+            "undefined": ("UBSan", "undefined behaviour the compiled code happened to survive: an index past a "
+                                   "fixed-size array, a shift past the type's width")}
     for name, (tool, seen) in what.items():
         sanitized = sorted(i for i, r in results.items()
                            if r.get("sanitizer") == name and r["outcome"] in ("killed", "timeout"))

@@ -26,3 +26,18 @@ def test_a_field_added_later_at_its_old_behaviour_leaves_the_signature_as_record
     monkeypatch.setitem(presets.PRESETS, "tiered", dataclasses.replace(
         tiered, storage=dataclasses.replace(tiered.storage, unread_by="attention")))
     assert "unread_by='attention'" in presets.preset_signature("tiered")
+
+
+def test_a_preset_s_storage_fields_come_as_lists_from_json_and_bad_ones_are_named():
+    """A ladder read from JSON or the command line is a list and becomes the storage's tuple; a ladder that is not
+    a sequence reaches the storage's own check, which names the field and the fix (not a TypeError from the
+    conversion)."""
+    import pytest
+
+    from confkv.config import ConfigError
+
+    spec = presets.resolve("tiered", memory=0.25, ladder=[8, 4])
+    assert spec.storage.ladder == (8, 4)
+    for bad in (4, None):
+        with pytest.raises(ConfigError, match=r"ladder: must be a tuple of bit widths, e\.g\. \(8, 4, 3, 2\)"):
+            presets.resolve("tiered", memory=0.25, ladder=bad)

@@ -192,10 +192,9 @@ class LadderTier:
             top.drop_open(math.ceil(excess / (batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size()))))
 
     def _open_outweighs_a_bottom_page(self) -> bool:
-        """Whether the open page's tokens, in full precision, cost more than one bottom-rung page (all sequences)."""
+        """Whether the open page's tokens, in full precision, cost more than one bottom-rung page (all sequences).
+        Asked only while the open page holds tokens (both callers check ``open_length`` first)."""
         top = self.top
-        if not top.open_length:
-            return False
         batch, heads, length, head_dim = top.open["keys"].shape
         slot_bytes = batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size())
         return length * slot_bytes > self._batch_page_bytes(len(self.rungs) - 1)

@@ -57,8 +57,8 @@ class StepPlan:
 
 
 def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, token_bytes: int,
-              managed: int, sliding_bytes: int, floor_tokens: int, reserve_bytes: int = 0,
-              bottom_token_bytes: float = 0.0, reserve_held: bool = True) -> StepPlan:
+              managed: int, sliding_bytes: int, floor_tokens: int, reserve_bytes: int,
+              bottom_token_bytes: float, reserve_held: bool) -> StepPlan:
     """The plan of one step (see the module docstring).
 
     Args:
@@ -66,9 +66,10 @@ def plan_step(target: MemoryTarget, storage: Storage, *, batch: int, seen: int, 
         token_bytes: :func:`fp_token_bytes` of one managed layer.
         managed: managed (evictable) layers; sliding_bytes: bytes the sliding-window layers hold now.
         floor_tokens: the smallest hot budget the policy (and an INT8 store's never-evicted FP window) accepts.
-        reserve_bytes: bytes each managed layer holds besides its tokens (an INT8 store's key channel scale).
+        reserve_bytes: bytes each managed layer holds besides its tokens (an INT8 store's key channel scale; 0
+            for others).
         bottom_token_bytes: bytes of one token of one layer on the ladder's bottom rung (its page's bytes over
-            its tokens; ``hot_split="keep_all"`` only).
+            its tokens; read under ``hot_split="keep_all"`` only, 0.0 for others).
         reserve_held: False while an INT8 store that starts over budget (``int8_from="over_budget"``) holds no
             scale yet: the reserve then counts in the hot budget but not in the test for evicting nothing, so a
             target of the full cache evicts nothing.

@@ -24,18 +24,25 @@ def test_an_int8_store_adds_its_key_channel_scale_to_every_managed_layer():
 
 
 def test_a_full_target_without_a_reserve_keeps_every_token_to_the_byte():
-    """memory=1 with nothing held besides the tokens (no INT8 scale, the default ``reserve_bytes``): the layer's
-    share is exactly its full bytes, and not one byte more is asked, so nothing is evicted; one byte less is a
-    plan that evicts. B 2, 100 positions, 1,536-byte tokens, 4 managed layers."""
+    """memory=1 with nothing held besides the tokens (no INT8 scale, ``reserve_bytes=0``): the layer's share is
+    exactly its full bytes, and not one byte more is asked, so nothing is evicted; one byte less is a plan that
+    evicts. With an INT8 store's scale held (``reserve_bytes``), the full bytes cannot hold the tokens and the scale:
+    a plan that evicts; while the scale is not held yet (``reserve_held=False``: ``int8_from="over_budget"``
+    before the store goes over), nothing is evicted. B 2, 100 positions, 1,536-byte tokens, 4 managed layers."""
     from confkv.tiers.planner import plan_step
     from confkv.tiers.storage import MemoryTarget, Storage
 
-    shape = dict(batch=2, seen=100, token_bytes=1536, managed=4, sliding_bytes=0, floor_tokens=4)
+    shape = dict(batch=2, seen=100, token_bytes=1536, managed=4, sliding_bytes=0, floor_tokens=4,
+                 bottom_token_bytes=0.0)
     full = 4 * 2 * 100 * 1536
-    kept = plan_step(MemoryTarget(1.0, None), Storage(), **shape)
+    kept = plan_step(MemoryTarget(1.0, None), Storage(), reserve_bytes=0, reserve_held=True, **shape)
     assert kept.hot_budget is None and kept.layer_bytes == 2 * 100 * 1536 and kept.full_bytes == full
-    tight = plan_step(MemoryTarget(None, full - 4), Storage(), **shape)
+    tight = plan_step(MemoryTarget(None, full - 4), Storage(), reserve_bytes=0, reserve_held=True, **shape)
     assert tight.hot_budget is not None
+    held = plan_step(MemoryTarget(1.0, None), Storage(), reserve_bytes=512, reserve_held=True, **shape)
+    assert held.hot_budget is not None
+    pending = plan_step(MemoryTarget(1.0, None), Storage(), reserve_bytes=512, reserve_held=False, **shape)
+    assert pending.hot_budget is None
 
 
 def test_with_a_ladder_the_hot_tier_gets_its_share_of_the_layer_after_the_reserve():
@@ -47,7 +54,7 @@ def test_with_a_ladder_the_hot_tier_gets_its_share_of_the_layer_after_the_reserv
 
     storage = Storage()
     plan = plan_step(MemoryTarget(0.25, None), storage, batch=2, seen=1000, token_bytes=1536, managed=4,
-                     sliding_bytes=0, floor_tokens=4, reserve_bytes=60_000)
+                     sliding_bytes=0, floor_tokens=4, reserve_bytes=60_000, bottom_token_bytes=0.0, reserve_held=True)
     layer = 2 * 1000 * 1536 // 4  # the target of one layer: a quarter of its full bytes (768,000)
     assert plan.layer_bytes == layer
     assert plan.hot_budget == int(storage.hot_share * (layer - 60_000)) // (2 * 1536) > 4
@@ -71,7 +78,8 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     def hot(memory: float, split: str = "keep_all", batch: int = 1) -> int:
         chosen = storage if split == "keep_all" else Storage(ladder=(8, 4), page_size=64, group_size=64)
         return plan_step(MemoryTarget(memory, None), chosen, batch=batch, seen=1000, token_bytes=512, managed=1,
-                         sliding_bytes=0, floor_tokens=5, bottom_token_bytes=bottom).hot_budget
+                         sliding_bytes=0, floor_tokens=5, reserve_bytes=0, bottom_token_bytes=bottom,
+                         reserve_held=True).hot_budget
 
     # 25%: 128,000 bytes cannot keep every token even with no hot tier: the floor
     assert hot(0.25) == 5 and hot(0.25, "share") == 25_600 // 512
@@ -91,4 +99,5 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     full_rung = Storage(ladder=(16,), page_size=64, group_size=64, hot_split="keep_all")
     assert bottom_token_bytes(full_rung, shape, torch.bfloat16) == 512.0
     assert plan_step(MemoryTarget(0.35, None), full_rung, batch=1, seen=1000, token_bytes=512, managed=1,
-                     sliding_bytes=0, floor_tokens=5, bottom_token_bytes=512.0).hot_budget == 70
+                     sliding_bytes=0, floor_tokens=5, reserve_bytes=0, bottom_token_bytes=512.0,
+                     reserve_held=True).hot_budget == 70

@@ -95,6 +95,11 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     with_outliers = Storage(ladder=(8, 4), page_size=64, group_size=64, hot_split="keep_all",
                             format="kivi+outliers", outlier_fraction=0.01)
     assert bottom_token_bytes(with_outliers, shape, torch.bfloat16) == 144.0 + 10.25
+    # a bottom rung only half a byte a token cheaper than the hot tier still keeps every token first: 1,000 tokens at
+    # 511.5 bytes leave nothing of 35% (179,200 bytes) for hot tokens, so the floor
+    assert plan_step(MemoryTarget(0.35, None), storage, batch=1, seen=1000, token_bytes=512, managed=1,
+                     sliding_bytes=0, floor_tokens=5, reserve_bytes=0, bottom_token_bytes=511.5,
+                     reserve_held=True).hot_budget == 5
     # a 16-bit bottom rung costs what a hot token does: nothing to give back, the share as it is
     full_rung = Storage(ladder=(16,), page_size=64, group_size=64, hot_split="keep_all")
     assert bottom_token_bytes(full_rung, shape, torch.bfloat16) == 512.0

@@ -390,6 +390,51 @@ def test_bad_storage_values_name_their_field():
         ConfKVCache.for_model(_model("llama"), "confkv-r", memory=0.25, storage=Storage())
 
 
+BAD_STORAGE = [  # (field, value, the whole message after "field: ")
+    ("hot_share", 0.0, "must be a share of the bytes in (0, 1], got 0.0"),
+    ("hot_share", float("nan"), "must be a share of the bytes in (0, 1], got nan"),
+    ("hot_share", True, "must be a share of the bytes in (0, 1], got True"),
+    ("hot_tokens", True, "must be None or a positive number of tokens, got True"),
+    ("step_order", "random", "must be one of error, coldest, got 'random'"),
+    ("hot_int8_window", -1, "must be None (a full-precision hot tier; --param hot_int8_window=null) or a number of "
+                            "tokens >= 0 kept in full precision before the INT8 ones, e.g. 8; got -1"),
+    ("hot_int8_window", True, "must be None (a full-precision hot tier; --param hot_int8_window=null) or a number of "
+                              "tokens >= 0 kept in full precision before the INT8 ones, e.g. 8; got True"),
+    ("offload", 1, "must be True or False, got 1"),
+    ("ladder", (True,), "must be a tuple of bit widths, e.g. (8, 4, 3, 2), got (True,)"),
+    ("ladder", (5,), "every rung must be one of (16, 8, 4, 3, 2), got (5,)"),
+    ("offload_dir", "/nonexistent/confkv", "'/nonexistent/confkv' is not a writable directory; create it or pass another"),
+    ("outlier_fraction", -0.1, "must be a share of a page's entries in [0, 0.25], got -0.1"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BAD_STORAGE)
+def test_each_bad_storage_value_is_refused_with_its_field_the_problem_and_the_fix(field, value, message):
+    """The whole message, not only the field: a refusal must say what is wrong and what to give instead."""
+    with pytest.raises(ConfigError) as refused:
+        Storage(**{field: value})
+    assert str(refused.value) == f"{field}: {message}"
+
+
+def test_the_edges_of_each_storage_range_are_accepted(tmp_path):
+    """The last good value of each range is taken (the refusals above are one step past them)."""
+    assert Storage(hot_share=1.0).hot_share == 1.0
+    assert Storage(hot_tokens=1).hot_tokens == 1
+    assert Storage(hot_int8_window=0).hot_int8_window == 0
+    assert Storage(offload=True, offload_dir=str(tmp_path)).offload_dir == str(tmp_path)
+    assert Storage(format="kivi+outliers", outlier_fraction=0.25).outlier_fraction == 0.25
+    assert Storage(ladder=(16, 8, 4, 3, 2)).ladder == (16, 8, 4, 3, 2)
+    assert MemoryTarget(memory=1.0).memory == 1.0 and MemoryTarget(max_kv_bytes=1).max_kv_bytes == 1
+    with pytest.raises(ConfigError, match=r"^offload: needs a cold tier: give a non-empty ladder$"):
+        Storage(ladder=(), offload=True)
+    for cap in (0, True, 1.5):
+        with pytest.raises(ConfigError, match=rf"^max_kv_bytes: must be a positive number of bytes, got {cap!r}$"):
+            MemoryTarget(max_kv_bytes=cap)
+    with pytest.raises(ConfigError, match=r"^memory: give exactly one of memory= \(a fraction of the full cache's "
+                                          r"bytes\) and max_kv_bytes= \(a cap\)$"):
+        MemoryTarget()
+
+
 def test_no_policy_and_no_memory_is_the_default_preset_at_a_quarter():
     from confkv.presets import DEFAULT_MEMORY, DEFAULT_PRESET, PRESETS
 

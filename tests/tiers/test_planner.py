@@ -75,10 +75,10 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     bottom = bottom_token_bytes(storage, shape, torch.bfloat16)
     assert bottom == 144.0
 
-    def hot(memory: float, split: str = "keep_all", batch: int = 1) -> int:
+    def hot(memory: float, split: str = "keep_all", batch: int = 1, reserve: int = 0) -> int:
         chosen = storage if split == "keep_all" else Storage(ladder=(8, 4), page_size=64, group_size=64)
         return plan_step(MemoryTarget(memory, None), chosen, batch=batch, seen=1000, token_bytes=512, managed=1,
-                         sliding_bytes=0, floor_tokens=5, reserve_bytes=0, bottom_token_bytes=bottom,
+                         sliding_bytes=0, floor_tokens=5, reserve_bytes=reserve, bottom_token_bytes=bottom,
                          reserve_held=True).hot_budget
 
     # 25%: 128,000 bytes cannot keep every token even with no hot tier: the floor
@@ -86,6 +86,9 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     # 35%: 179,200 bytes; the share would be 71 tokens (35,840 bytes), keeping every token leaves
     # (179,200 - 167,552) // 368 = 31 hot tokens; with two sequences the same per sequence
     assert hot(0.35) == 31 and hot(0.35, "share") == 70 and hot(0.35, batch=2) == 31
+    # an INT8 store's scale (3,680 bytes held besides the tokens) comes out of what keeping every token leaves:
+    # (179,200 - 3,680 - 167,552) // 368 = 21 hot tokens
+    assert hot(0.35, reserve=3680) == 21
     # 50%: 256,000 bytes leave room for 240 hot tokens: the share (100) is the smaller
     assert hot(0.5) == hot(0.5, "share") == 100
     # no ladder: nothing to keep at a bottom rung

@@ -109,3 +109,21 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     assert plan_step(MemoryTarget(0.35, None), full_rung, batch=1, seen=1000, token_bytes=512, managed=1,
                      sliding_bytes=0, floor_tokens=5, reserve_bytes=0, bottom_token_bytes=512.0,
                      reserve_held=True).hot_budget == 70
+
+
+def test_hot_tokens_and_no_ladder_take_what_fits_and_never_less_than_the_floor():
+    """Worked out by hand: B 2, 1,000 positions, 1,536-byte tokens, 4 managed layers, a 60,000-byte reserve, memory
+    0.25: a layer's share is 768,000 bytes, of which (768,000 - 60,000) // (2 x 1,536) = 230 hot tokens fit. A fixed
+    ``hot_tokens`` is taken up to that; without a ladder the hot tier takes all of it; the floor (4) is the least."""
+    from confkv.tiers.planner import plan_step
+    from confkv.tiers.storage import MemoryTarget, Storage
+
+    def hot(storage: Storage) -> int:
+        return plan_step(MemoryTarget(0.25, None), storage, batch=2, seen=1000, token_bytes=1536, managed=4,
+                         sliding_bytes=0, floor_tokens=4, reserve_bytes=60_000, bottom_token_bytes=0.0,
+                         reserve_held=True).hot_budget
+
+    assert hot(Storage(hot_tokens=16)) == 16
+    assert hot(Storage(hot_tokens=500)) == 230
+    assert hot(Storage(hot_tokens=2)) == 4
+    assert hot(Storage(ladder=())) == 230

@@ -133,6 +133,17 @@ def test_torch_order_sum_reproduces_torch_sum_on_long_and_odd_rows():
     for n in (1, 7, 100, 513, 3000, 5000, 16384):  # tails, leftover vectors and the level cascade
         row = torch.randn(n, generator=gen).pow(2)
         assert lib.confkv_torch_order_sum(row.data_ptr(), n, lanes) == row.sum().item()
+    # Rows far past the kernels' widths (MAX_EXACT_WIDTH): the cascade's second and third levels flushing, and
+    # levels of 2^5 steps (past 2^26 floats). torch splits a row that long over its threads (each summing a chunk
+    # in this order), so the order is torch's at one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n in (100_003, 4_000_037, 2**26 + 2**20 + 3):
+            row = torch.rand(n, generator=gen)
+            assert lib.confkv_torch_order_sum(row.data_ptr(), n, lanes) == row.sum().item(), n
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_native

@@ -93,11 +93,13 @@ def test_keep_all_shrinks_the_hot_share_to_what_keeping_every_token_leaves():
     assert hot(0.5) == hot(0.5, "share") == 100
     # no ladder: nothing to keep at a bottom rung
     assert bottom_token_bytes(Storage(ladder=()), shape, torch.bfloat16) == 0.0
-    # outliers are counted at the bottom rung too: round(0.01 x 64 x 64) = 41 entries of each tensor, page and
-    # head, a float16 value and an int16 index each: 41 x 2 tensors x 2 heads x 4 bytes / 64 tokens = 10.25 more
-    with_outliers = Storage(ladder=(8, 4), page_size=64, group_size=64, hot_split="keep_all",
-                            format="kivi+outliers", outlier_fraction=0.01)
-    assert bottom_token_bytes(with_outliers, shape, torch.bfloat16) == 144.0 + 10.25
+    # outliers are counted at the bottom rung too, at the storage's own fraction (not the formats' default, 0.01):
+    # round(0.02 x 64 x 64) = 82 entries of each tensor, page and head, a float16 value and an int16 index each:
+    # 82 x 2 tensors x 2 heads x 4 bytes / 64 tokens = 20.5 more; at 0.01, 41 entries: 10.25 more
+    for fraction, more in ((0.02, 20.5), (0.01, 10.25)):
+        with_outliers = Storage(ladder=(8, 4), page_size=64, group_size=64, hot_split="keep_all",
+                                format="kivi+outliers", outlier_fraction=fraction)
+        assert bottom_token_bytes(with_outliers, shape, torch.bfloat16) == 144.0 + more
     # a bottom rung only half a byte a token cheaper than the hot tier still keeps every token first: 1,000 tokens at
     # 511.5 bytes leave nothing of 35% (179,200 bytes) for hot tokens, so the floor
     assert plan_step(MemoryTarget(0.35, None), storage, batch=1, seen=1000, token_bytes=512, managed=1,

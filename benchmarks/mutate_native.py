@@ -39,8 +39,8 @@ the AVX-512 loops' register arrays, a shift by the type's width or more, a signe
 The mutants are made in ``benchmarks/native_mutants.py``, the verdicts kept and the table written in
 ``benchmarks/native_verdicts.py``; this script runs them.
 
-Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address|thread|undefined] [--list]
-[--table-only]``
+Usage: ``python benchmarks/mutate_native.py [--sample N] [--rerun survived] [--sanitize address|thread|undefined]
+[--only ID[,ID...]] [--list] [--table-only]``
 (``make mutate-native``).
 """
 

@@ -298,9 +298,9 @@ def test_a_changed_part_of_the_source_builds_a_new_library(tmp_path, monkeypatch
 
 
 def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch):
-    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's, ThreadSanitizer's or UBSan's flags to
-    the build (so its library has its own hash) when its runtime is preloaded, and says how to preload it when not; a
-    name the loader does not know stops the build with the names it knows."""
+    """``$CONFKV_NATIVE_SANITIZE`` (``make sanitize-native``) adds AddressSanitizer's, ThreadSanitizer's or UBSan's
+    flags to the build (so its library has its own hash) when its runtime is preloaded, and says how to preload it
+    when not; a name the loader does not know stops the build with the names it knows."""
     monkeypatch.delenv("CONFKV_NATIVE_SANITIZE", raising=False)
     assert loader.default_flags() == loader.FLAGS
     monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "address")
@@ -318,7 +318,8 @@ def test_a_sanitizer_is_asked_by_name_and_an_unknown_one_is_refused(monkeypatch)
     with pytest.raises(loader.NativeBuildError, match=r"LD_PRELOAD=\$\(cc -print-file-name=libubsan.so\)"):
         loader.default_flags()
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/gcc/x86_64-linux-gnu/12/libubsan.so")
-    assert "-fsanitize=undefined" in loader.default_flags() and "-fno-sanitize-recover=undefined" in loader.default_flags()
+    flags = loader.default_flags()
+    assert "-fsanitize=undefined" in flags and "-fno-sanitize-recover=undefined" in flags
     monkeypatch.setenv("CONFKV_NATIVE_SANITIZE", "memory")
     with pytest.raises(loader.NativeBuildError,
                        match=r"'memory' is not a sanitizer.*\['address', 'thread', 'undefined'\]"):

@@ -403,7 +403,8 @@ BAD_STORAGE = [  # (field, value, the whole message after "field: ")
     ("offload", 1, "must be True or False, got 1"),
     ("ladder", (True,), "must be a tuple of bit widths, e.g. (8, 4, 3, 2), got (True,)"),
     ("ladder", (5,), "every rung must be one of (16, 8, 4, 3, 2), got (5,)"),
-    ("offload_dir", "/nonexistent/confkv", "'/nonexistent/confkv' is not a writable directory; create it or pass another"),
+    ("offload_dir", "/nonexistent/confkv",
+     "'/nonexistent/confkv' is not a writable directory; create it or pass another"),
     ("outlier_fraction", -0.1, "must be a share of a page's entries in [0, 0.25], got -0.1"),
 ]
 

@@ -65,7 +65,7 @@ mutate-native: $(STAMP)
 # by the C runtime to the process's stderr before it stops, reaches the terminal instead of pytest's capture.
 SANITIZE_TESTS ?= tests/native
 SANITIZER ?= address
-SANITIZER_RUNTIME = $(if $(filter undefined,$(SANITIZER)),libubsan,lib$(shell echo $(SANITIZER) | cut -c1)san)
+SANITIZER_RUNTIME = $(shell $(PY) -c 'from confkv.native.loader import SANITIZER_RUNTIMES as r; print(r["$(SANITIZER)"])')
 sanitize-native: $(STAMP)
 	CONFKV_NATIVE_SANITIZE=$(SANITIZER) ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions=$(CURDIR)/tests/native/tsan_suppressions.txt" \
 	LD_PRELOAD=$$($${CC:-cc} -print-file-name=$(SANITIZER_RUNTIME).so) $(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)

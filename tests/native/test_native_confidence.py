@@ -41,6 +41,14 @@ def test_native_terms_are_entropy_and_top_two_log_probs():
     assert native.confidence_terms(logits)[1, 0].item() == pytest.approx(math.log(4), rel=1e-6)
 
 
+def test_a_one_token_vocabulary_gives_log_p2_equal_to_log_p1():
+    """The kernel's stated contract for V = 1 (no second token): entropy 0 and log p1 = log p2 = 0, not -inf."""
+    logits = torch.tensor([[3.5], [-2.0]])
+    terms = native.confidence_terms(logits)
+    assert terms is not None
+    assert torch.equal(terms, torch.zeros(2, 3)), terms
+
+
 def test_non_finite_rows_take_the_torch_code():
     logits = torch.randn(2, 50)
     logits[1, 3] = float("nan")

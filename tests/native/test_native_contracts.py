@@ -263,6 +263,77 @@ def test_torch_order_sum_at_every_vector_width_sums_each_element_once(lanes):
         assert abs(got - exact) <= n * 2.0 ** -23 * exact, (n, got, exact)
 
 
+def _cascade_sum_reference(row: torch.Tensor, lanes: int) -> float:
+    """torch's float32 sum of a contiguous row (aten/src/ATen/native/cpu/SumKernel.cpp: ``lanes``-wide vectors,
+    four interleaved accumulators, cascaded over four levels of 2^power steps, leftovers, then the scalar tail
+    and the lanes one by one), in torch float32 ops: each lane's additions are independent, so adding whole
+    [ILP, lanes] blocks at once keeps every rounding. Checked against ``torch.sum`` at the width this machine's
+    torch uses, then used for the widths it does not."""
+    n = row.numel()
+    lanes = 1 if n < lanes else lanes
+    levels = ilp = 4
+    vectors = n // lanes
+    size = vectors // ilp
+    power = max((size - 1).bit_length() // levels if size > 1 else 0, 4)
+    step, mask = 1 << power, (1 << power) - 1
+    acc = torch.zeros(levels, ilp, lanes)
+    blocks = row[: size * ilp * lanes].view(size, ilp, lanes)
+    i = 0
+    while i + step <= size:
+        for _ in range(step):
+            acc[0] += blocks[i]
+            i += 1
+        for level in range(1, levels):
+            acc[level] += acc[level - 1]
+            acc[level - 1] = 0.0
+            if i & (mask << (level * power)):
+                break
+    for j in range(i, size):
+        acc[0] += blocks[j]
+    for level in range(1, levels):
+        acc[0] += acc[level]
+    for v in range(size * ilp, vectors):
+        acc[0, 0] += row[v * lanes:(v + 1) * lanes]
+    for k in range(1, ilp):
+        acc[0, 0] += acc[0, k]
+    total = torch.zeros((), dtype=torch.float32)
+    for t in range(vectors * lanes, n):
+        total += row[t]
+    for lane in range(lanes):
+        total += acc[0, 0, lane]
+    return total.item()
+
+
+_ORDER_LENGTHS = (1, 5, 12, 37, 100, 513, 1000, 3000, 5001, 16384, 70_001)
+
+
+def test_the_cascade_reference_is_torch_sum_at_this_machines_width():
+    lanes = native._sum_lanes(loader.library())
+    if not lanes:
+        pytest.skip("torch's float sum order is not reproduced on this torch build")
+    gen = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # torch splits very long rows over its threads
+    try:
+        for n in _ORDER_LENGTHS:
+            row = torch.randn(n, generator=gen).pow(2)
+            assert _cascade_sum_reference(row, lanes) == row.sum().item(), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("lanes", [1, 8, 16])
+def test_torch_order_sum_is_the_cascade_bit_for_bit_at_every_width(lanes):
+    """Every width the kernel supports, bit for bit against the reference (within rounding, as the test above
+    asks, a plain sum would pass too): a width this machine's torch does not use is still torch's order on
+    the CPUs that use it."""
+    lib = loader.library()
+    gen = torch.Generator().manual_seed(100 + lanes)
+    for n in _ORDER_LENGTHS:
+        row = torch.randn(n, generator=gen).pow(2)
+        assert lib.confkv_torch_order_sum(row.data_ptr(), n, lanes) == _cascade_sum_reference(row, lanes), (n, lanes)
+
+
 def test_the_softmax_exp_keeps_its_smallest_weight_and_drops_below_it():
     """The kernels' exp of ``x - max`` gives 0 below -87.3 and exp(x) from -87.3 up (the smallest normal float
     range): a key scoring exactly -87.3 under the best keeps its weight (1.19e-38, torch's too), one a little

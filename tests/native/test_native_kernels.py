@@ -134,12 +134,13 @@ def test_torch_order_sum_reproduces_torch_sum_on_long_and_odd_rows():
         row = torch.randn(n, generator=gen).pow(2)
         assert lib.confkv_torch_order_sum(row.data_ptr(), n, lanes) == row.sum().item()
     # Rows far past the kernels' widths (MAX_EXACT_WIDTH): the cascade's second and third levels flushing, and
-    # levels of 2^5 steps (past 2^26 floats). torch splits a row that long over its threads (each summing a chunk
-    # in this order), so the order is torch's at one thread.
+    # levels of 2^5 steps (past 2^26 floats); 2^24 + 3 gives 2^19 blocks of four vectors at 8 lanes exactly (the
+    # level size worked out from a power of two: 2^4 steps, not 2^5). torch splits a row that long over its threads
+    # (each summing a chunk in this order), so the order is torch's at one thread.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for n in (100_003, 4_000_037, 2**26 + 2**20 + 3):
+        for n in (100_003, 4_000_037, 2**24 + 3, 2**26 + 2**20 + 3):
             row = torch.rand(n, generator=gen)
             assert lib.confkv_torch_order_sum(row.data_ptr(), n, lanes) == row.sum().item(), n
     finally:

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from thread_counts import torch_threads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton reads TRITON_INTERPRET when it is first imported, and some test modules import it
@@ -11,6 +12,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Every test leaves torch's thread count as it found it (the CLI's ``--threads``, a test that set it and
+    failed): a count left behind would run every later test of the process at it."""
+    with torch_threads(torch.get_num_threads()):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -24,10 +33,8 @@ def smollm2():
 @pytest.fixture(scope="module")
 def one_thread():
     """Run a module's tests with one torch thread (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(params=["native", "torch"])

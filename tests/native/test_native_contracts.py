@@ -13,6 +13,7 @@ from confkv.attention import KVSegment
 from confkv.attention.mass_read import mass_read
 from confkv.native import loader
 from confkv.native.layer import LayerKernels
+from thread_counts import torch_threads
 
 pytestmark = [pytest.mark.skipif(not native.available(), reason="native kernels unavailable"),
               pytest.mark.usefixtures("nan_filled_empty")]
@@ -312,14 +313,10 @@ def test_the_cascade_reference_is_torch_sum_at_this_machines_width():
     if not lanes:
         pytest.skip("torch's float sum order is not reproduced on this torch build")
     gen = torch.Generator().manual_seed(11)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # torch splits very long rows over its threads
-    try:
+    with torch_threads(1):  # torch splits very long rows over its threads
         for n in _ORDER_LENGTHS:
             row = torch.randn(n, generator=gen).pow(2)
             assert _cascade_sum_reference(row, lanes) == row.sum().item(), n
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("lanes", [1, 8, 16])

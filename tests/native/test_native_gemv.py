@@ -17,6 +17,7 @@ from torch import nn
 from confkv import native
 from confkv.hf.weights import Int8Linear
 from confkv.native import loader
+from thread_counts import torch_threads
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C compiler or "
                                   "CONFKV_NATIVE=0; see the warning)")
@@ -77,15 +78,11 @@ def test_gemv_agrees_with_torch_int8pack_mm_where_torch_is_right(dtype):
 def test_threads_split_the_rows_and_give_the_same_bits(threads):
     """Each output element is one thread's sum in one order, so any thread count gives the same bits."""
     x, weight, scale = _operands(2, 579, 576, torch.bfloat16, seed=2)
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         single = native.int8_linear(x, weight, scale)
         torch.set_num_threads(threads)
         split = native.int8_linear(x, weight, scale)
         assert threads == 1 or native.gemv_settings() >= threads - 1  # the workers ran
-    finally:
-        torch.set_num_threads(saved)
     assert torch.equal(single, split)
 
 
@@ -94,15 +91,13 @@ def test_sleeping_workers_wake_for_each_call():
     """spin 0: every call finds the worker asleep on the condition variable (the wake-up path)."""
     x, weight, scale = _operands(1, 300, 576, torch.float32, seed=3)
     reference = native.int8_linear(x, weight, scale)
-    saved = torch.get_num_threads()
     native.gemv_settings(spin_us=0)
     try:
-        torch.set_num_threads(2)
-        for _ in range(50):
-            assert torch.equal(native.int8_linear(x, weight, scale), reference)
+        with torch_threads(2):
+            for _ in range(50):
+                assert torch.equal(native.int8_linear(x, weight, scale), reference)
     finally:
         native.gemv_settings(spin_us=50)
-        torch.set_num_threads(saved)
 
 
 @needs_native
@@ -117,16 +112,12 @@ def test_concurrent_callers_each_get_their_own_product():
             if not torch.equal(native.int8_linear(*operands[i]), expected[i]):
                 failures.append(i)
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         workers = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
         for w in workers:
             w.start()
         for w in workers:
             w.join(timeout=60)
-    finally:
-        torch.set_num_threads(saved)
     assert not failures and not any(w.is_alive() for w in workers)
 
 
@@ -151,15 +142,11 @@ def test_the_portable_c_loop_equals_the_exact_product(dtype, tmp_path, monkeypat
     """A build without AVX-512 runs the plain C loop (and its pool)."""
     path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
-    saved = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    for threads in (1, 2):
+        with torch_threads(threads):
             for rows, shape in ((1, (37, 53)), (4, (579, 576)), (2, (64, 1536))):
                 x, weight, scale = _operands(rows, *shape, dtype, seed=7)
                 _check(native.int8_linear(x, weight, scale), x, weight, scale)
-    finally:
-        torch.set_num_threads(saved)
 
 
 @needs_native

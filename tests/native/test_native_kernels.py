@@ -15,6 +15,7 @@ from confkv.hf.lean import LeanDecoder, _rotate_half
 from confkv.models import tiny_model
 from confkv.native import loader
 from segment_cases import unmasked_segments
+from thread_counts import torch_threads
 
 needs_native = pytest.mark.skipif(not native.available(), reason="native kernels unavailable (no C compiler or "
                                   "CONFKV_NATIVE=0; see the warning)")
@@ -137,14 +138,10 @@ def test_torch_order_sum_reproduces_torch_sum_on_long_and_odd_rows():
     # levels of 2^5 steps (past 2^26 floats); 2^24 + 3 gives 2^19 blocks of four vectors at 8 lanes exactly (the
     # level size worked out from a power of two: 2^4 steps, not 2^5). torch splits a row that long over its threads
     # (each summing a chunk in this order), so the order is torch's at one thread.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for n in (100_003, 4_000_037, 2**24 + 3, 2**26 + 2**20 + 3):
             row = torch.rand(n, generator=gen)
             assert lib.confkv_torch_order_sum(row.data_ptr(), n, lanes) == row.sum().item(), n
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_native

@@ -12,6 +12,7 @@ from confkv.hf.weights import quantize_linear_weights
 from confkv.models import tiny_model
 from confkv.native.layer import LayerKernels
 from call_counts import counted_calls
+from thread_counts import torch_threads
 
 pytestmark = [pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernels are off"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
@@ -69,14 +70,10 @@ def test_fused_layers_equal_the_per_op_path(arch, shape, dtype, batch):
 def test_fused_layers_use_several_threads_alike():
     model = _model("llama", torch.bfloat16, hidden_size=256, intermediate_size=512, num_attention_heads=8,
                    num_key_value_heads=4, head_dim=32)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         single, _, _ = _decode(model, True, batch=2)
         torch.set_num_threads(2)
         double, used, _ = _decode(model, True, batch=2)
-    finally:
-        torch.set_num_threads(threads)
     assert used
     for a, b in zip(single, double):
         assert torch.equal(a, b)  # the rows are split over threads, each computed as alone
@@ -139,14 +136,10 @@ def test_threaded_mass_read_equals_the_single_threaded_one(dtype):
     query = torch.randn(batch, kv_heads * groups, queries, dim, generator=gen).to(dtype)
     segments = [KVSegment(torch.randn(batch, kv_heads, n, dim, generator=gen).to(dtype),
                           torch.randn(batch, kv_heads, n, dim, generator=gen).to(dtype), None) for n in (300, 45)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         out1, mass1 = native.mass_read(query, segments, 0.125)
         torch.set_num_threads(2)
         out2, mass2 = native.mass_read(query, segments, 0.125)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(out1, out2)
     assert all(torch.equal(a, b) for a, b in zip(mass1, mass2))
     workers = native.gemv_settings()

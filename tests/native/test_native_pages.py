@@ -22,7 +22,7 @@ from confkv.attention.segments import PagedSegment, densify
 from confkv.native import pages as native_pages
 from confkv.native.loader import available, disabled
 from confkv.tiers import lowbit
-from thread_counts import same_bits_at_one_and_two_threads
+from thread_counts import same_bits_at_one_and_two_threads, torch_threads
 
 pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
@@ -464,14 +464,10 @@ def test_a_few_units_pages_are_read_in_slices_as_the_torch_read(pages_per_segmen
     hot = KVSegment(torch.randn(1, heads, 40, dim, generator=gen), torch.randn(1, heads, 40, dim, generator=gen), None)
     segments = [hot, segment(8, pages_per_segment[0]), segment(3, pages_per_segment[1])]
     query = torch.randn(1, heads * 3, 1, dim, generator=gen) * 3  # peaked: the row max matters
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one, one_mass = _compare(query, segments, dim ** -0.5)
         torch.set_num_threads(2)
         two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
 
 

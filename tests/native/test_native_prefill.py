@@ -19,6 +19,7 @@ from confkv.attention import KVSegment, attention_read, read_plan
 from confkv.attention.blockwise import blockwise_attention
 from confkv.native import prefill as native_prefill
 from confkv.native.loader import available, disabled, library
+from thread_counts import torch_threads
 
 pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
               pytest.mark.usefixtures("nan_filled_empty")]  # buffers to be overwritten start as NaN
@@ -252,14 +253,10 @@ def test_a_nan_query_row_makes_its_own_outputs_nan_and_no_others(arithmetic):
 def test_threads_change_no_bit():
     query, segments = _data(5, 2, 2, 6, 40, (200, 50), 64)
     segments[-1] = KVSegment(segments[-1].keys, segments[-1].values, _causal(40, 50))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = native_prefill.prefill_read(query, segments, 0.125, True)
         torch.set_num_threads(2)
         two = native_prefill.prefill_read(query, segments, 0.125, True)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(one[0], two[0])
     assert all(torch.equal(a, b) for a, b in zip(one[1], two[1]))
 

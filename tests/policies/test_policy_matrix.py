@@ -23,6 +23,7 @@ from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from confkv.policies import POLICIES, UNLIMITED
+from thread_counts import torch_threads
 
 PROMPT, NEW, PAD = 40, 24, 258
 BUDGET, PROTECT, FP_WINDOW = 24, 8, 8
@@ -99,10 +100,8 @@ def _run(model, name, params, ids, mask, kv_int8, fp_window=FP_WINDOW):
 
 @pytest.fixture(scope="module")
 def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: extra threads only contend on a shared machine
-    yield tiny_model("llama", seed=11)
-    torch.set_num_threads(threads)
+    with torch_threads(1):  # tiny matrices: extra threads only contend on a shared machine
+        yield tiny_model("llama", seed=11)
 
 
 @pytest.mark.parametrize("kv_int8", [False, True], ids=["fp", "int8"])

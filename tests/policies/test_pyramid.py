@@ -10,6 +10,7 @@ from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from confkv.policies import make_policy
 from confkv.policies.pyramid import pyramid_budgets
+from thread_counts import torch_threads
 
 
 def test_reference_formula_smollm2_shape():
@@ -64,30 +65,30 @@ def test_rejects_bad_arguments():
 
 @pytest.mark.parametrize("kv_int8", [False, True], ids=["fp", "int8"])
 def test_trace_shows_the_per_layer_split(kv_int8):
-    torch.set_num_threads(1)
-    model = tiny_model("llama", seed=3, num_hidden_layers=4)
-    mean = 32
-    params = dict(n_high=mean, n_low=mean, tau=0.0, protect=4, sinks=2, min_layer_budget=12)
-    cache = ConfKVCache.for_model(model, "confkv-l", store=StoreConfig(kv_int8=kv_int8, fp_window=8, move_block=4),
-                                  **params)
-    expected = make_policy("confkv-l", **params).pyramid(mean, 4)
-    assert expected == pyramid_budgets(mean, 4, 20.0, min_budget=12) and expected[0] > expected[-1]
-    ids = torch.randint(0, 250, (2, 90), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        for t in range(ids.shape[1]):
-            model(ids[:, t:t + 1], cache=cache, use_cache=True)
-    last = cache.trace.steps[-1]
-    assert last.kept[:, 0].tolist() == expected and last.kept[:, 1].tolist() == expected
-    assert last.kept.sum(0).tolist() == [4 * mean] * 2     # same total as uniform CONF-KV
-    assert int(last.budget[0]) == mean                     # the trace's budget is the layer mean
-    bytes_per_layer = last.kv_bytes.tolist()
-    assert all(a > b for a, b in zip(bytes_per_layer, bytes_per_layer[1:]))
-    # uniform CONF-KV at the same mean keeps the same tokens in total
-    uniform = ConfKVCache.for_model(model, "confkv", store=StoreConfig(kv_int8=kv_int8, fp_window=8, move_block=4),
-                                    n_high=mean, n_low=mean, tau=0.0, protect=4, sinks=2)
-    with torch.no_grad():
-        for t in range(ids.shape[1]):
-            model(ids[:, t:t + 1], cache=uniform, use_cache=True)
-    assert uniform.trace.steps[-1].kept.sum(0).tolist() == [4 * mean] * 2
-    if not kv_int8:
-        assert sum(bytes_per_layer) == sum(uniform.trace.steps[-1].kv_bytes.tolist())
+    with torch_threads(1):  # restored after, however the test ends
+        model = tiny_model("llama", seed=3, num_hidden_layers=4)
+        mean = 32
+        params = dict(n_high=mean, n_low=mean, tau=0.0, protect=4, sinks=2, min_layer_budget=12)
+        cache = ConfKVCache.for_model(model, "confkv-l", store=StoreConfig(kv_int8=kv_int8, fp_window=8, move_block=4),
+                                      **params)
+        expected = make_policy("confkv-l", **params).pyramid(mean, 4)
+        assert expected == pyramid_budgets(mean, 4, 20.0, min_budget=12) and expected[0] > expected[-1]
+        ids = torch.randint(0, 250, (2, 90), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            for t in range(ids.shape[1]):
+                model(ids[:, t:t + 1], cache=cache, use_cache=True)
+        last = cache.trace.steps[-1]
+        assert last.kept[:, 0].tolist() == expected and last.kept[:, 1].tolist() == expected
+        assert last.kept.sum(0).tolist() == [4 * mean] * 2     # same total as uniform CONF-KV
+        assert int(last.budget[0]) == mean                     # the trace's budget is the layer mean
+        bytes_per_layer = last.kv_bytes.tolist()
+        assert all(a > b for a, b in zip(bytes_per_layer, bytes_per_layer[1:]))
+        # uniform CONF-KV at the same mean keeps the same tokens in total
+        uniform = ConfKVCache.for_model(model, "confkv", store=StoreConfig(kv_int8=kv_int8, fp_window=8, move_block=4),
+                                        n_high=mean, n_low=mean, tau=0.0, protect=4, sinks=2)
+        with torch.no_grad():
+            for t in range(ids.shape[1]):
+                model(ids[:, t:t + 1], cache=uniform, use_cache=True)
+        assert uniform.trace.steps[-1].kept.sum(0).tolist() == [4 * mean] * 2
+        if not kv_int8:
+            assert sum(bytes_per_layer) == sum(uniform.trace.steps[-1].kv_bytes.tolist())

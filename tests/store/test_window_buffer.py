@@ -14,6 +14,7 @@ from confkv.models import tiny_model
 from confkv.store.region import Region
 from confkv.native.decode import DecodePlan
 from confkv.store.window_buffer import WindowBuffer
+from thread_counts import torch_threads
 
 # spare slots (new_empty) and other buffers to be overwritten start as NaN / the lowest integer / True
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")
@@ -242,13 +243,9 @@ def test_the_native_step_updates_each_of_several_statistics_by_its_own_rule(thre
         query = torch.randn(2, 6, 1, 64, generator=gen)
         key, value = torch.randn(2, 3, 1, 64, generator=gen), torch.randn(2, 3, 1, 64, generator=gen)
         before = {name: (old.stats[name].clone(), window.stats[name][:, :, :5].clone()) for name in rules}
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             out, masses = DecodePlan.build(window, old, 6, linear).step(query, key, value, torch.tensor([300, 300]), 5,
                                                                         0.125)
-        finally:
-            torch.set_num_threads(threads_before)
         runs.append((out, masses, old, window, before))
     (out, masses, _, _, before), (out_linear, no_masses, old, window, _) = runs
     assert no_masses is None and torch.equal(out, out_linear)

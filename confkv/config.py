@@ -70,7 +70,10 @@ class StoreConfig:
       budget the compaction gather runs once per ``evict_slack + 1`` steps instead of every
       step. The budget is still never exceeded; the layer holds between ``budget - slack``
       and ``budget`` tokens (on average ``slack / 2`` fewer). It changes which tokens are
-      kept: its quality effect at equal memory is recorded in ``results/bench/``.
+      kept: its quality effect at equal memory is recorded in ``results/bench/``. An integer
+      is a number of tokens; a float in (0, 1) a share of the layer's budget at that step
+      (``0.125``: an eighth of it), which scales with a memory target's budget where a fixed
+      count would take most of a small one (``results/memory/slack/``).
     - ``read_backend``: the attention read (:func:`confkv.attention.attention_read`):
       ``"auto"`` (default: Triton on CUDA; on CPU PyTorch's fused kernel where the read
       needs no mask, mass or INT8, else the block-wise read), ``"torch"`` (always the
@@ -84,7 +87,7 @@ class StoreConfig:
     prefill_chunk: int = 512
     block_size: int = 1024
     move_block: int = 32
-    evict_slack: int = 0
+    evict_slack: int | float = 0
     read_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -96,8 +99,12 @@ class StoreConfig:
                  f"first step the store evicts), got {self.int8_from!r}")
         _require(self.kv_int8 or self.int8_from == "start", "int8_from",
                  "applies to an INT8 store only; give kv_int8=True with it (or leave int8_from='start')")
-        for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1),
-                          ("evict_slack", 0)):
+        slack = self.evict_slack
+        _require(isinstance(slack, int) and not isinstance(slack, bool) and slack >= 0
+                 or isinstance(slack, float) and 0.0 < slack < 1.0, "evict_slack",
+                 f"must be a number of tokens (an integer >= 0) or a share of the layer's budget (a float between 0 "
+                 f"and 1, e.g. 0.125), got {slack!r}")
+        for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1)):
             value = getattr(self, name)
             _require(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
             _require(value >= low, name, f"must be >= {low}, got {value}")

@@ -34,6 +34,17 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def _slack(text: str) -> int | float:
+    """``--evict-slack``: a number of tokens (``64``) or a share of the budget (``0.125``)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a number of tokens (64) nor a share (0.125)") from None
+
+
 def _store_config(args: argparse.Namespace):
     from confkv.config import StoreConfig
 
@@ -56,8 +67,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--int8", action="store_true", help="store tokens older than the FP window in INT8")
     parser.add_argument("--fp-window", type=int, default=128, help="recent tokens kept in full precision (W)")
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
-    parser.add_argument("--evict-slack", type=int, default=0,
-                        help="opt-in: evict down to budget - SLACK when over budget (compaction once per SLACK steps)")
+    parser.add_argument("--evict-slack", type=_slack, default=0,
+                        help="opt-in: evict down to budget - SLACK when over budget (compaction once per SLACK steps); "
+                             "a float in (0, 1) is a share of the budget (e.g. 0.125)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -352,7 +352,10 @@ class LayerStore(AttentionRead):
         with profiling.section("ranking and top-k"):
             slack = self.config.evict_slack if self.sliding_window is None else 0
             if slack and over_budget:
-                # evict down to budget - slack: the next `slack` steps need no compaction
+                # evict down to budget - slack: the next `slack` steps need no compaction (a float: that share of
+                # each sequence's budget, whole tokens)
+                if isinstance(slack, float):
+                    slack = (budget.double() * slack).long()
                 keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
             protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
             keep = torch.maximum(keep, protected.sum(-1).amax(-1))

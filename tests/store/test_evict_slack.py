@@ -56,9 +56,48 @@ def test_slack_zero_is_the_default_rule():
     assert all(int(c.max()) == min(step + 1, BUDGET) for step, c in enumerate(kept))
 
 
-def test_slack_validation():
-    with pytest.raises(ConfigError, match="evict_slack"):
-        StoreConfig(evict_slack=-1)
+@pytest.mark.parametrize("bad", [-1, 1.0, 0.0, -0.25, 1.5, float("nan"), True, "8", None])
+def test_slack_validation(bad):
+    with pytest.raises(ConfigError, match=r"evict_slack: must be a number of tokens \(an integer >= 0\) or a share"):
+        StoreConfig(evict_slack=bad)
+    assert StoreConfig(evict_slack=0).evict_slack == 0 and StoreConfig(evict_slack=0.125).evict_slack == 0.125
+
+
+def test_a_share_of_the_budget_is_that_many_whole_tokens():
+    """evict_slack=0.34 of a budget of 16 is 5 tokens (whole tokens, rounded down): step by step the same counts as
+    evict_slack=5, for a fixed-budget policy, two sequences."""
+    model = tiny_model("llama", seed=4)
+    runs = []
+    for slack in (SLACK, 0.34):
+        cache = ConfKVCache.for_model(model, "h2o", store=StoreConfig(evict_slack=slack, move_block=4),
+                                      budget=BUDGET, protect=4)
+        runs.append(_stream(cache, model, 50, batch=2))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert any(int(c.min()) < BUDGET for c in runs[0][BUDGET:])  # the slack was used
+
+
+def test_a_share_under_a_memory_target_holds_the_target_and_compacts_less(monkeypatch):
+    """The preset at memory=0.5 with hot_share=0.8 and evict_slack=0.25: the bytes at the end of every step within the
+    target, as at 0; the hot tier's compactions far fewer than at 0. (The hot budget grows with the length, to about
+    120 tokens at 300, so a quarter of it is a real slack; at the preset's default share the tiny model's budget is
+    the floor, 37, and the 36 protected tokens and sinks leave the slack nothing to take.)"""
+    model = tiny_model("llama", seed=4)
+    original, gathers = Region.gather, {"n": 0}
+
+    def gather(self, index, valid, **kwargs):
+        gathers["n"] += 1
+        return original(self, index, valid, **kwargs)
+
+    monkeypatch.setattr(Region, "gather", gather)
+    counts = {}
+    for slack in (0, 0.25):
+        gathers["n"] = 0
+        cache = ConfKVCache.for_model(model, memory=0.5, hot_share=0.8, store=StoreConfig(evict_slack=slack))
+        _stream(cache, model, 300)
+        for step in cache.trace.steps:
+            assert int(step.kv_bytes.sum()) <= step.target_bytes, (slack, step.seen)
+        counts[slack] = gathers["n"]
+    assert counts[0.25] * 3 < counts[0], counts
 
 
 def test_profiling_timers_record_sections_only_when_enabled():
@@ -72,3 +111,14 @@ def test_profiling_timers_record_sections_only_when_enabled():
     assert profiling.ACTIVE is None
     for section in ("attention read", "confidence", "ranking and top-k", "compaction gather", "trace record"):
         assert timers.calls[section] > 0, section
+
+
+def test_the_command_line_reads_a_count_or_a_share():
+    import argparse
+
+    from confkv.cli.main import _slack
+
+    assert _slack("64") == 64 and isinstance(_slack("64"), int)
+    assert _slack("0.125") == 0.125
+    with pytest.raises(argparse.ArgumentTypeError, match="neither a number of tokens"):
+        _slack("an eighth")

@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     bench.add_argument("--budget", type=int, default=1024, help="budget of the evicting configurations")
     bench.add_argument("--slack", type=int, default=64, help="evict_slack of the '+slack' configurations (0: none)")
+    bench.add_argument("--preset-slack", type=_slack, nargs="*", default=[],
+                       help="more tiered@<percent>+slack<S>-lean rows: S tokens or a share of the hot budget (0.125)")
     bench.add_argument("--steps", type=int, default=4, help="timed decode steps per configuration per repeat")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (A, B, C, A, B, C, ...)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration first")
@@ -178,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 batches=args.batches, batch_steps=args.batch_steps, breakdown_steps=args.breakdown_steps,
                 configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
                 llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory), formats=tuple(args.formats),
-                llamacpp_kv=tuple(args.llamacpp_kv), kivi=tuple(args.kivi))
+                llamacpp_kv=tuple(args.llamacpp_kv), kivi=tuple(args.kivi),
+                preset_slacks=tuple(args.preset_slack))
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

@@ -20,20 +20,28 @@ class BenchConfig:
     native: bool = True  # False: decode steps with confkv.native's kernels off (the torch code; A/B rows)
 
 
-def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack: int = 0) -> list[str]:
+def _preset_slacks(slack: int | float, preset_slacks: tuple[int | float, ...]) -> list[int | float]:
+    """The slacks of the preset's ``+slack`` rows: ``slack`` (when not 0), then each of ``preset_slacks`` once."""
+    return list(dict.fromkeys(s for s in (slack, *preset_slacks) if s))
+
+
+def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack: int | float = 0,
+                preset_slacks: tuple[int | float, ...] = ()) -> list[str]:
     """The names of the memory preset's rows: ``tiered@<percent>`` per target, ``tiered@<percent>-lean`` (the
-    same through the lean decoder), ``tiered@<percent>+slack<slack>-lean`` (that with eviction slack, when
-    ``slack``), ``tiered@<percent>+int8-lean`` (an INT8 hot tier), then ``tiered[<format>]@<percent>`` per
-    target and page format of ``formats``."""
+    same through the lean decoder), ``tiered@<percent>+slack<s>-lean`` (that with eviction slack ``s``, for
+    ``slack`` when not 0 and each of ``preset_slacks``: a count of tokens or a share of the budget),
+    ``tiered@<percent>+int8-lean`` (an INT8 hot tier), then ``tiered[<format>]@<percent>`` per target and page
+    format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]
             + [f"tiered@{fraction * 100:g}-lean" for fraction in memory]
-            + ([f"tiered@{fraction * 100:g}+slack{slack}-lean" for fraction in memory] if slack else [])
+            + [f"tiered@{fraction * 100:g}+slack{s}-lean" for s in _preset_slacks(slack, preset_slacks)
+               for fraction in memory]
             + [f"tiered@{fraction * 100:g}+int8-lean" for fraction in memory]
             + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
 
 
-def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,),
-                    formats: tuple[str, ...] = ()) -> list[BenchConfig]:
+def default_configs(budget: int, slack: int | float, memory: tuple[float, ...] = (0.25,),
+                    formats: tuple[str, ...] = (), preset_slacks: tuple[int | float, ...] = ()) -> list[BenchConfig]:
     """The comparison grid: transformers caches, confkv full, fixed-budget baselines, CONF-KV, and the memory
     preset (``tiered@<percent>``: the cache holding ``memory`` of the full cache's bytes at every step;
     ``tiered[<format>]@<percent>``: the same with the page format ``format`` on every rung)."""
@@ -69,12 +77,12 @@ def default_configs(budget: int, slack: int, memory: tuple[float, ...] = (0.25,)
     configs += [BenchConfig(f"tiered@{fraction * 100:g}-lean", "confkv", "tiered", {"memory": fraction}, lean=True,
                             note=f"the memory preset at {fraction:g}, decode steps through the lean decoder")
                 for fraction in memory]
-    if slack:  # the hot tier evicted down to its budget - slack, so ranking and compaction run once per slack + 1
-        # steps; the bytes stay under the target (the hot tier only shrinks below its share)
-        configs += [BenchConfig(f"tiered@{fraction * 100:g}+slack{slack}-lean", "confkv", "tiered", {"memory": fraction},
-                                {"evict_slack": slack}, lean=True,
-                                note=f"the lean preset row with evict_slack={slack} (opt-in, not the preset's default)")
-                    for fraction in memory]
+    # the hot tier evicted down to its budget - slack, so ranking and compaction run once per slack + 1 steps; the
+    # bytes stay under the target (the hot tier only shrinks below its share)
+    configs += [BenchConfig(f"tiered@{fraction * 100:g}+slack{s}-lean", "confkv", "tiered", {"memory": fraction},
+                            {"evict_slack": s}, lean=True,
+                            note=f"the lean preset row with evict_slack={s} (opt-in, not the preset's default)")
+                for s in _preset_slacks(slack, preset_slacks) for fraction in memory]
     configs += [BenchConfig(f"tiered@{fraction * 100:g}+int8-lean", "confkv", "tiered", {"memory": fraction,
                             "hot_int8_window": 8}, lean=True, note=f"the lean preset row with an INT8 hot tier "
                             "(hot_int8_window=8: INT8 past 8 recent tokens once over the target)")

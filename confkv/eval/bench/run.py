@@ -178,7 +178,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
               model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
               llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,),
               formats: tuple[str, ...] = (), llamacpp_kv: tuple[str, ...] = ("f16",),
-              kivi: tuple[str, ...] = ()) -> dict[str, Any]:
+              kivi: tuple[str, ...] = (), preset_slacks: tuple[int | float, ...] = ()) -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -197,6 +197,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
             row ``llama.cpp`` (the reference of ``x llama``), ``q8_0`` / ``q4_0`` the rows
             ``llama.cpp[q8_0]`` / ``llama.cpp[q4_0]``; with ``quality_tokens`` each also reports its
             perplexity from its own logits (``result["quality"]["llama.cpp[q4_0]"]``).
+        preset_slacks: more ``tiered@<percent>+slack<s>-lean`` rows (``slack`` gives one), a count of tokens or a
+            share of the hot budget each (:func:`~confkv.eval.bench.configs.preset_rows`).
         kivi: specs of extra KIVI rows (:func:`~confkv.eval.bench.configs.kivi_rows`), to compare page formats
             at one load.
     """
@@ -209,7 +211,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     check_kv_types(llamacpp_kv)
     batches = batches or []
     contexts = sorted(contexts)
-    all_configs = default_configs(budget, slack, tuple(memory), tuple(formats)) + kivi_rows(tuple(kivi))
+    all_configs = (default_configs(budget, slack, tuple(memory), tuple(formats), tuple(preset_slacks))
+                   + kivi_rows(tuple(kivi)))
     if configs:
         unknown = set(configs) - {c.name for c in all_configs}
         if unknown:
@@ -243,7 +246,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     log(f"[bench] bandwidth {bandwidth['median_gbps']:.2f} GB/s (copy), weights read/step "
         + ", ".join(f"{d} {w / 1e6:.1f} MB" for d, w in weights.items()))
     result: dict[str, Any] = {
-        "model": model_name, "contexts": contexts, "budget": budget, "slack": slack, "steps": steps,
+        "model": model_name, "contexts": contexts, "budget": budget, "slack": slack,
+        "preset_slacks": list(preset_slacks), "steps": steps,
         "repeats": repeats, "warmup": warmup, "chunk": chunk, "threads": torch.get_num_threads(),
         "dtypes": dtypes, "torch": torch.__version__, "platform": platform.platform(), "bandwidth": bandwidth,
         "weight_bytes": weights[dtypes[0]], "weight_bytes_by_dtype": weights,
@@ -276,7 +280,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         for dtype in dtypes:
             for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
                          f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
-                         f"confkv-r-offload+slack{slack}", *preset_rows(tuple(memory), tuple(formats), slack),
+                         f"confkv-r-offload+slack{slack}", *preset_rows(tuple(memory), tuple(formats), slack, tuple(preset_slacks)),
                          *(config.name for config in kivi_rows(tuple(kivi)))):
                 label = row_label(name, dtype)
                 runner = next((r for r in runners_ok if r.label == label), None)

@@ -42,6 +42,11 @@ def test_format_rows_run_the_preset_with_that_page_format():
         "tiered@12.5+int8-lean", "tiered[kivi+hadamard]@25", "tiered[kivi+hadamard]@12.5"]
     assert preset_rows((0.25,), (), 64) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
                                              "tiered@25+int8-lean"]
+    assert preset_rows((0.25,), (), 64, (0.125, 64)) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
+                                                         "tiered@25+slack0.125-lean", "tiered@25+int8-lean"]
+    share = next(c for c in default_configs(128, 64, (0.25,), preset_slacks=(0.125,))
+                 if c.name == "tiered@25+slack0.125-lean")
+    assert share.store == {"evict_slack": 0.125} and share.lean and share.params == {"memory": 0.25}
     row = next(c for c in default_configs(128, 8, (0.25,), ("kivi+hadamard",)) if c.name == "tiered[kivi+hadamard]@25")
     assert row.params == {"memory": 0.25, "format": "kivi+hadamard"}
     model, tok = tiny_model("llama"), tiny_tokenizer()

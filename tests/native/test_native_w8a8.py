@@ -32,7 +32,7 @@ def _reference(x, weight, scale, bias):
     return out if bias is None else out + bias
 
 
-@pytest.mark.parametrize("width", [64, 576, 100, 40, 130])  # multiples of 64, of 32, neither
+@pytest.mark.parametrize("width", [64, 576, 100, 40, 130, 97])  # multiples of 64, of 32, neither; a last block of one
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -56,7 +56,7 @@ def test_the_portable_w8a8_loop_equals_the_reference(tmp_path, monkeypatch):
     path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     gen = torch.Generator().manual_seed(3)
-    for width in (576, 100):
+    for width in (576, 100, 97):  # 97: a last activation block of one column
         weight = torch.randint(-127, 128, (20, width), dtype=torch.int8, generator=gen)
         scale = torch.rand(20, generator=gen) * 0.02 + 1e-3
         x = torch.randn(3, width, generator=gen)

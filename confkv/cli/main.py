@@ -35,7 +35,7 @@ def _policy_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _slack(text: str) -> int | float:
-    """``--evict-slack``: a number of tokens (``64``) or a share of the budget (``0.125``)."""
+    """``--evict-slack``: a number of tokens (``64``) or a share of the tokens kept by rank (``0.125``)."""
     try:
         return int(text)
     except ValueError:
@@ -69,7 +69,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     parser.add_argument("--evict-slack", type=_slack, default=0,
                         help="opt-in: evict down to budget - SLACK when over budget (compaction once per SLACK steps); "
-                             "a float in (0, 1) is a share of the budget (e.g. 0.125)")
+                             "a float in (0, 1) is a share of the tokens kept by rank (e.g. 0.125)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--budget", type=int, default=1024, help="budget of the evicting configurations")
     bench.add_argument("--slack", type=int, default=64, help="evict_slack of the '+slack' configurations (0: none)")
     bench.add_argument("--preset-slack", type=_slack, nargs="*", default=[],
-                       help="more tiered@<percent>+slack<S>-lean rows: S tokens or a share of the hot budget (0.125)")
+                       help="more tiered@<percent>+slack<S>-lean rows: S tokens or a share of the tokens kept by rank (0.125)")
     bench.add_argument("--steps", type=int, default=4, help="timed decode steps per configuration per repeat")
     bench.add_argument("--repeats", type=int, default=3, help="interleaved repeats (A, B, C, A, B, C, ...)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration first")

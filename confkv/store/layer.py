@@ -350,15 +350,16 @@ class LayerStore(AttentionRead):
         if not (over_budget or has_holes):
             return
         with profiling.section("ranking and top-k"):
+            protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
+            floor = protected.sum(-1).amax(-1)  # [B] protected tokens and sinks: kept whatever the budget
             slack = self.config.evict_slack if self.sliding_window is None else 0
             if slack and over_budget:
                 # evict down to budget - slack: the next `slack` steps need no compaction (a float: that share of
-                # each sequence's budget, whole tokens)
+                # the tokens each sequence keeps by rank, above its floor, whole tokens: none at the floor)
                 if isinstance(slack, float):
-                    slack = (budget.double() * slack).long()
+                    slack = ((keep - floor).clamp_min(0).double() * slack).long()
                 keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
-            protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
-            keep = torch.maximum(keep, protected.sum(-1).amax(-1))
+            keep = torch.maximum(keep, floor)
             if self.sliding_window is not None:
                 scores = old.positions.float()
             else:

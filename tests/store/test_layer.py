@@ -702,6 +702,35 @@ def test_slack_spares_a_sequence_exactly_at_its_budget():
     assert seen == [[2, 1], [3, 2], [4, 3], [5, 4], [3, 5]]
 
 
+def _kept_under(slack, budget: int, steps: int = 12) -> list[int]:
+    """kept counts of one sequence after each step: h2o, protect 1 (the FP slot), sinks 2, a fixed budget."""
+    store = LayerStore(make_policy("h2o", budget=budget, protect=1, sinks=2),
+                       StoreConfig(move_block=1, evict_slack=slack))
+    gen = torch.Generator().manual_seed(18)
+    seen = []
+    for _ in range(steps):
+        _step_with_budgets(store, gen, budget=[budget])
+        seen.append(store.kept_list()[0])
+    return seen
+
+
+def test_a_share_of_slack_is_a_share_of_the_tokens_kept_by_rank():
+    """Budget 11: the FP slot and the 2 sinks are kept whatever happens, 8 tokens by rank. A share of 0.25 is 2 of
+    those 8 (whole tokens): over budget at 12 the store goes down to 9, as with evict_slack=2, step for step; 0.3
+    is 2 as well (2.4, rounded down), 0.4 is 3."""
+    assert _kept_under(2, 11) == _kept_under(0.25, 11) == _kept_under(0.3, 11) == [
+        1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 9]
+    assert _kept_under(0.4, 11, 14)[-3:] == [8, 9, 10]  # 12 -> 8 at the 12th step, then one more a step
+
+
+def test_a_share_of_slack_takes_nothing_from_a_budget_at_its_floor():
+    """Budget 4: one token by rank above the floor of 3 (the FP slot, 2 sinks). A fixed slack of 2 takes that one
+    (and the newest old token) at times, so the store holds fewer than 4 at some steps; a share of it is 0.5 x 1
+    -> 0 tokens: the store holds 4 at every step, as with no slack."""
+    assert min(_kept_under(2, 4)[4:]) < 4
+    assert _kept_under(0.5, 4) == _kept_under(0, 4) == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4]
+
+
 def test_slack_may_empty_the_old_region():
     """Budget 2, evict_slack 2, protect 1 (sinks 0): over budget at 3 tokens, the old region's keep is
     2 - 1 (the FP slot) - 2 (slack) < 0, so 0: only the protected FP token stays; kept 1 2 1 2 1."""

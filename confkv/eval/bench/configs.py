@@ -29,7 +29,7 @@ def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack:
                 preset_slacks: tuple[int | float, ...] = ()) -> list[str]:
     """The names of the memory preset's rows: ``tiered@<percent>`` per target, ``tiered@<percent>-lean`` (the
     same through the lean decoder), ``tiered@<percent>+slack<s>-lean`` (that with eviction slack ``s``, for
-    ``slack`` when not 0 and each of ``preset_slacks``: a count of tokens or a share of the budget),
+    ``slack`` when not 0 and each of ``preset_slacks``: a count of tokens or a share of the tokens kept by rank),
     ``tiered@<percent>+int8-lean`` (an INT8 hot tier), then ``tiered[<format>]@<percent>`` per target and page
     format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]

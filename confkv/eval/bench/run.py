@@ -198,7 +198,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
             ``llama.cpp[q8_0]`` / ``llama.cpp[q4_0]``; with ``quality_tokens`` each also reports its
             perplexity from its own logits (``result["quality"]["llama.cpp[q4_0]"]``).
         preset_slacks: more ``tiered@<percent>+slack<s>-lean`` rows (``slack`` gives one), a count of tokens or a
-            share of the hot budget each (:func:`~confkv.eval.bench.configs.preset_rows`).
+            share of the tokens kept by rank each (:func:`~confkv.eval.bench.configs.preset_rows`).
         kivi: specs of extra KIVI rows (:func:`~confkv.eval.bench.configs.kivi_rows`), to compare page formats
             at one load.
     """

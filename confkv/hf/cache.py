@@ -47,7 +47,7 @@ from confkv.tiers.ladder import LadderTier
 from confkv.tiers.byte_model import KVShape
 from confkv.tiers.planner import (StepPlan, bottom_token_bytes, check_cap, floor_bytes, floor_tokens, plan_step,
                                   reserve_bytes)
-from confkv.tiers.storage import MemoryTarget, Storage, store_with_hot_int8
+from confkv.tiers.storage import MemoryTarget, Storage, store_for
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
             "prompt lookup and other speculative methods are not supported. Generate without "
@@ -149,7 +149,7 @@ class ConfKVCache(Cache):
         self.rope = rope
         self.record_confidence = record_confidence
         self.policy = policy
-        self.store_config = store_with_hot_int8(store, storage)
+        self.store_config = store_for(store, storage)
         self.layout = layout
         if storage is not None and target is None:
             raise ConfigError("storage: a storage holds a memory target; give memory= (a fraction of the full "
@@ -213,7 +213,7 @@ class ConfKVCache(Cache):
         from confkv.tiers.prerope import Rope  # noqa: PLC0415
 
         if max_kv_bytes is not None:
-            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store_with_hot_int8(store, storage)))
+            check_cap(max_kv_bytes, floor_bytes_of(model, layout, built, store_for(store, storage)))
         enable(model)
         return cls(layout, built, store, trace_limit=trace_limit, rope=Rope.from_model(model), target=target,
                    storage=storage, record_confidence=record_confidence)

@@ -78,10 +78,15 @@ class Storage:
             (results/memory/README.md, "The open page sealed before a page is dropped").
         hot_int8_window: None (default): the hot tier in the model's precision; ``W``: the hot tier's tokens older
             than its ``W`` newest are kept in INT8 (per-channel key scale, per-token value scale: METHOD.md step 4),
-            from the first step the cache is over its target (:func:`store_with_hot_int8`), so a cache that never
+            from the first step the cache is over its target (:func:`store_for`), so a cache that never
             evicts stays exact; the hot tier's token count is planned as in full precision and the ladder gets the
             bytes it saves (without a ladder they stay unused; results/memory/README.md, "An INT8 hot tier under
             the target").
+        hot_slack: when the hot tier goes over its budget, evict past it by this share of the tokens it keeps by
+            rank (its budget less its protected tokens and sinks), so that the ranking and the compaction wait that
+            many steps instead of running at every step; 0: evict to the budget. The bytes stay under the target
+            (the hot tier only runs below its share, and the ladder takes what it leaves). It is the store's
+            ``evict_slack`` as a share (:func:`store_for`): give one of the two (results/memory/slack/).
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -100,6 +105,7 @@ class Storage:
     seal_early: bool = True
     seal_before_drop: bool = False
     hot_int8_window: int | None = None
+    hot_slack: float = 0.0
     offload: bool = False
     offload_dir: str | None = None
 
@@ -135,6 +141,10 @@ class Storage:
         _require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 0),
                  "hot_int8_window", "must be None (a full-precision hot tier; --param hot_int8_window=null) or a "
                  f"number of tokens >= 0 kept in full precision before the INT8 ones, e.g. 8; got {window!r}")
+        slack = self.hot_slack
+        _require(isinstance(slack, (int, float)) and not isinstance(slack, bool) and 0 <= slack < 1, "hot_slack",
+                 f"must be a share of the hot tier's tokens kept by rank, at least 0 and below 1 (0: evict to the "
+                 f"budget; e.g. 0.125), got {slack!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:
@@ -144,16 +154,26 @@ class Storage:
                      "offload_dir", f"{self.offload_dir!r} is not a writable directory; create it or pass another")
 
 
-def store_with_hot_int8(store: StoreConfig | None, storage: Storage | None) -> StoreConfig:
+def store_for(store: StoreConfig | None, storage: Storage | None) -> StoreConfig:
     """The store settings of a cache with ``storage``: ``store`` (default :class:`~confkv.config.StoreConfig`), with
-    ``kv_int8=True, fp_window=W, int8_from="over_budget"`` when ``storage.hot_int8_window`` is ``W``.
+    ``evict_slack=storage.hot_slack`` when that is not 0, and ``kv_int8=True, fp_window=W, int8_from="over_budget"``
+    when ``storage.hot_int8_window`` is ``W``.
 
     Raises:
-        ConfigError: ``store`` asks for another INT8 store (``kv_int8=True`` with another window or start): two
-            settings of one thing. (The store this returns is taken as it is: a fork's or a clone's.)
+        ConfigError: ``store`` asks for another slack (``evict_slack`` not 0 and not ``hot_slack``) or another INT8
+            store (``kv_int8=True`` with another window or start): two settings of one thing. (The store this
+            returns is taken as it is: a fork's or a clone's.)
     """
     store = store or StoreConfig()
-    if storage is None or storage.hot_int8_window is None:
+    if storage is None:
+        return store
+    if storage.hot_slack:
+        _require(store.evict_slack in (0, storage.hot_slack), "hot_slack",
+                 f"the storage evicts with a slack (hot_slack={storage.hot_slack}) and the store config asks for "
+                 f"another (evict_slack={store.evict_slack}, --evict-slack); give one: drop evict_slack, or set "
+                 "hot_slack=0 (--param hot_slack=0)")
+        store = dataclasses.replace(store, evict_slack=storage.hot_slack)
+    if storage.hot_int8_window is None:
         return store
     merged = dataclasses.replace(store, kv_int8=True, fp_window=storage.hot_int8_window, int8_from="over_budget")
     _require(not store.kv_int8 or store == merged, "hot_int8_window",

@@ -110,3 +110,28 @@ def test_the_command_line_reads_a_count_or_a_share():
     assert _slack("0.125") == 0.125
     with pytest.raises(argparse.ArgumentTypeError, match="neither a number of tokens"):
         _slack("an eighth")
+
+
+def test_the_storage_slack_is_the_store_slack_as_a_storage_setting():
+    """``hot_slack`` (a storage field, so a preset can carry it) runs as the store's ``evict_slack``: the same
+    kept counts step by step; the store's own setting of the same value is accepted, another one refused with
+    both fields named."""
+    model = tiny_model("llama", seed=4)
+    by_storage = ConfKVCache.for_model(model, memory=0.5, hot_share=0.8, hot_slack=0.25)
+    assert by_storage.store_config.evict_slack == 0.25
+    by_store = ConfKVCache.for_model(model, memory=0.5, hot_share=0.8, store=StoreConfig(evict_slack=0.25))
+    runs = [_stream(cache, model, 200) for cache in (by_storage, by_store)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    ConfKVCache.for_model(model, memory=0.5, hot_slack=0.25, store=StoreConfig(evict_slack=0.25))
+    with pytest.raises(ConfigError, match=r"hot_slack: the storage evicts with a slack \(hot_slack=0.25\) and the "
+                                          r"store config asks for another \(evict_slack=8"):
+        ConfKVCache.for_model(model, memory=0.5, hot_slack=0.25, store=StoreConfig(evict_slack=8))
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, 1, True, "0.1", None])
+def test_a_bad_storage_slack_is_refused(bad):
+    from confkv.tiers.storage import Storage
+
+    with pytest.raises(ConfigError, match=r"hot_slack: must be a share of the hot tier's tokens kept by rank"):
+        Storage(hot_slack=bad)
+    assert Storage(hot_slack=0).hot_slack == 0 and Storage(hot_slack=0.125).hot_slack == 0.125

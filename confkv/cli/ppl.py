@@ -29,7 +29,7 @@ def run_ppl(args: argparse.Namespace, params: dict[str, Any], store: StoreConfig
     spec = resolve(args.policy, **params)
     from confkv.tiers.storage import store_for
 
-    store_run = store_for(store, spec.storage)  # what the cache runs with (an INT8 hot tier's store)
+    store_run = store_for(store, spec.storage)  # what the cache runs with (the storage's slack, an INT8 hot tier)
     check_store_fits(spec.policy, store_run)
     ray = ray_options(args)
     unit = PplUnit(corpus=args.corpus, tokens=args.tokens, offset=args.offset, policy=args.policy, params=params,

@@ -280,7 +280,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         for dtype in dtypes:
             for name in ("confkv", f"confkv+slack{slack}", "confkv-int8", f"confkv-int8+slack{slack}", "window",
                          f"window+slack{slack}", "full", "confkv-r", f"confkv-r+slack{slack}",
-                         f"confkv-r-offload+slack{slack}", *preset_rows(tuple(memory), tuple(formats), slack, tuple(preset_slacks)),
+                         f"confkv-r-offload+slack{slack}",
+                         *preset_rows(tuple(memory), tuple(formats), slack, tuple(preset_slacks)),
                          *(config.name for config in kivi_rows(tuple(kivi)))):
                 label = row_label(name, dtype)
                 runner = next((r for r in runners_ok if r.label == label), None)

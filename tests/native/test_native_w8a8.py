@@ -32,7 +32,8 @@ def _reference(x, weight, scale, bias):
     return out if bias is None else out + bias
 
 
-@pytest.mark.parametrize("width", [64, 576, 100, 40, 130, 97])  # multiples of 64, of 32, neither; a last block of one
+@pytest.mark.parametrize("width", [64, 576, 100, 40, 130, 97, 127])  # multiples of 64, of 32, neither; a last block of
+# one column; one short of a multiple of 64 (the quantised row padded by one zero)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])

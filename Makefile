@@ -67,7 +67,7 @@ SANITIZE_TESTS ?= tests/native
 SANITIZER ?= address
 SANITIZER_RUNTIME = $(shell $(PY) -c 'from confkv.native.loader import SANITIZER_RUNTIMES as r; print(r["$(SANITIZER)"])')
 sanitize-native: $(STAMP)
-	CONFKV_NATIVE_SANITIZE=$(SANITIZER) ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1 UBSAN_OPTIONS=print_stacktrace=1 TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions=$(CURDIR)/tests/native/tsan_suppressions.txt" \
+	CONFKV_NATIVE_SANITIZE=$(SANITIZER) ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:malloc_fill_byte=255:max_malloc_fill_size=1048576 UBSAN_OPTIONS=print_stacktrace=1 TSAN_OPTIONS="halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions=$(CURDIR)/tests/native/tsan_suppressions.txt" \
 	LD_PRELOAD=$$($${CC:-cc} -print-file-name=$(SANITIZER_RUNTIME).so) $(PY) -m pytest -q -p no:cacheprovider --capture=sys $(SANITIZE_TESTS)
 
 clean:

@@ -114,7 +114,7 @@ def sanitizer_env(name: str) -> dict[str, str]:
     if not os.path.isabs(runtime):
         sys.exit(f"--sanitize {name}: {cc} has no {library}; install the compiler's sanitizer runtime")
     return {"CONFKV_NATIVE_SANITIZE": name, "LD_PRELOAD": runtime,
-            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1", "UBSAN_OPTIONS": "print_stacktrace=1",
+            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1:malloc_fill_byte=255:max_malloc_fill_size=1048576", "UBSAN_OPTIONS": "print_stacktrace=1",
             "TSAN_OPTIONS": "halt_on_error=1 die_after_fork=0 allocator_may_return_null=1 suppressions="
                             + str(Path(__file__).resolve().parents[1] / "tests/native/tsan_suppressions.txt")}
 

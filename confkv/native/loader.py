@@ -90,12 +90,14 @@ def _cpu() -> str:
 #: writing, with nothing ordering them), with the worker pool's chunks split statically over the threads
 #: (``CONFKV_POOL_STATIC``, c/pool.c) so that every call of several chunks runs on two threads whatever the
 #: timing. ``=undefined``: UndefinedBehaviorSanitizer (an index past a fixed-size array, such as the AVX-512
-#: loops' register arrays, a shift past the type's width, a signed overflow, a misaligned load), aborting at the
+#: loops' register arrays, a shift past the type's width, a signed overflow, a misaligned load; and a float cast to an
+#: integer it does not fit, NaN included, which GCC's -fsanitize=undefined leaves out), aborting at the
 #: first report. The process must load the sanitizer's runtime (:data:`SANITIZER_RUNTIMES`) first:
 #: ``make sanitize-native`` sets LD_PRELOAD.
 SANITIZERS = {"address": ["-fsanitize=address", "-fno-omit-frame-pointer"],
               "thread": ["-fsanitize=thread", "-DCONFKV_POOL_STATIC"],
-              "undefined": ["-fsanitize=undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]}
+              "undefined": ["-fsanitize=undefined,float-cast-overflow", "-fno-sanitize-recover=undefined,float-cast-overflow",
+                            "-fno-omit-frame-pointer"]}
 #: the runtime library each sanitizer loads (``cc -print-file-name=<name>.so`` finds it)
 SANITIZER_RUNTIMES = {"address": "libasan", "thread": "libtsan", "undefined": "libubsan"}
 

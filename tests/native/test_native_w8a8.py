@@ -32,8 +32,9 @@ def _reference(x, weight, scale, bias):
     return out if bias is None else out + bias
 
 
-@pytest.mark.parametrize("width", [64, 576, 100, 40, 130, 97, 127])  # multiples of 64, of 32, neither; a last block of
-# one column; one short of a multiple of 64 (the quantised row padded by one zero)
+@pytest.mark.parametrize("width", [64, 576, 100, 40, 130, 97, 127, 80])  # multiples of 64, of 32, neither; a last
+# block of one column; one short of a multiple of 64 (the quantised row padded by one zero); a multiple of 16, not
+# of 32 (the widened row has no zero padding past it)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -44,6 +45,7 @@ def test_w8a8_gemv_equals_the_reference(width, rows, dtype, with_bias):
     bias = torch.randn(37, generator=gen).to(dtype) if with_bias else None
     x = (torch.randn(rows, width, generator=gen) * torch.rand(1, width, generator=gen) * 4).to(dtype)
     x[0, :7] = 0.0  # a partly zero block
+    x[-1, 32:64] = 0.0  # a whole zero block (scale 0: its codes are 0, not x / 0)
     got = native.Int8Projection(weight, scale, bias, activation_bits=8)(x)
     # integer sums are exact; the blocks' float32 sum in another order: within a rounding of the output
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5

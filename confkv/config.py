@@ -71,7 +71,7 @@ class StoreConfig:
       step. The budget is still never exceeded; the layer holds between ``budget - slack``
       and ``budget`` tokens (on average ``slack / 2`` fewer). It changes which tokens are
       kept: its quality effect at equal memory is recorded in ``results/bench/``. An integer
-      is a number of tokens; a float in (0, 1) a share of the tokens the layer keeps by rank
+      is a number of tokens; a float in [0, 1) a share of the tokens the layer keeps by rank
       at that step (its budget less the protected tokens and sinks; ``0.125``: an eighth of
       them), which scales with a memory target's budget and takes nothing from a budget at its
       floor, where a fixed count takes the few ranked tokens there are
@@ -103,7 +103,7 @@ class StoreConfig:
                  "applies to an INT8 store only; give kv_int8=True with it (or leave int8_from='start')")
         slack = self.evict_slack
         _require(isinstance(slack, int) and not isinstance(slack, bool) and slack >= 0
-                 or isinstance(slack, float) and 0.0 < slack < 1.0, "evict_slack",
+                 or isinstance(slack, float) and 0.0 <= slack < 1.0, "evict_slack",
                  f"must be a number of tokens (an integer >= 0) or a share of the tokens kept by rank (a float between 0 "
                  f"and 1, e.g. 0.125), got {slack!r}")
         for name, low in (("fp_window", 0), ("prefill_chunk", 1), ("block_size", 1), ("move_block", 1)):

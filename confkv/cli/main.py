@@ -69,7 +69,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk size")
     parser.add_argument("--evict-slack", type=_slack, default=0,
                         help="opt-in: evict down to budget - SLACK when over budget (compaction once per SLACK steps); "
-                             "a float in (0, 1) is a share of the tokens kept by rank (e.g. 0.125)")
+                             "a float in [0, 1) is a share of the tokens kept by rank (e.g. 0.125)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 

@@ -317,8 +317,8 @@ def test_the_smallest_and_the_largest_group_are_read_as_the_torch_read(bits, gro
     _compare(query, [*_hot(gen), _pages_of(gen, bits, PAGE, DIM, group)])
 
 
-@pytest.mark.parametrize("page, dim, group", [(16, 32, 8), (16, 32, 4)])  # the fast path; the row-by-row readers
-def test_a_key_group_with_one_valid_slot_at_either_end_is_read_with_its_own_scales(page, dim, group):
+@pytest.mark.parametrize("page, dim, group", [(16, 32, 8), (16, 32, 4), (64, 64, 16)])  # plane order; the row-by-row
+def test_a_key_group_with_one_valid_slot_at_either_end_is_read_with_its_own_scales(page, dim, group):  # ...; AVX-512
     """Each key group of slots has its own per-channel scale and minimum, loaded when any of its slots is valid. Here
     the groups hold no valid slot, only their first, only their last, or all, in turn (random validity almost never
     gives a group whose only valid slot is an end one), and each group's keys sit at their own offset: a reader
@@ -368,7 +368,10 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
 # second, partial run of them), plane order in three groups of 16 channels (48: plane order on every machine; a
 # group of two 3-bit words, so each group's words start 3 x 2 bytes after the last), every bit width; pages of 8
 # to 264 slots with about a fifth invalid, so that full and partial value blocks occur.
-FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264), (16, 48, 16)]
+# With AVX-512 VBMI, heads of 64 and 128 channels in groups of 16, 32 and 64 go to the AVX-512 reader
+# (c/page_simd.c: dequantization folded into the sums; one, two, four and eight value groups a row).
+FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264), (16, 48, 16),
+               (16, 128, 16), (48, 64, 16)]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -383,6 +386,16 @@ def test_the_fast_page_read_equals_the_torch_read(bits, page, dim, group):
     pages.index[1, 0, 2] = -1  # a rank with no page
     pages.counts[2] = 3  # the last sequence reads 3 of its 5 ranks
     _compare(query, [hot, pages], dim ** -0.5)
+
+
+@pytest.mark.parametrize("queries", [2, 3, 4])
+def test_more_query_rows_than_the_avx512_value_sums_hold_are_read_as_the_torch_read(queries):
+    """The AVX-512 reader (c/page_simd.c) keeps a weight per query row and value group for a block of tokens, at
+    most 64 of them. Heads of 128 channels in 8 value groups: 2 queries of 3 heads a KV head (6 rows, 48 weights)
+    are read by it, 3 (72) and 4 (96) by the plane-order reader, and each as the torch read reads them."""
+    gen = torch.Generator().manual_seed(queries)
+    query = torch.randn(BATCH, KV_HEADS * 3, queries, 128, generator=gen)
+    _compare(query, [_pages_of(gen, 3, 16, 128, 16), _pages_of(gen, 4, 32, 128, 16)], 128 ** -0.5)
 
 
 @pytest.mark.parametrize("page, dim, group", [(8, 32, 8), (64, 64, 64)])

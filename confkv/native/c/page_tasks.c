@@ -79,6 +79,11 @@ static void task_scores(const void *ctx, int64_t task) {
             int64_t k0, k1;
             slice_pages(a, m[2], part, &k0, &k1);
             const float *query = rot && m[32] ? w.query_turned : qf;
+#if defined(CONFKV_VBMI)
+            if (simd_pages_fit(m, R, D))
+                simd_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
+            else
+#endif
             if (planar(m))
                 planar_scores(p, m, a->channels + s * 4 * D, b, j, k0, k1, query, R, D, total, scores + offset, w.buf,
                               outlier_scratch(a, w.buf));
@@ -137,6 +142,11 @@ static void task_values(const void *ctx, int64_t task) {
                 dense_values(a, p, m, b, j, scores + offset, w.out, w.buf);
             else {
                 float *out = a->rotation && m[32] ? w.out_turned : w.out;
+#if defined(CONFKV_VBMI)
+                if (simd_pages_fit(m, R, D))
+                    simd_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out, w.buf);
+                else
+#endif
                 if (planar(m))
                     planar_values(p, m, a->channels + s * 4 * D + 2 * D, b, j, k0, k1, scores + offset, R, D, total,
                                   out, w.buf, outlier_scratch(a, w.buf));

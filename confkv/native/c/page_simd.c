@@ -1,0 +1,189 @@
+/* The AVX-512 read of packed pages (issue 32): the preset's pages (no outliers, heads of a multiple of 64
+ * channels, key groups and pages of a multiple of 16 tokens, value groups of a multiple of 16 channels) with
+ * the dequantization folded into the arithmetic, so that no key or value row is ever written out. Part of
+ * kernels.c; page_tasks.c calls it where simd_pages_fit, and page_codes.c's planar readers elsewhere.
+ *
+ * Keys. A key group of G tokens shares a per-channel scale s and minimum m, so for a query row q
+ *     q . (m + c * s) = q . m + (q * s) . c:
+ * q * s and q . m are computed once a group (R * D products, R dot products), and each token costs its codes
+ * unpacked (unpack_simd's multishift, in registers) and R * D / 16 fused multiply-adds. The 16 running sums of
+ * 16 tokens are added by one transposing tree (sum16: 15 two-register permutes and adds for 16 scores, where a
+ * horizontal sum per score costs about 8 dependent steps).
+ * Values. A value row's group of Gv channels shares a per-token scale and minimum, so
+ *     sum_t p_t (m_t + c_t * s_t) = sum_t p_t m_t + sum_t (p_t s_t) c_t:
+ * the codes are weighted by p_t * s_t (4 tokens a pass over the R x D sums, kept in plane order = channel order
+ * here) and sum_t p_t m_t is kept per row and group and added once at the end.
+ * Both differ from the row-by-row read only in the order and grouping of float32 products and sums (a few ulps
+ * of each score and output; tests/native/test_native_pages.py bounds them). Slots that hold no token score
+ * -inf and are never weighted (their codes are read, their scales are not: a group with no valid token is
+ * skipped whole). */
+
+#if defined(CONFKV_VBMI)
+
+/* 1 when every page of segment m (R query rows, head dim D) is read here */
+static inline int simd_pages_fit(const int64_t *m, int64_t R, int64_t D) {
+    return D % 64 == 0 && D <= 256 && m[3] % 16 == 0 && m[5] % 16 == 0 && m[6] % 16 == 0 && !m[35] &&
+           R * (D / m[6]) <= 64;
+}
+
+/* the D codes of one packed row (D % 64 == 0, channel order) less the middle code, as floats in c[D / 16] */
+static inline void unpack_registers(const uint8_t *restrict src, int bits, int64_t D, __m512i spread, __m512i shifts,
+                                    __m512i keep, __mmask64 bytes, __m512 middle, __m512 *c) {
+    for (int64_t d = 0; d < D; d += 64, src += 8 * bits) {
+        __m512i codes = _mm512_maskz_loadu_epi8(bytes, src);
+        if (bits != 8) codes = _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(spread, codes)), keep);
+        c[d / 16] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(codes))), middle);
+        c[d / 16 + 1] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 1))), middle);
+        c[d / 16 + 2] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 2))), middle);
+        c[d / 16 + 3] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 3))), middle);
+    }
+}
+
+/* the unpacking constants of `bits`-bit codes (unpack_simd's tables, built by simd_tables) */
+typedef struct {
+    __m512i spread, shifts, keep;
+    __mmask64 bytes;
+    __m512 middle; /* (2^bits - 1) / 2 */
+    float mid;
+} code_layout;
+
+static inline code_layout layout_of(int bits) {
+    const int table = bits == 8 ? 2 : bits;
+    code_layout l;
+    l.spread = _mm512_loadu_si512(simd_spread[table]);
+    l.shifts = _mm512_loadu_si512(simd_shift[table]);
+    l.keep = _mm512_set1_epi8((char)((1 << bits) - 1));
+    l.bytes = bits == 8 ? ~(__mmask64)0 : ((__mmask64)1 << (8 * bits)) - 1;
+    l.mid = 0.5f * (float)((1 << bits) - 1);
+    l.middle = _mm512_set1_ps(l.mid);
+    return l;
+}
+
+/* lane i of the result: the sum of the 16 lanes of v[i] (the v are overwritten). Each level halves the lanes a
+ * token holds: a pair's first halves and second halves of each block are put side by side and added, so after
+ * four levels lane i holds token i's sum. */
+static inline __m512 sum16(__m512 *v) {
+    static const int32_t low[4][16] = {
+        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+        {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+        {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+    static const int32_t high[4][16] = {
+        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+        {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+        {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+    int n = 16;
+    for (int level = 0; level < 4; level++, n /= 2) {
+        const __m512i lo = _mm512_loadu_si512(low[level]), hi = _mm512_loadu_si512(high[level]);
+        for (int i = 0; i < n / 2; i++)
+            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]),
+                                 _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
+    }
+    return v[0];
+}
+
+/* scores of the selected pages k0 .. k1 of one paged segment (meta m, pointers p) for the R query rows qf [R, D]
+ * (pre-scaled), as planar_scores; buf holds R * D + R + D floats */
+static void simd_scores(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
+                        const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf) {
+    const int64_t P = m[3], G = m[5], C = m[7], V = D / 16;
+    const code_layout l = layout_of((int)m[4]);
+    float *folded = buf, *bias = buf + R * D, *centre = bias + R; /* q * s [R, D], q . centre [R], m + mid * s [D] */
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t page = page_of(p, m, b, j, k);
+        float *s = scores + k * P;
+        if (page < 0) {
+            hide_slots(s, R, P, total);
+            continue;
+        }
+        const page_view v = view_page(p, m, b, j, page);
+        for (int64_t first = 0; first < P; first += G) {
+            int any = 0;
+            for (int64_t t = first; t < first + G; t++) any |= v.valid[t];
+            if (!any) {
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t t = first; t < first + G; t++) s[r * total + t] = -INFINITY;
+                continue;
+            }
+            const uint16_t *ks = v.key_scale + (first / G) * D, *km = v.key_min + (first / G) * D;
+            for (int64_t i = 0; i < V; i++) {
+                const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ks + 16 * i)));
+                const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(km + 16 * i)));
+                _mm512_storeu_ps(centre + 16 * i, _mm512_fmadd_ps(scale, l.middle, minimum));
+                for (int64_t r = 0; r < R; r++)
+                    _mm512_storeu_ps(folded + r * D + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(qf + r * D + 16 * i), scale));
+            }
+            for (int64_t r = 0; r < R; r++) bias[r] = dot_tree(qf + r * D, centre, D);
+            for (int64_t t0 = first; t0 < first + G; t0 += 16) {
+                __m512 c[16][16]; /* codes of the 16 tokens [token][vector], then each token's running sums */
+                for (int64_t e = 0; e < 16; e++)
+                    unpack_registers(v.key_codes + (t0 + e) * C, (int)m[4], D, l.spread, l.shifts, l.keep, l.bytes,
+                                     l.middle, c[e]);
+                for (int64_t r = 0; r < R; r++) {
+                    __m512 lane[16];
+                    const float *f = folded + r * D;
+                    for (int64_t e = 0; e < 16; e++) {
+                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(f), c[e][0]);
+                        for (int64_t i = 1; i < V; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(f + 16 * i), c[e][i], acc);
+                        lane[e] = acc;
+                    }
+                    const __m512 got = _mm512_add_ps(sum16(lane), _mm512_set1_ps(bias[r]));
+                    const __mmask16 valid = _mm512_cmpneq_epi32_mask(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v.valid + t0))), _mm512_setzero_si512());
+                    _mm512_storeu_ps(s + r * total + t0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), got));
+                }
+            }
+        }
+    }
+}
+
+/* adds the selected pages' values weighted by probs [R, total] (this segment's columns) to acc [R, D], as
+ * planar_values (channel order here); buf holds R * D / Gv floats */
+static void simd_values(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
+                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc, float *buf) {
+    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 16, per_group = Gv / 16;
+    const int bits = (int)m[33];
+    const code_layout l = layout_of(bits);
+    float *low = buf; /* sum_t p_t (m_t + mid * s_t) [R, groups] */
+    for (int64_t i = 0; i < R * groups; i++) low[i] = 0.0f;
+    __m512 c[4][16];
+    float step[4][64]; /* p_t * s_t of a block's tokens [token][r * groups + g] (R * groups <= 64: simd_pages_fit) */
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t page = page_of(p, m, b, j, k);
+        if (page < 0) continue;
+        const page_view v = view_page(p, m, b, j, page);
+        const float *w = probs + k * P;
+        int64_t n = 0;
+        for (int64_t t = 0; t <= P; t++) {
+            if (t < P && v.valid[t]) {
+                unpack_registers(v.value_codes + t * C, bits, D, l.spread, l.shifts, l.keep, l.bytes, l.middle, c[n]);
+                for (int64_t g = 0; g < groups; g++) {
+                    const float scale = f16_to_f32(v.value_scale[t * groups + g]);
+                    const float centre = fmaf(scale, l.mid, f16_to_f32(v.value_min[t * groups + g]));
+                    for (int64_t r = 0; r < R; r++) {
+                        const float weight = w[r * total + t];
+                        step[n][r * groups + g] = weight * scale;
+                        low[r * groups + g] = fmaf(weight, centre, low[r * groups + g]);
+                    }
+                }
+                n++;
+            }
+            if (n == 4 || (t == P && n)) {
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t i = 0; i < V; i++) {
+                        const int64_t g = i / per_group;
+                        __m512 sum = _mm512_loadu_ps(acc + r * D + 16 * i);
+                        for (int64_t e = 0; e < n; e++)
+                            sum = _mm512_fmadd_ps(_mm512_set1_ps(step[e][r * groups + g]), c[e][i], sum);
+                        _mm512_storeu_ps(acc + r * D + 16 * i, sum);
+                    }
+                n = 0;
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t d = 0; d < D; d++) acc[r * D + d] += low[r * groups + d / Gv];
+}
+
+#endif

@@ -368,10 +368,11 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
 # second, partial run of them), plane order in three groups of 16 channels (48: plane order on every machine; a
 # group of two 3-bit words, so each group's words start 3 x 2 bytes after the last), every bit width; pages of 8
 # to 264 slots with about a fifth invalid, so that full and partial value blocks occur.
-# With AVX-512 VBMI, heads of 64 and 128 channels in groups of 16, 32 and 64 go to the AVX-512 reader
-# (c/page_simd.c: dequantization folded into the sums; one, two, four and eight value groups a row).
+# With AVX-512 VBMI, heads of 64 to 256 channels in groups of 16, 32 and 64 go to the AVX-512 reader
+# (c/page_simd.c: dequantization folded into the sums; one to eight value groups a row; 64 and 128 channels with
+# the sums unrolled, 192 and 256 without).
 FAST_SHAPES = [(8, 32, 8), (8, 24, 8), (64, 64, 64), (64, 128, 64), (32, 128, 32), (264, 264, 264), (16, 48, 16),
-               (16, 128, 16), (48, 64, 16)]
+               (16, 128, 16), (48, 64, 16), (64, 192, 64), (64, 256, 64)]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

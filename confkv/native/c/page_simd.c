@@ -83,12 +83,52 @@ static inline __m512 sum16(__m512 *v) {
     return v[0];
 }
 
+/* the scores of 16 tokens (their packed key rows at codes, C bytes apart) for the R query rows: folded [R, 16 * V]
+ * (q * s), bias [R] (q . centre); s[r * total + e] (-inf where valid[e] is 0). Always inlined, so that a constant V
+ * unrolls the sums */
+static inline __attribute__((always_inline)) void score_tokens16(const uint8_t *codes, int64_t C, int bits,
+                                                                 const code_layout *l, int64_t V, const float *folded,
+                                                                 const float *bias, int64_t R, const uint8_t *valid,
+                                                                 float *s, int64_t total) {
+    __m512 c[16][16]; /* the 16 tokens' codes less the middle one [token][vector] */
+    for (int64_t e = 0; e < 16; e++)
+        unpack_registers(codes + e * C, bits, 16 * V, l->spread, l->shifts, l->keep, l->bytes, l->middle, c[e]);
+    const __mmask16 seen = _mm512_cmpneq_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)valid)),
+                                                   _mm512_setzero_si512());
+    for (int64_t r = 0; r < R; r++) {
+        __m512 f[16], lane[16];
+        for (int64_t i = 0; i < V; i++) f[i] = _mm512_loadu_ps(folded + r * 16 * V + 16 * i);
+        for (int64_t e = 0; e < 16; e++) {
+            __m512 acc = _mm512_mul_ps(f[0], c[e][0]);
+            for (int64_t i = 1; i < V; i++) acc = _mm512_fmadd_ps(f[i], c[e][i], acc);
+            lane[e] = acc;
+        }
+        const __m512 got = _mm512_add_ps(sum16(lane), _mm512_set1_ps(bias[r]));
+        _mm512_storeu_ps(s + r * total, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), got));
+    }
+}
+
+/* adds n value rows (codes less the middle one, c[e]) weighted by step[e][r * groups + g] (p * s of row e) to acc
+ * [R, 16 * V], value group g = vector i / per_group. Always inlined, so that constant n and V unroll the sums */
+static inline __attribute__((always_inline)) void add_value_block(float *acc, int64_t R, int64_t V, int64_t groups,
+                                                                  int64_t per_group, float step[][64],
+                                                                  __m512 c[][16], int64_t n) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < V; i++) {
+            const int64_t g = i / per_group;
+            __m512 sum = _mm512_loadu_ps(acc + r * 16 * V + 16 * i);
+            for (int64_t e = 0; e < n; e++) sum = _mm512_fmadd_ps(_mm512_set1_ps(step[e][r * groups + g]), c[e][i], sum);
+            _mm512_storeu_ps(acc + r * 16 * V + 16 * i, sum);
+        }
+}
+
 /* scores of the selected pages k0 .. k1 of one paged segment (meta m, pointers p) for the R query rows qf [R, D]
  * (pre-scaled), as planar_scores; buf holds R * D + R + D floats */
 static void simd_scores(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
                         const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf) {
     const int64_t P = m[3], G = m[5], C = m[7], V = D / 16;
-    const code_layout l = layout_of((int)m[4]);
+    const int bits = (int)m[4];
+    const code_layout l = layout_of(bits);
     float *folded = buf, *bias = buf + R * D, *centre = bias + R; /* q * s [R, D], q . centre [R], m + mid * s [D] */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
@@ -116,23 +156,14 @@ static void simd_scores(const void *const *p, const int64_t *m, int64_t b, int64
             }
             for (int64_t r = 0; r < R; r++) bias[r] = dot_tree(qf + r * D, centre, D);
             for (int64_t t0 = first; t0 < first + G; t0 += 16) {
-                __m512 c[16][16]; /* codes of the 16 tokens [token][vector], then each token's running sums */
-                for (int64_t e = 0; e < 16; e++)
-                    unpack_registers(v.key_codes + (t0 + e) * C, (int)m[4], D, l.spread, l.shifts, l.keep, l.bytes,
-                                     l.middle, c[e]);
-                for (int64_t r = 0; r < R; r++) {
-                    __m512 lane[16];
-                    const float *f = folded + r * D;
-                    for (int64_t e = 0; e < 16; e++) {
-                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(f), c[e][0]);
-                        for (int64_t i = 1; i < V; i++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(f + 16 * i), c[e][i], acc);
-                        lane[e] = acc;
-                    }
-                    const __m512 got = _mm512_add_ps(sum16(lane), _mm512_set1_ps(bias[r]));
-                    const __mmask16 valid = _mm512_cmpneq_epi32_mask(
-                        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v.valid + t0))), _mm512_setzero_si512());
-                    _mm512_storeu_ps(s + r * total + t0, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), got));
-                }
+                const uint8_t *codes = v.key_codes + t0 * C;
+                float *to = s + t0;
+                if (V == 4) /* a constant V: the sums unrolled, each query row's folded row held in registers */
+                    score_tokens16(codes, C, bits, &l, 4, folded, bias, R, v.valid + t0, to, total);
+                else if (V == 8)
+                    score_tokens16(codes, C, bits, &l, 8, folded, bias, R, v.valid + t0, to, total);
+                else
+                    score_tokens16(codes, C, bits, &l, V, folded, bias, R, v.valid + t0, to, total);
             }
         }
     }
@@ -159,8 +190,8 @@ static void simd_values(const void *const *p, const int64_t *m, int64_t b, int64
             if (t < P && v.valid[t]) {
                 unpack_registers(v.value_codes + t * C, bits, D, l.spread, l.shifts, l.keep, l.bytes, l.middle, c[n]);
                 for (int64_t g = 0; g < groups; g++) {
-                    const float scale = f16_to_f32(v.value_scale[t * groups + g]);
-                    const float centre = fmaf(scale, l.mid, f16_to_f32(v.value_min[t * groups + g]));
+                    const float scale = _cvtsh_ss(v.value_scale[t * groups + g]); /* float16, exactly */
+                    const float centre = fmaf(scale, l.mid, _cvtsh_ss(v.value_min[t * groups + g]));
                     for (int64_t r = 0; r < R; r++) {
                         const float weight = w[r * total + t];
                         step[n][r * groups + g] = weight * scale;
@@ -169,17 +200,13 @@ static void simd_values(const void *const *p, const int64_t *m, int64_t b, int64
                 }
                 n++;
             }
-            if (n == 4 || (t == P && n)) {
-                for (int64_t r = 0; r < R; r++)
-                    for (int64_t i = 0; i < V; i++) {
-                        const int64_t g = i / per_group;
-                        __m512 sum = _mm512_loadu_ps(acc + r * D + 16 * i);
-                        for (int64_t e = 0; e < n; e++)
-                            sum = _mm512_fmadd_ps(_mm512_set1_ps(step[e][r * groups + g]), c[e][i], sum);
-                        _mm512_storeu_ps(acc + r * D + 16 * i, sum);
-                    }
-                n = 0;
-            }
+            if (n == 4 && V == 4) /* constant n and V: unrolled */
+                add_value_block(acc, R, 4, groups, per_group, step, c, 4);
+            else if (n == 4 && V == 8)
+                add_value_block(acc, R, 8, groups, per_group, step, c, 4);
+            else if (n == 4 || (t == P && n))
+                add_value_block(acc, R, V, groups, per_group, step, c, n);
+            if (n == 4 || (t == P && n)) n = 0;
         }
     }
     for (int64_t r = 0; r < R; r++)

@@ -79,6 +79,7 @@ TESTS_FOR = {
     "c/layer.c": ["test_native_contracts", "test_native_layer", "test_native_w8a8"],  # w8a8: the fused W8A8 layer
     "c/pages.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
+    "c/page_simd.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],
     "c/prefill.c": ["test_native_prefill"],
     "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",

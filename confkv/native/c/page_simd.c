@@ -1,22 +1,25 @@
 /* The AVX-512 read of packed pages (issue 32): the preset's pages (no outliers, heads of a multiple of 64
- * channels, key groups and pages of a multiple of 16 tokens, value groups of a multiple of 16 channels) with
- * the dequantization folded into the arithmetic, so that no key or value row is ever written out. Part of
- * kernels.c; page_tasks.c calls it where simd_pages_fit, and page_codes.c's planar readers elsewhere.
+ * channels up to 256, key groups and pages of a multiple of 16 tokens, value groups of a multiple of 16 channels,
+ * at most 64 query rows x value groups) with the dequantization folded into the arithmetic, so that no key or
+ * value row is ever written out. Part of kernels.c; page_tasks.c calls it where simd_pages_fit, and page_codes.c's
+ * planar readers elsewhere.
  *
- * Keys. A key group of G tokens shares a per-channel scale s and minimum m, so for a query row q
- *     q . (m + c * s) = q . m + (q * s) . c:
- * q * s and q . m are computed once a group (R * D products, R dot products), and each token costs its codes
- * unpacked (unpack_simd's multishift, in registers) and R * D / 16 fused multiply-adds. The 16 running sums of
- * 16 tokens are added by one transposing tree (sum16: 15 two-register permutes and adds for 16 scores, where a
+ * Keys. A key group of G tokens shares a per-channel scale s and minimum m, so for a query row q and the middle
+ * code mid = (2^bits - 1) / 2
+ *     q . (m + c * s) = q . (m + mid * s) + (q * s) . (c - mid):
+ * q * s and the first term are computed once a group (R * D products, R dot products), and each token costs its
+ * codes unpacked (unpack_simd's multishift, in registers) and R * D / 16 fused multiply-adds. The 16 running sums
+ * of 16 tokens are added by one transposing tree (sum16: 15 two-register permutes and adds for 16 scores, where a
  * horizontal sum per score costs about 8 dependent steps).
  * Values. A value row's group of Gv channels shares a per-token scale and minimum, so
- *     sum_t p_t (m_t + c_t * s_t) = sum_t p_t m_t + sum_t (p_t s_t) c_t:
- * the codes are weighted by p_t * s_t (4 tokens a pass over the R x D sums, kept in plane order = channel order
- * here) and sum_t p_t m_t is kept per row and group and added once at the end.
- * Both differ from the row-by-row read only in the order and grouping of float32 products and sums (a few ulps
- * of each score and output; tests/native/test_native_pages.py bounds them). Slots that hold no token score
- * -inf and are never weighted (their codes are read, their scales are not: a group with no valid token is
- * skipped whole). */
+ *     sum_t p_t (m_t + c_t * s_t) = sum_t p_t (m_t + mid * s_t) + sum_t (p_t s_t) (c_t - mid):
+ * the centred codes are weighted by p_t * s_t (4 tokens a pass over the R x D sums, in channel order) and the
+ * first sum is kept per row and group and added once at the end.
+ * Centring on the middle code keeps both terms about the size of the result: split at the minimum instead, the
+ * two terms are about the size of the range and cancel (3e-6 off the row-by-row read where centred is 1e-7).
+ * Otherwise the read differs from the row-by-row one only in the order and grouping of float32 products and sums
+ * (tests/native/test_native_pages.py bounds them). Slots that hold no token score -inf and are never weighted
+ * (their codes are read, their scales are not: a group with no valid token is skipped whole). */
 
 #if defined(CONFKV_VBMI)
 

@@ -162,6 +162,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_prefill_read.argtypes = [ptr, i64, i64, i64, i64, i64, i64, i64, i64, i32, ptr, ptr, ptr, ptr, f32,
                                         ptr, ptr, i32, i32]
     lib.confkv_page_read.argtypes = [ptr, i64, i64, i64, i64, i64, i32, ptr, ptr, f32, ptr, ptr, ptr, i32]
+    lib.confkv_page_reader.restype = i32
+    lib.confkv_page_reader.argtypes = [ptr, i64, i64]
     lib.confkv_rms_norm.restype = None
     lib.confkv_rms_norm.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i64, f32, i32]
     lib.confkv_torch_order_sum.restype = f32

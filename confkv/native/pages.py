@@ -234,6 +234,24 @@ def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, n
     return out.to(query.dtype), mass
 
 
+READERS = ("row by row", "plane order", "avx512")  #: confkv_page_reader's answers, by number
+
+
+def reader_of(query: Tensor, segment) -> str:
+    """Which of the kernel's readers reads the packed page ``segment`` for ``query`` [B, Hq, Q, D]: "avx512"
+    (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "plane order" (c/page_codes.c) or "row by
+    row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
+    Raises RuntimeError when the library is unavailable."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("confkv native kernels unavailable")
+    kv_heads = segment.kv_heads
+    rows = query.shape[1] // kv_heads * query.shape[2]
+    _, info = _paged(segment, [])
+    meta = info + [0] * (_META - len(info))
+    return READERS[lib.confkv_page_reader((ctypes.c_int64 * len(meta))(*meta), rows, query.shape[-1])]
+
+
 def score_entries(query: Tensor, segments: Sequence) -> int:
     """B * Hq * Q * (slots of every segment): the float32 scores the read holds at once."""
     total = sum(s.length for s in segments)

@@ -311,3 +311,15 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
     free(channels);
     return 0;
 }
+
+/* Which reader confkv_page_read gives a page segment (meta m, PR_META entries as for the read) read by R = Hq / Hkv
+ * * Q query rows of D channels: 2 the AVX-512 reader (page_simd.c), 1 the plane-order reader (page_codes.c), 0 the
+ * row-by-row reader (pages.c). The read's own dispatch, asked without reading (tests, the bench). */
+int confkv_page_reader(const int64_t *m, int64_t R, int64_t D) {
+#if defined(CONFKV_VBMI)
+    if (simd_pages_fit(m, R, D)) return 2;
+#else
+    (void)R, (void)D;
+#endif
+    return planar(m) ? 1 : 0;
+}

@@ -339,7 +339,7 @@ def test_a_key_group_with_one_valid_slot_at_either_end_is_read_with_its_own_scal
     pages = PagedSegment(index, torch.full((BATCH,), PAGES), valid, 3, group, dim, key_codes=qk.codes,
                          key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
                          value_min=qv.minimum)
-    query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen) * 0.3
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen) * 0.3  # 3 rows a unit: each row's slots hidden
     _compare(query, [pages], dim ** -0.5)
 
 

@@ -241,7 +241,7 @@ def reader_of(query: Tensor, segment) -> str:
     """Which of the kernel's readers reads the packed page ``segment`` for ``query`` [B, Hq, Q, D]: "avx512"
     (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "plane order" (c/page_codes.c) or "row by
     row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
-    Raises RuntimeError when the library is unavailable."""
+    Raises RuntimeError when the library is unavailable, ValueError for a segment the read refuses."""
     lib = library()
     if lib is None:
         raise RuntimeError("confkv native kernels unavailable")
@@ -249,7 +249,11 @@ def reader_of(query: Tensor, segment) -> str:
     rows = query.shape[1] // kv_heads * query.shape[2]
     _, info = _paged(segment, [])
     meta = info + [0] * (_META - len(info))
-    return READERS[lib.confkv_page_reader((ctypes.c_int64 * len(meta))(*meta), rows, query.shape[-1])]
+    reader = lib.confkv_page_reader((ctypes.c_int64 * len(meta))(*meta), rows, query.shape[-1])
+    if reader < 0:
+        raise ValueError("confkv native page read: a page segment's bits, group size or outlier storage is not one "
+                         "it takes")
+    return READERS[reader]
 
 
 def score_entries(query: Tensor, segments: Sequence) -> int:

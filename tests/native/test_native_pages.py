@@ -358,6 +358,8 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
     query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen)
     with pytest.raises(ValueError, match="group size or outlier storage is not one it takes"):
         native_pages.page_read(query, [pages], dim ** -0.5)
+    with pytest.raises(ValueError, match="group size or outlier storage is not one it takes"):
+        native_pages.reader_of(query, pages)  # asked which reader: none (and no division by a group of 0)
 
 
 # The fast path (confkv/native/c/page_codes.c) reads segments whose value group is a multiple of 8: codes

@@ -253,6 +253,15 @@ static void run_tasks(void (*fn)(const void *, int64_t), const page_args *a, int
  * * Q * total floats, which the read plan caps). The B * Hkv units, or their slices (page_parts), run on up to
  * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
  * bit width, group or outlier storage it does not take. */
+/* 1 when the read takes page segment m's bit widths, groups and outlier count (heads of D channels) */
+static int page_meta_taken(const int64_t *m, int64_t D) {
+    for (int which = 0; which < 2; which++) {
+        const int64_t bits = m[which ? 33 : 4];
+        if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return 0;
+    }
+    return !(m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0);
+}
+
 int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
                      const void *const *ptrs, const int64_t *meta, float scaling, float *out, float *const *mass,
                      const float *rotation, int threads) {
@@ -260,11 +269,7 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
     for (int s = 0; s < n_seg; s++) {
         const int64_t *m = meta + PR_META * s;
         if (m[0] == SEG_PAGES) {
-            for (int which = 0; which < 2; which++) {
-                const int64_t bits = m[which ? 33 : 4];
-                if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return 2;
-            }
-            if (m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0) return 2;
+            if (!page_meta_taken(m, D)) return 2;
             if (m[35] && !(ptrs[PR_PTRS * s + 9] && ptrs[PR_PTRS * s + 10] && ptrs[PR_PTRS * s + 11] &&
                            ptrs[PR_PTRS * s + 12]))
                 return 2;
@@ -314,8 +319,10 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
 
 /* Which reader confkv_page_read gives a page segment (meta m, PR_META entries as for the read) read by R = Hq / Hkv
  * * Q query rows of D channels: 2 the AVX-512 reader (page_simd.c), 1 the plane-order reader (page_codes.c), 0 the
- * row-by-row reader (pages.c). The read's own dispatch, asked without reading (tests, the bench). */
+ * row-by-row reader (pages.c), -1 none (the read refuses the segment). The read's own dispatch, asked without
+ * reading (tests, the bench). */
 int confkv_page_reader(const int64_t *m, int64_t R, int64_t D) {
+    if (!page_meta_taken(m, D)) return -1;
 #if defined(CONFKV_VBMI)
     if (simd_pages_fit(m, R, D)) return 2;
 #else

@@ -25,6 +25,7 @@ from confkv.native.loader import library
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
 _PTRS, _META = 13, 48  # kernels.c's PR_PTRS, PR_META
+_REFUSED = "confkv native page read: a page segment's bits, group size or outlier storage is not one it takes"
 #: bit widths of the packed pages the kernel reads
 BITS = (2, 3, 4, 8)
 
@@ -229,8 +230,7 @@ def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, n
     if status == 1:
         raise MemoryError("confkv native page read: out of memory for the scores")
     if status:
-        raise ValueError("confkv native page read: a page segment's bits, group size or outlier storage is not one "
-                         "it takes")
+        raise ValueError(_REFUSED)
     return out.to(query.dtype), mass
 
 
@@ -251,8 +251,7 @@ def reader_of(query: Tensor, segment) -> str:
     meta = info + [0] * (_META - len(info))
     reader = lib.confkv_page_reader((ctypes.c_int64 * len(meta))(*meta), rows, query.shape[-1])
     if reader < 0:
-        raise ValueError("confkv native page read: a page segment's bits, group size or outlier storage is not one "
-                         "it takes")
+        raise ValueError(_REFUSED)
     return READERS[reader]
 
 

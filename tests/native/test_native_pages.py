@@ -410,21 +410,22 @@ def _cpu_has_vbmi() -> bool:
     return " avx512vbmi" in flags and " avx512bw" in flags
 
 
-@pytest.mark.parametrize("page, dim, group, queries, reader", [
-    (64, 64, 64, 1, "avx512"),         # the preset on SmolLM2: heads of 64 channels, pages and groups of 64
-    (64, 128, 64, 1, "avx512"),        # heads of 128 channels (Qwen2.5's)
-    (16, 128, 16, 2, "avx512"),        # 6 query rows x 8 value groups: 48 weights a token, at most 64
-    (16, 128, 16, 3, "plane order"),   # 9 x 8 = 72: more than the reader holds
-    (64, 320, 64, 1, "plane order"),   # heads of more than 256 channels
-    (8, 32, 8, 1, "plane order"),      # heads of 32 channels
-    (8, 32, 4, 1, "row by row"),       # value groups of 4 channels
+@pytest.mark.parametrize("page, dim, group, heads, queries, reader", [
+    (64, 64, 64, 3, 1, "avx512"),         # the preset on SmolLM2: heads of 64 channels, pages and groups of 64
+    (64, 128, 64, 6, 1, "avx512"),        # Qwen2.5-1.5B's heads: 128 channels, 6 query heads a KV head
+    (64, 256, 64, 3, 1, "avx512"),        # the widest head the reader takes
+    (64, 320, 64, 3, 1, "plane order"),   # wider
+    (16, 128, 16, 4, 2, "avx512"),        # 8 query rows x 8 value groups: 64 weights a token, the most it holds
+    (16, 128, 16, 3, 3, "plane order"),   # 9 x 8 = 72
+    (8, 32, 8, 3, 1, "plane order"),      # heads of 32 channels
+    (8, 32, 4, 3, 1, "row by row"),       # value groups of 4 channels
 ])
-def test_each_page_shape_goes_to_the_reader_meant_for_it(page, dim, group, queries, reader):
+def test_each_page_shape_goes_to_the_reader_meant_for_it(page, dim, group, heads, queries, reader):
     """The kernel's own dispatch (``confkv_page_reader``): the preset's pages go to the AVX-512 reader wherever the
     CPU has VBMI (else to the plane-order one). Every reader reads as the torch read does (the tests above), so only
-    this test sees a shape sent to a slower reader than it should be."""
+    this test sees a shape sent to a slower reader than it should be. ``heads``: query heads a KV head."""
     gen = torch.Generator().manual_seed(dim + group)
-    query = torch.randn(BATCH, KV_HEADS * 3, queries, dim, generator=gen)
+    query = torch.randn(BATCH, KV_HEADS * heads, queries, dim, generator=gen)
     want = "plane order" if reader == "avx512" and not _cpu_has_vbmi() else reader
     assert native_pages.reader_of(query, _pages_of(gen, 3, page, dim, group)) == want
 

@@ -236,6 +236,15 @@ static void run_tasks(void (*fn)(const void *, int64_t), const page_args *a, int
         for (int64_t i = 0; i < n; i++) fn(a, i);
 }
 
+/* 1 when the read takes page segment m's bit widths, groups and outlier count (heads of D channels) */
+static int page_meta_taken(const int64_t *m, int64_t D) {
+    for (int which = 0; which < 2; which++) {
+        const int64_t bits = m[which ? 33 : 4];
+        if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return 0;
+    }
+    return !(m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0);
+}
+
 /* Softmax attention with attention mass over the concatenation of n_seg segments, each dense (keys / values
  * [B, Hkv, L, D] float32 or bfloat16, an optional bool visibility mask broadcast to [B, Hkv, Q, L] by its
  * strides) or a set of selected packed KIVI pages (confkv.attention.segments.PagedSegment, keys and values
@@ -253,15 +262,6 @@ static void run_tasks(void (*fn)(const void *, int64_t), const page_args *a, int
  * * Q * total floats, which the read plan caps). The B * Hkv units, or their slices (page_parts), run on up to
  * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
  * bit width, group or outlier storage it does not take. */
-/* 1 when the read takes page segment m's bit widths, groups and outlier count (heads of D channels) */
-static int page_meta_taken(const int64_t *m, int64_t D) {
-    for (int which = 0; which < 2; which++) {
-        const int64_t bits = m[which ? 33 : 4];
-        if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return 0;
-    }
-    return !(m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0);
-}
-
 int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64_t D, int64_t Hkv, int n_seg,
                      const void *const *ptrs, const int64_t *meta, float scaling, float *out, float *const *mass,
                      const float *rotation, int threads) {

@@ -1,0 +1,48 @@
+"""Where the memory preset's lean decode step spends its Python: cProfile over decode steps of the preset
+(``memory=0.25``) through the lean decoder with INT8 weights (W8A8), after a prefill of ``N`` random tokens.
+Prints the call count and the functions with the most own time.
+
+    .venv/bin/python benchmarks/preset_step_profile.py 1024 [smollm2|qwen2.5-coder-1.5b] [--steps 10]
+"""
+import argparse
+import cProfile
+import pstats
+
+import torch
+
+from confkv.hf import ConfKVCache, prefill
+from confkv.hf.lean import LeanDecoder
+from confkv.hf.weights import quantize_linear_weights
+from confkv.models import load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tokens", type=int)
+    parser.add_argument("model", nargs="?", default="smollm2")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model, dtype=torch.bfloat16)
+    quantize_linear_weights(model, activation_bits=8)
+    ids = torch.randint(1, 30000, (1, args.tokens + args.steps + 5), generator=torch.Generator().manual_seed(0))
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :args.tokens], chunk=512)
+    decoder = LeanDecoder(model)
+    position = args.tokens
+    for _ in range(5):  # unmeasured
+        decoder(ids[:, position:position + 1], cache)
+        position += 1
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(args.steps):
+        decoder(ids[:, position:position + 1], cache)
+        position += 1
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+
+
+if __name__ == "__main__":
+    main()

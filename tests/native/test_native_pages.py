@@ -391,13 +391,14 @@ def test_the_fast_page_read_equals_the_torch_read(bits, page, dim, group):
     _compare(query, [hot, pages], dim ** -0.5)
 
 
-@pytest.mark.parametrize("queries", [2, 3, 4])
-def test_more_query_rows_than_the_avx512_value_sums_hold_are_read_as_the_torch_read(queries):
+@pytest.mark.parametrize("heads, queries", [(3, 2), (4, 2), (3, 3), (3, 4)])
+def test_more_query_rows_than_the_avx512_value_sums_hold_are_read_as_the_torch_read(heads, queries):
     """The AVX-512 reader (c/page_simd.c) keeps a weight per query row and value group for a block of tokens, at
     most 64 of them. Heads of 128 channels in 8 value groups: 2 queries of 3 heads a KV head (6 rows, 48 weights)
-    are read by it, 3 (72) and 4 (96) by the plane-order reader, and each as the torch read reads them."""
-    gen = torch.Generator().manual_seed(queries)
-    query = torch.randn(BATCH, KV_HEADS * 3, queries, 128, generator=gen)
+    and of 4 heads (8 rows, 64 weights: every weight it holds, so a row loop one past writes beyond them) are read
+    by it, 3 (72) and 4 (96) queries of 3 heads by the plane-order reader, and each as the torch read reads them."""
+    gen = torch.Generator().manual_seed(queries * 10 + heads)
+    query = torch.randn(BATCH, KV_HEADS * heads, queries, 128, generator=gen)
     _compare(query, [_pages_of(gen, 3, 16, 128, 16), _pages_of(gen, 4, 32, 128, 16)], 128 ** -0.5)
 
 

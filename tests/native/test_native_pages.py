@@ -467,11 +467,13 @@ def test_the_portable_build_reads_as_the_torch_read(tmp_path):
         loader._state["lib"] = saved
 
 
-def test_each_unit_combines_the_maxima_of_its_own_slices():
-    """Batch 1, 3 KV heads: each unit read in 4 slices. KV head 0's scores sit near +56 and the others' near -56
+@pytest.mark.parametrize("high_head", [0, 1])
+def test_each_unit_combines_the_maxima_of_its_own_slices(high_head):
+    """Batch 1, 3 KV heads: each unit read in 4 slices. One KV head's scores sit near +56 and the others' near -56
     (keys with a positive mean, queries along it or against it), so a unit that took another unit's slice maxima
     would subtract a maximum over 100 above its scores: every exp would clamp at the same floor, and its weights
-    would come out flat instead of following its scores. Scores of size S carry S * 2^-24 of rounding into their
+    would come out flat instead of following its scores. The high head first, then second: a unit that also took
+    the next unit's maxima (one slice past its own) sees them only when the next unit's are the higher. Scores of size S carry S * 2^-24 of rounding into their
     weights, so the bound is that of the scores-in-the-tens test (1e-4; at 2e-6, 20 of 576 outputs missed by up
     to 8.3e-6 on one machine's AVX-512 VBMI path, the read right); flat weights miss it by orders."""
     gen = torch.Generator().manual_seed(9)
@@ -483,7 +485,9 @@ def test_each_unit_combines_the_maxima_of_its_own_slices():
     pages = PagedSegment(torch.arange(count).expand(1, heads, count).contiguous(), torch.tensor([count]), valid, 8,
                          group, dim, key_codes=qk.codes, key_scale=qk.scale, key_min=qk.minimum,
                          value_codes=qv.codes, value_scale=qv.scale, value_min=qv.minimum)
-    sign = torch.tensor([1.0, -1.0, -1.0]).repeat_interleave(3)  # query heads 0-2 read KV head 0, ...
+    sign = torch.full((heads,), -1.0)
+    sign[high_head] = 1.0
+    sign = sign.repeat_interleave(3)  # query heads 0-2 read KV head 0, ...
     query = 7.0 * sign[None, :, None, None] * torch.ones(1, heads * 3, 1, dim)
     query = query + torch.randn(1, heads * 3, 1, dim, generator=gen)
     _compare(query, [pages], dim ** -0.5, TENS_TOL, TENS_TOL)

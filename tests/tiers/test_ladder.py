@@ -124,6 +124,26 @@ def test_the_step_order_picks_the_rung(order, stepped_rung):
     assert after[stepped_rung] == 0 and after[stepped_rung + 1] == before[stepped_rung + 1] + 1
 
 
+@pytest.mark.parametrize("share, stepped_rung", [(0.93, 0), (1.07, 1)])
+def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(share, stepped_rung):
+    """``step_order="error"`` prices a step as the page's value times the growth of a uniform quantizer's squared
+    error, ``4**-lower - 4**-upper``, per byte it frees. An 8-bit page ``ratio`` times as hot as a 4-bit page:
+    stepping it to 4 bits costs ``ratio * (4**-4 - 4**-8) / (bytes 8 -> 4 free)``, the 4-bit page's step to 2 bits
+    ``(4**-2 - 4**-4) / (bytes 4 -> 2 free)``: the break-even ratio is worked out from that rule, and a heat ratio 7%
+    below it steps the 8-bit page, 7% above it the 4-bit one."""
+    break_even = ((4.0 ** -2 - 4.0 ** -4) / (_page_bytes(4) - _page_bytes(2))) / (
+        (4.0 ** -4 - 4.0 ** -8) / (_page_bytes(8) - _page_bytes(4)))
+    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error"))
+    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(3))
+    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
+    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
+    _set_heat(tier.rungs[0], [share * break_even])
+    _set_heat(tier.rungs[1], [1.0])
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    after = [r.num_pages for r in tier.rungs]
+    assert after[stepped_rung] == 0 and after[stepped_rung + 1] == 1 + (stepped_rung == 0)
+
+
 def _open_only(count: int, **storage) -> LadderTier:
     """A ladder whose only tokens are ``count`` (< P) in the open page, positions 100, 101, ..."""
     tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, **storage))
@@ -138,9 +158,12 @@ def _open_only(count: int, **storage) -> LadderTier:
 SLOT_BYTES = 2 * B * H * D * 4  # one open slot (keys and values, every sequence and head) in float32
 
 
-def test_an_open_page_over_its_budget_is_sealed_early_and_stepped_down_not_dropped():
-    count = P - 1
+@pytest.mark.parametrize("count", [P - 1, 2])
+def test_an_open_page_over_its_budget_is_sealed_early_and_stepped_down_not_dropped(count):
+    """Open tokens that cost more than a bottom-rung page are sealed and stepped down, not dropped. Two tokens cost
+    as much as a 4-bit page and more than a 2-bit one: the bottom rung's page is the one they are weighed against."""
     assert count * SLOT_BYTES > _page_bytes(2)  # worth sealing: its tokens cost more than a bottom page
+    assert count > 2 or count * SLOT_BYTES == _page_bytes(4)
     tier = _open_only(count)
     tier.fit(_page_bytes(2), torch.float32)
     bottom = tier.rungs[2]

@@ -124,13 +124,14 @@ def test_the_step_order_picks_the_rung(order, stepped_rung):
     assert after[stepped_rung] == 0 and after[stepped_rung + 1] == before[stepped_rung + 1] + 1
 
 
-@pytest.mark.parametrize("share, stepped_rung", [(0.93, 0), (1.07, 1)])
+@pytest.mark.parametrize("share, stepped_rung", [(0.97, 0), (1.03, 1)])
 def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(share, stepped_rung):
     """``step_order="error"`` prices a step as the page's value times the growth of a uniform quantizer's squared
     error, ``4**-lower - 4**-upper``, per byte it frees. An 8-bit page ``ratio`` times as hot as a 4-bit page:
     stepping it to 4 bits costs ``ratio * (4**-4 - 4**-8) / (bytes 8 -> 4 free)``, the 4-bit page's step to 2 bits
-    ``(4**-2 - 4**-4) / (bytes 4 -> 2 free)``: the break-even ratio is worked out from that rule, and a heat ratio 7%
-    below it steps the 8-bit page, 7% above it the 4-bit one."""
+    ``(4**-2 - 4**-4) / (bytes 4 -> 2 free)``: the break-even ratio is worked out from that rule, and a heat ratio 3%
+    below it steps the 8-bit page, 3% above it the 4-bit one (an error growth of `4**-lower` alone, or of
+    `4**-lower + 4**-upper`, puts the break-even 6% and 12% higher)."""
     break_even = ((4.0 ** -2 - 4.0 ** -4) / (_page_bytes(4) - _page_bytes(2))) / (
         (4.0 ** -4 - 4.0 ** -8) / (_page_bytes(8) - _page_bytes(4)))
     tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error"))

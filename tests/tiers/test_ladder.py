@@ -124,17 +124,24 @@ def test_the_step_order_picks_the_rung(order, stepped_rung):
     assert after[stepped_rung] == 0 and after[stepped_rung + 1] == before[stepped_rung + 1] + 1
 
 
+def _error_growth(upper: int, lower: int) -> float:
+    """A uniform quantizer's mean squared error grows as ``4**-bits``; 16 bits (the model's dtype) adds none."""
+    return 4.0 ** -lower - (0.0 if upper == 16 else 4.0 ** -upper)
+
+
+@pytest.mark.parametrize("top", [8, 16])
 @pytest.mark.parametrize("share, stepped_rung", [(0.97, 0), (1.03, 1)])
-def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(share, stepped_rung):
+def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(top, share, stepped_rung):
     """``step_order="error"`` prices a step as the page's value times the growth of a uniform quantizer's squared
-    error, ``4**-lower - 4**-upper``, per byte it frees. An 8-bit page ``ratio`` times as hot as a 4-bit page:
-    stepping it to 4 bits costs ``ratio * (4**-4 - 4**-8) / (bytes 8 -> 4 free)``, the 4-bit page's step to 2 bits
-    ``(4**-2 - 4**-4) / (bytes 4 -> 2 free)``: the break-even ratio is worked out from that rule, and a heat ratio 3%
-    below it steps the 8-bit page, 3% above it the 4-bit one (an error growth of `4**-lower` alone, or of
-    `4**-lower + 4**-upper`, puts the break-even 6% and 12% higher)."""
-    break_even = ((4.0 ** -2 - 4.0 ** -4) / (_page_bytes(4) - _page_bytes(2))) / (
-        (4.0 ** -4 - 4.0 ** -8) / (_page_bytes(8) - _page_bytes(4)))
-    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error"))
+    error (:func:`_error_growth`) per byte it frees. A ``top``-bit page ``share * break_even`` times as hot as a
+    4-bit page: stepping it to 4 bits costs that heat times ``growth(top, 4) / (bytes top -> 4 free)``, the 4-bit
+    page's step to 2 bits ``growth(4, 2) / (bytes 4 -> 2 free)``: the break-even ratio is worked out from that rule,
+    and a heat ratio 3% below it steps the top page, 3% above it the 4-bit one (an error growth of ``4**-lower``
+    alone, or of ``4**-lower + 4**-upper``, puts the break-even 6% and 12% higher; a 16-bit page priced as if it
+    had a 16-bit error of 1, or 4-bit pages as if exact, moves it as far)."""
+    break_even = (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
+        _error_growth(top, 4) / (_page_bytes(top) - _page_bytes(4)))
+    tier = LadderTier(Storage(ladder=(top, 4, 2), page_size=P, group_size=P, step_order="error"))
     keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(3))
     tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
     tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)

@@ -473,9 +473,10 @@ def test_each_unit_combines_the_maxima_of_its_own_slices(high_head):
     (keys with a positive mean, queries along it or against it), so a unit that took another unit's slice maxima
     would subtract a maximum over 100 above its scores: every exp would clamp at the same floor, and its weights
     would come out flat instead of following its scores. The high head first, then second: a unit that also took
-    the next unit's maxima (one slice past its own) sees them only when the next unit's are the higher. Scores of size S carry S * 2^-24 of rounding into their
-    weights, so the bound is that of the scores-in-the-tens test (1e-4; at 2e-6, 20 of 576 outputs missed by up
-    to 8.3e-6 on one machine's AVX-512 VBMI path, the read right); flat weights miss it by orders."""
+    the next unit's maxima (one slice past its own) sees them only when the next unit's are the higher. Scores of
+    size S carry S * 2^-24 of rounding into their weights, so the bound is that of the scores-in-the-tens test
+    (1e-4; at 2e-6, 20 of 576 outputs missed by up to 8.3e-6 on one machine's AVX-512 VBMI path, the read right);
+    flat weights miss it by orders."""
     gen = torch.Generator().manual_seed(9)
     dim, page, group, heads, count = 64, 64, 64, 3, 7
     keys = torch.randn(1, heads, count, page, dim, generator=gen) * 0.5 + 1.0

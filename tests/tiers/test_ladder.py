@@ -60,6 +60,21 @@ def test_the_coldest_pages_step_down_first_and_one_rung_at_a_time():
     assert sorted(_first_positions(tier.rungs[0])) == [0, 16, 32, 40]
 
 
+@pytest.mark.parametrize("pages", [1, 3])
+def test_one_move_steps_as_many_pages_as_the_excess_needs(pages, monkeypatch):
+    """The fit moves ``ceil(excess / bytes one step frees)`` of a rung's coldest pages in one re-quantization (one
+    ``put_pages`` on the rung below), not one page a move: an excess of ``pages`` steps' worth is one move."""
+    tier = _ladder()
+    _set_heat(tier.rungs[0], [5.0, 0.1, 3.0, 0.2, 4.0, 1.0])
+    moves = []
+    put = type(tier.rungs[1]).put_pages
+    monkeypatch.setattr(tier.rungs[1], "put_pages", lambda taken, dtype: (moves.append(taken["keys"].shape[2]),
+                                                                          put(tier.rungs[1], taken, dtype)))
+    tier.fit(tier.kv_bytes() - pages * (_page_bytes(8) - _page_bytes(4)), torch.float32)
+    assert moves == [pages]
+    assert [r.num_pages for r in tier.rungs] == [6 - pages, pages, 0]
+
+
 def test_nothing_is_dropped_while_a_page_can_still_step_down():
     tier = _ladder(pages=4)
     budget = 4 * _page_bytes(2) + 1  # everything fits at the bottom rung

@@ -167,6 +167,25 @@ def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(top, shar
     assert after[stepped_rung] == 0 and after[stepped_rung + 1] == 1 + (stepped_rung == 0)
 
 
+def test_a_rung_s_price_is_the_mean_over_heads_of_each_head_s_coldest_page():
+    """Each head steps its own coldest page, so a rung's price is the mean over sequences and heads of each head's
+    least page value, not the least over all heads (nor the least over heads, page by page). An 8-bit page at 0.5 x
+    the break-even heat ratio in head 0 and 2.16 x in head 1 (mean 1.33 x) against a 4-bit page at 1 in both: the
+    4-bit page steps down (priced by the least value over all heads, the 8-bit one would)."""
+    break_even = (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
+        _error_growth(8, 4) / (_page_bytes(8) - _page_bytes(4)))
+    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error"))
+    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(5))
+    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
+    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
+    _set_heat(tier.rungs[1], [1.0])
+    _set_heat(tier.rungs[0], [0.0])
+    tier.rungs[0].pages["heat"][:, 0, 0] = 0.5 * break_even
+    tier.rungs[0].pages["heat"][:, 1, 0] = 2.16 * break_even
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [1, 0, 1]
+
+
 def _open_only(count: int, **storage) -> LadderTier:
     """A ladder whose only tokens are ``count`` (< P) in the open page, positions 100, 101, ..."""
     tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, **storage))

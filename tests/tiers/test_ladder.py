@@ -186,6 +186,58 @@ def test_a_rung_s_price_is_the_mean_over_heads_of_each_head_s_coldest_page():
     assert [r.num_pages for r in tier.rungs] == [1, 0, 1]
 
 
+def _one_page_on_rungs_0_and_1(signal: str = "heat") -> LadderTier:
+    """An (8, 4, 2) ladder, error order, one page on the 8-bit rung (positions 8-15) and one on the 4-bit rung (0-7)."""
+    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error", step_down_by=signal))
+    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(6))
+    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
+    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
+    return tier
+
+
+def _break_even_8_4_2() -> float:
+    return (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
+        _error_growth(8, 4) / (_page_bytes(8) - _page_bytes(4)))
+
+
+@pytest.mark.parametrize("newest", [225, 255])
+def test_by_age_a_page_is_worth_its_newest_position_plus_one(newest):
+    """``step_down_by="age"``: a page's value is its newest position + 1 (so that position 0 is not free). The 4-bit
+    page's newest position is 7 (value 8); the 8-bit page's is ``newest``: it steps down first when ``(newest + 1) /
+    8`` is below the break-even ratio (225), else the 4-bit page does (255). Without the + 1, or with + 2, one of the
+    two flips."""
+    tier = _one_page_on_rungs_0_and_1("age")
+    tier.rungs[0].pages["positions"][:, :, 0] = newest - P + 1 + torch.arange(P)
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    eight_steps = (newest + 1) / 8 < _break_even_8_4_2()
+    assert eight_steps == (newest == 225)
+    assert [r.num_pages for r in tier.rungs] == ([0, 2, 0] if eight_steps else [1, 0, 1])
+
+
+def test_pages_that_received_nothing_still_step_down_by_error_per_byte():
+    """Every page read and given no attention: the prices are kept positive (a tiny constant is added to each value),
+    so they still order by error added per byte freed and the 8-bit page steps down first."""
+    tier = _one_page_on_rungs_0_and_1()
+    _set_heat(tier.rungs[0], [0.0])
+    _set_heat(tier.rungs[1], [0.0])
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [0, 2, 0]
+
+
+def test_an_unread_page_counts_as_a_large_finite_value():
+    """A page not read since it was sealed is worth +inf by heat; its price counts it as 1e30, so a mean over heads
+    that holds one stays finite and ordered. The 8-bit page unread in every head (1e30) against the 4-bit page unread
+    in one head of four (mean 2.5e29): 4**-4 - 4**-8 per byte freed is so much smaller than 4**-2 - 4**-4 that the
+    8-bit page steps first (counted as the largest float instead, its mean would overflow to inf)."""
+    tier = _one_page_on_rungs_0_and_1()
+    _set_heat(tier.rungs[0], [1.0])
+    _set_heat(tier.rungs[1], [5.0])
+    tier.rungs[0].pages["sealed_at"][:, :, 0] = tier.rungs[0].reads  # unread in every head
+    tier.rungs[1].pages["sealed_at"][0, 0, 0] = tier.rungs[1].reads  # unread in one head of one sequence
+    tier.fit(tier.kv_bytes() - 1, torch.float32)
+    assert [r.num_pages for r in tier.rungs] == [0, 2, 0]
+
+
 def _open_only(count: int, **storage) -> LadderTier:
     """A ladder whose only tokens are ``count`` (< P) in the open page, positions 100, 101, ..."""
     tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, **storage))

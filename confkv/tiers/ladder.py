@@ -242,7 +242,7 @@ class LadderTier:
         return twin
 
 
-def _coldest(rung: ColdTier, signal: str, count: int, unread_by: str = "age") -> Tensor:
+def _coldest(rung: ColdTier, signal: str, count: int, unread_by: str) -> Tensor:
     """[B, H, count] the ``count`` least valuable sealed pages of each head. Ties (pages not yet read, all
     +inf by heat): the oldest sealed first, or with ``unread_by="attention"`` the least attention while hot."""
     value = rung.page_value(signal)

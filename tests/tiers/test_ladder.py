@@ -144,6 +144,21 @@ def _error_growth(upper: int, lower: int) -> float:
     return 4.0 ** -lower - (0.0 if upper == 16 else 4.0 ** -upper)
 
 
+def _break_even(top: int = 8) -> float:
+    """The heat ratio at which a ``top``-bit page's step to 4 bits costs what a 4-bit page's step to 2 bits does."""
+    return (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
+        _error_growth(top, 4) / (_page_bytes(top) - _page_bytes(4)))
+
+
+def _one_page_on_rungs_0_and_1(signal: str = "heat", top: int = 8) -> LadderTier:
+    """A (top, 4, 2) ladder, error order, one page on the top rung (positions 8-15) and one on the 4-bit rung (0-7)."""
+    tier = LadderTier(Storage(ladder=(top, 4, 2), page_size=P, group_size=P, step_order="error", step_down_by=signal))
+    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(6))
+    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
+    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
+    return tier
+
+
 @pytest.mark.parametrize("top", [8, 16])
 @pytest.mark.parametrize("share, stepped_rung", [(0.97, 0), (1.03, 1)])
 def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(top, share, stepped_rung):
@@ -154,13 +169,8 @@ def test_the_error_order_weighs_each_step_s_added_error_per_byte_freed(top, shar
     and a heat ratio 3% below it steps the top page, 3% above it the 4-bit one (an error growth of ``4**-lower``
     alone, or of ``4**-lower + 4**-upper``, puts the break-even 6% and 12% higher; a 16-bit page priced as if it
     had a 16-bit error of 1, or 4-bit pages as if exact, moves it as far)."""
-    break_even = (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
-        _error_growth(top, 4) / (_page_bytes(top) - _page_bytes(4)))
-    tier = LadderTier(Storage(ladder=(top, 4, 2), page_size=P, group_size=P, step_order="error"))
-    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(3))
-    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
-    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
-    _set_heat(tier.rungs[0], [share * break_even])
+    tier = _one_page_on_rungs_0_and_1(top=top)
+    _set_heat(tier.rungs[0], [share * _break_even(top)])
     _set_heat(tier.rungs[1], [1.0])
     tier.fit(tier.kv_bytes() - 1, torch.float32)
     after = [r.num_pages for r in tier.rungs]
@@ -172,32 +182,13 @@ def test_a_rung_s_price_is_the_mean_over_heads_of_each_head_s_coldest_page():
     least page value, not the least over all heads (nor the least over heads, page by page). An 8-bit page at 0.5 x
     the break-even heat ratio in head 0 and 2.16 x in head 1 (mean 1.33 x) against a 4-bit page at 1 in both: the
     4-bit page steps down (priced by the least value over all heads, the 8-bit one would)."""
-    break_even = (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
-        _error_growth(8, 4) / (_page_bytes(8) - _page_bytes(4)))
-    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error"))
-    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(5))
-    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
-    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
+    tier = _one_page_on_rungs_0_and_1()
     _set_heat(tier.rungs[1], [1.0])
     _set_heat(tier.rungs[0], [0.0])
-    tier.rungs[0].pages["heat"][:, 0, 0] = 0.5 * break_even
-    tier.rungs[0].pages["heat"][:, 1, 0] = 2.16 * break_even
+    tier.rungs[0].pages["heat"][:, 0, 0] = 0.5 * _break_even()
+    tier.rungs[0].pages["heat"][:, 1, 0] = 2.16 * _break_even()
     tier.fit(tier.kv_bytes() - 1, torch.float32)
     assert [r.num_pages for r in tier.rungs] == [1, 0, 1]
-
-
-def _one_page_on_rungs_0_and_1(signal: str = "heat") -> LadderTier:
-    """An (8, 4, 2) ladder, error order, one page on the 8-bit rung (positions 8-15) and one on the 4-bit rung (0-7)."""
-    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, step_order="error", step_down_by=signal))
-    keys = torch.randn(B, H, 2 * P, D, generator=torch.Generator().manual_seed(6))
-    tier.demote(keys, keys, torch.arange(2 * P).expand(B, H, 2 * P).clone(), torch.ones(B, 2 * P, dtype=torch.bool))
-    tier.rungs[1].put_pages(tier.rungs[0].take_pages(torch.zeros(B, H, 1, dtype=torch.long)), torch.float32)
-    return tier
-
-
-def _break_even_8_4_2() -> float:
-    return (_error_growth(4, 2) / (_page_bytes(4) - _page_bytes(2))) / (
-        _error_growth(8, 4) / (_page_bytes(8) - _page_bytes(4)))
 
 
 @pytest.mark.parametrize("newest", [225, 255])
@@ -209,7 +200,7 @@ def test_by_age_a_page_is_worth_its_newest_position_plus_one(newest):
     tier = _one_page_on_rungs_0_and_1("age")
     tier.rungs[0].pages["positions"][:, :, 0] = newest - P + 1 + torch.arange(P)
     tier.fit(tier.kv_bytes() - 1, torch.float32)
-    eight_steps = (newest + 1) / 8 < _break_even_8_4_2()
+    eight_steps = (newest + 1) / 8 < _break_even()
     assert eight_steps == (newest == 225)
     assert [r.num_pages for r in tier.rungs] == ([0, 2, 0] if eight_steps else [1, 0, 1])
 

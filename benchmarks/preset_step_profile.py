@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="smollm2")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--sort", default="tottime", help="pstats order: tottime, cumtime, ...")
+    parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, dtype=torch.bfloat16)
@@ -41,7 +43,7 @@ def main() -> None:
         decoder(ids[:, position:position + 1], cache)
         position += 1
     profile.disable()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
 
 if __name__ == "__main__":

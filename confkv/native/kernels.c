@@ -24,3 +24,4 @@
 #include "c/pool.c"       /* the worker pool */
 #include "c/gemv_calls.c" /* the GEMV's entry points */
 #include "c/layer.c"      /* one Llama-family layer around its attention, in two calls */
+#include "c/evict.c"      /* a hot region's eviction: which slots leave, and every row split in one call */

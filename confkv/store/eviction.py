@@ -9,6 +9,10 @@
   layer's cold tier (dequantized first when INT8) instead of dropping them.
 * And back: a page the cold tier gives back becomes hot slots again (:func:`promoted_region`), merged
   into the older region in position order (:func:`merge_in_position_order`).
+* The common case in one C call (:func:`split_by_rank`, ``c/evict.c``): a region of valid slots that drops the same
+  number in every sequence is split into its kept and dropped slots, every per-slot tensor at once, where the
+  selection above takes some 60 torch calls a layer; the C call declines (and the torch path runs) whenever its
+  choice could differ from the torch path's (a tie at the boundary, a NaN, a protected slot in the way).
 
 (Until 3 Dec the first part was ``confkv/eviction.py`` and the rest ``confkv/store/tier_moves.py``;
 both old paths still import this module.)
@@ -16,11 +20,13 @@ both old paths still import this module.)
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
 
 from confkv import profiling
+from confkv.native import loader
 from confkv.tiers.cold import ColdTier
 from confkv.policies.base import Policy
 from confkv.store.region import Region, concat
@@ -110,8 +116,14 @@ def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_v
     index, valid = dropped_slots(kept_index, kept_valid, old.valid)
     if not bool(valid.any()):
         return
+    demote_slots(cold, old.gather(index, valid), valid, channel_scale, dtype, policy, current, queries)
+
+
+def demote_slots(cold: ColdTier, dropped: Region, valid: torch.Tensor, channel_scale: torch.Tensor | None,
+                 dtype: torch.dtype, policy: Policy | None = None, current: torch.Tensor | None = None,
+                 queries: int = 1) -> None:
+    """Hand the slots of ``dropped`` ([B, Hkv, M], ``valid`` [B, M]) to ``cold`` (see :func:`demote_dropped`)."""
     with profiling.section("cold demotion (quantize + seal)"):
-        dropped = old.gather(index, valid)
         keys, values = dropped.keys, dropped.values
         if dropped.is_int8:
             from confkv import quant  # noqa: PLC0415 - the INT8 path only
@@ -123,6 +135,84 @@ def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_v
             seen = (current[:, None, None] - dropped.positions + 1).clamp(1, queries)
             attention = attention * (queries / seen)
         cold.demote(keys, values, dropped.positions, valid, attention)
+
+
+def split_by_rank(old: Region, scores: torch.Tensor, current: torch.Tensor, protect: int, sinks: int,
+                  keep: torch.Tensor) -> tuple[Region, Region] | None:
+    """:func:`select_kept` (its floor of protected slots below ``keep`` not reached), then the kept and the dropped
+    slots gathered (what ``old.gather`` of :func:`select_kept`'s and :func:`dropped_slots`' indices gives), in one
+    C call.
+
+    Args:
+        old: a region whose every slot is valid (``all_valid``), [B, Hkv, L].
+        scores: [B, Hkv, L] the policy's scores; current: [B] the newest position; protect, sinks: as
+            :func:`protected_mask` takes them.
+        keep: [B] slots each sequence keeps: the same in every sequence, and below L (else None).
+    Returns:
+        (kept [B, Hkv, L - drop], dropped [B, Hkv, drop]), both all valid, in slot order; or None where the
+        torch path must decide (no native library, tensors not on CPU, a tie at the boundary between kept and
+        dropped, a NaN score, or a protected slot among the lowest ``drop``: then the torch path keeps more).
+    """
+    evict_rows = _native_evict_rows()
+    if evict_rows is None or not old.all_valid or old.keys.device.type != "cpu":
+        return None
+    length, keeps = old.length, set(keep.tolist())
+    drop = length - keeps.pop() if len(keeps) == 1 else 0
+    if not 0 < drop < length:
+        return None
+    int8 = old.key_scale is not None
+    tensors = [old.keys, old.values, old.positions] + ([old.key_scale, old.value_scale] if int8 else [])
+    tensors += old.stats.values()
+    batch, heads = old.positions.shape[:2]
+    count, kept, dropped, sources, kept_out, dropped_out, row_bytes = len(tensors), [], [], [], [], [], []
+    for tensor in tensors:  # one loop, no comprehension: this runs in every decode step of every layer
+        if not tensor.is_contiguous():
+            return None
+        stay, leave = tensor.new_empty((batch, heads, length - drop) + tensor.shape[3:]), tensor.new_empty(
+            (batch, heads, drop) + tensor.shape[3:])
+        kept.append(stay)
+        dropped.append(leave)
+        sources.append(tensor.data_ptr())
+        kept_out.append(stay.data_ptr())
+        dropped_out.append(leave.data_ptr())
+        row_bytes.append(tensor.element_size() * (tensor.shape[3] if tensor.ndim == 4 else 1))
+    scores = scores.to(torch.float32).contiguous()
+    current = current.to(torch.int64).contiguous()
+    pointers = ctypes.c_void_p * count
+    status = evict_rows(batch, heads, length, drop, scores.data_ptr(), old.positions.data_ptr(), current.data_ptr(),
+                        protect, sinks, count, pointers(*sources), pointers(*kept_out), pointers(*dropped_out),
+                        (ctypes.c_int64 * count)(*row_bytes))
+    if status:
+        return None
+    names = list(old.stats)
+    return (_region_of(kept, names, int8, old.valid.new_ones(batch, length - drop)),
+            _region_of(dropped, names, int8, old.valid.new_ones(batch, drop)))
+
+
+def _region_of(tensors: list[torch.Tensor], stat_names: list[str], int8: bool, valid: torch.Tensor) -> Region:
+    """The region of :func:`split_by_rank`'s tensors (keys, values, positions, [key / value scales,] stats)."""
+    first_stat = 5 if int8 else 3
+    return Region(keys=tensors[0], values=tensors[1], positions=tensors[2], valid=valid,
+                  stats=dict(zip(stat_names, tensors[first_stat:])), key_scale=tensors[3] if int8 else None,
+                  value_scale=tensors[4] if int8 else None, all_valid=True)
+
+
+#: (the library's generation, its confkv_evict_rows or None): looked up again only when the library's state moved,
+#: so a decode step calls no code of the loader
+_evict_rows: list = [None, None]
+
+
+def _native_evict_rows():
+    if _evict_rows[0] != loader.generation:
+        lib = loader.library()
+        function = None
+        if lib is not None:
+            function = lib.confkv_evict_rows
+            function.restype = ctypes.c_int
+            function.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
+                ctypes.c_void_p] * 4
+        _evict_rows[:] = [loader.generation, function]
+    return _evict_rows[1]
 
 
 def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: tuple[str, ...],

@@ -350,26 +350,38 @@ class LayerStore(AttentionRead):
         if not (over_budget or has_holes):
             return
         with profiling.section("ranking and top-k"):
-            protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
-            floor = protected.sum(-1).amax(-1)  # [B] protected tokens and sinks: kept whatever the budget
             slack = self.config.evict_slack if self.sliding_window is None else 0
-            if slack and over_budget:
-                # evict down to budget - slack: the next `slack` steps need no compaction (a float: that share of
-                # the tokens each sequence keeps by rank, above its floor, whole tokens: none at the floor)
-                if isinstance(slack, float):
-                    slack = ((keep - floor).clamp_min(0).double() * slack).long()
-                keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
-            keep = torch.maximum(keep, floor)
             if self.sliding_window is not None:
                 scores = old.positions.float()
             else:
                 scores = self.policy.scores(old.stats, old.positions, current)
-            index, valid = eviction.select_kept(scores, old.valid, protected, keep)
+            if slack and over_budget and not isinstance(slack, float):
+                # evict down to budget - slack: the next `slack` steps need no compaction
+                keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
+            # every slot valid, as many kept in every sequence: the split in one C call (None: the torch path decides)
+            split = eviction.split_by_rank(old, scores, current, protect, sinks, keep) if (
+                over_budget and old.all_valid and not isinstance(slack, float)) else None
+            if split is None:
+                protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
+                floor = protected.sum(-1).amax(-1)  # [B] protected tokens and sinks: kept whatever the budget
+                if slack and over_budget and isinstance(slack, float):
+                    # that share of the tokens each sequence keeps by rank, above its floor (none at the floor)
+                    slack = ((keep - floor).clamp_min(0).double() * slack).long()
+                    keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
+                keep = torch.maximum(keep, floor)
+                index, valid = eviction.select_kept(scores, old.valid, protected, keep)
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
+            ranked_by_attention = self.storage is not None and self.storage.unread_by == "attention"
+            policy = self.policy if ranked_by_attention else None
+            if split is not None:
+                self.old, dropped = split
+                if self.cold is not None:
+                    eviction.demote_slots(self.cold, dropped, dropped.valid, self.channel_scale,
+                                          self.recent.keys.dtype, policy, current, self.last_queries)
+                return
             if self.cold is not None:
-                ranked_by_attention = self.storage is not None and self.storage.unread_by == "attention"
                 eviction.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
-                                          self.policy if ranked_by_attention else None, current, self.last_queries)
+                                          policy, current, self.last_queries)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
 

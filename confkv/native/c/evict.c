@@ -1,0 +1,110 @@
+/* Eviction of a hot region's slots in one call: which slots leave, and the rows of every per-slot tensor
+ * split into the kept slots and the dropped ones. Part of kernels.c.
+ *
+ * What it computes is confkv/store/eviction.py's select_kept + dropped_slots + two gathers (the torch path,
+ * which stays the reference): per (sequence b, KV head h) of a region of L valid slots, the priority of slot s
+ * is +inf when it is protected (positions[s] > current[b] - protect, or positions[s] < sinks) and scores[s]
+ * otherwise; the `drop` slots of lowest priority leave, the others stay, both in slot order.
+ *
+ * It refuses (returns 1, nothing written) every case where that selection is not unique or not the torch
+ * path's: a NaN priority, a tie across the boundary between the last slot dropped and the first kept (torch's
+ * topk may break it either way), and a dropped slot of priority +inf (a protected slot: the torch path then
+ * keeps more than asked, its floor of protected tokens). So whenever it returns 0, its split is the torch
+ * path's, row for row and byte for byte. 2: out of memory (nothing written).
+ *
+ * Tensors: scores [B, H, L] float32, positions [B, H, L] int64, current [B] int64, all contiguous. The rows
+ * to split: `count` tensors src[t] [B, H, L, row_bytes[t] bytes] contiguous, written to kept[t]
+ * [B, H, L - drop, row] and dropped[t] [B, H, drop, row]. 0 < drop < L. */
+
+typedef struct {
+    float priority;
+    int64_t slot;
+} ranked_slot;
+
+/* ascending priority, then ascending slot: the lowest priorities first (no NaN reaches it) */
+static int by_priority_then_slot(const void *a, const void *b) {
+    const ranked_slot *x = (const ranked_slot *)a, *y = (const ranked_slot *)b;
+    if (x->priority != y->priority) return x->priority < y->priority ? -1 : 1;
+    return (x->slot > y->slot) - (x->slot < y->slot);
+}
+
+/* flags[s] = 1 for the `drop` slots of one head that leave; 0 when that choice is unique and takes no
+ * protected slot, else 1 (flags then undefined) */
+static int choose_dropped(const float *scores, const int64_t *positions, int64_t L, int64_t drop,
+                          int64_t newest, int64_t protect, int64_t sinks, ranked_slot *work, unsigned char *flags) {
+    for (int64_t s = 0; s < L; s++) {
+        const int protected_slot = positions[s] > newest - protect || positions[s] < sinks;
+        const float p = protected_slot ? INFINITY : scores[s];
+        if (p != p) return 1;
+        work[s].priority = p;
+        work[s].slot = s;
+        flags[s] = 0;
+    }
+    if (drop == 1) { /* the common decode step: one pass for the lowest and the next lowest */
+        int64_t low = 0;
+        float second = INFINITY;
+        int has_second = 0;
+        for (int64_t s = 1; s < L; s++) {
+            if (work[s].priority < work[low].priority) {
+                second = work[low].priority;
+                low = s;
+                has_second = 1;
+            } else if (!has_second || work[s].priority < second) {
+                second = work[s].priority;
+                has_second = 1;
+            }
+        }
+        /* a tie: refused (every slot protected is one too: the lowest is then +inf, and so is the next) */
+        if (has_second && second == work[low].priority) return 1;
+        flags[low] = 1;
+        return 0;
+    }
+    qsort(work, (size_t)L, sizeof(ranked_slot), by_priority_then_slot);
+    const float last = work[drop - 1].priority;
+    if (last == INFINITY || (drop < L && work[drop].priority == last)) return 1;
+    for (int64_t i = 0; i < drop; i++) flags[work[i].slot] = 1;
+    return 0;
+}
+
+int confkv_evict_rows(int64_t B, int64_t H, int64_t L, int64_t drop, const float *scores, const int64_t *positions,
+                      const int64_t *current, int64_t protect, int64_t sinks, int64_t count, void *const *src,
+                      void *const *kept, void *const *dropped, const int64_t *row_bytes) {
+    if (drop <= 0 || drop >= L) return 1;
+    const int64_t heads = B * H, keep = L - drop;
+    unsigned char *flags = malloc((size_t)(heads * L));
+    ranked_slot *work = malloc(sizeof(ranked_slot) * (size_t)L);
+    if (!flags || !work) {
+        free(flags);
+        free(work);
+        return 2;
+    }
+    for (int64_t u = 0; u < heads; u++) {
+        const int64_t b = u / H;
+        if (choose_dropped(scores + u * L, positions + u * L, L, drop, current[b], protect, sinks, work,
+                           flags + u * L)) {
+            free(flags);
+            free(work);
+            return 1;
+        }
+    }
+    free(work);
+    for (int64_t t = 0; t < count; t++) {
+        const int64_t row = row_bytes[t];
+        for (int64_t u = 0; u < heads; u++) {
+            const char *from = (const char *)src[t] + u * L * row;
+            char *stay = (char *)kept[t] + u * keep * row, *leave = (char *)dropped[t] + u * drop * row;
+            const unsigned char *flag = flags + u * L;
+            for (int64_t s = 0; s < L; s++) {
+                if (flag[s]) {
+                    memcpy(leave, from + s * row, (size_t)row);
+                    leave += row;
+                } else {
+                    memcpy(stay, from + s * row, (size_t)row);
+                    stay += row;
+                }
+            }
+        }
+    }
+    free(flags);
+    return 0;
+}

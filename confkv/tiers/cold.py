@@ -241,8 +241,7 @@ class ColdTier(PageRead):
         keep_pages = max((budget - self.open_length) // self.config.page_size, 0)
         if self.num_pages <= keep_pages:
             return
-        # ascending heat; a stable sort keeps equal heats oldest first, so the last pages are the
-        # hottest and, among equals, the newest
+        # ascending heat; a stable sort keeps equal heats oldest first: the last pages are the hottest, then newest
         coldest_first = torch.sort(self.page_value("heat"), dim=-1, stable=True).indices
         order = coldest_first[..., self.num_pages - keep_pages:].sort(-1).values
         self._keep_pages(order)
@@ -250,12 +249,13 @@ class ColdTier(PageRead):
     def _keep_pages(self, index: Tensor) -> None:
         """Keep pages ``index`` [B, H, K] (per head), compacted to the front."""
         kept = index.shape[-1]
-        for tensor in self.pages.values():
-            picked = _gather_pages(tensor.narrow(2, 0, self.num_pages), index)
-            tensor.narrow(2, 0, kept).copy_(picked)
+        if self.exact_capacity and self.page_file is None:  # the gathered pages become the tier's: no spare page
+            self.pages = {name: _gather_pages(t.narrow(2, 0, self.num_pages), index) for name, t in self.pages.items()}
+        else:
+            for tensor in self.pages.values():
+                picked = _gather_pages(tensor.narrow(2, 0, self.num_pages), index)
+                tensor.narrow(2, 0, kept).copy_(picked)
         self.num_pages = kept
-        if self.exact_capacity and self.page_file is None and kept < self._capacity():  # give the freed pages back
-            self.pages = {name: tensor.narrow(2, 0, kept).clone() for name, tensor in self.pages.items()}
 
     # -- moves between rungs of a ladder (confkv.tiers.ladder) ----------------------------------
     def page_value(self, signal: str) -> Tensor:

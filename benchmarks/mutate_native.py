@@ -82,6 +82,7 @@ TESTS_FOR = {
     "c/page_simd.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],
     "c/prefill.c": ["test_native_prefill"],
+    "c/evict.c": ["test_native_evict"],
     "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
                  "test_native_layer", "test_native_prefill"],
 }

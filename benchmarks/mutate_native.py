@@ -68,7 +68,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
          "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
          "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
-         "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py"]
+         "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py",
+         "tests/native/test_native_evict.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
@@ -134,6 +135,8 @@ def run_tests(root: Path, source: Path, cache: Path, timeout: float, file: str |
         return "compile-error", 0.0, done.stderr[-500:]
     wanted = TESTS_FOR.get(file or "")
     tests = [t for t in TESTS if (root / t).exists() and (wanted is None or Path(t).stem in wanted)]
+    if not tests:  # pytest without paths would run the whole default suite and call its first failure a kill
+        sys.exit(f"no test of TESTS runs for {file or 'this mutant'} (TESTS_FOR names {wanted}); add its tests to TESTS")
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
                *tests, *(f"--deselect={d}" for d in DESELECT)]
     began = time.monotonic()

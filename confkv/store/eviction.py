@@ -154,7 +154,8 @@ def split_by_rank(old: Region, scores: torch.Tensor, current: torch.Tensor, prot
         dropped, a NaN score, or a protected slot among the lowest ``drop``: then the torch path keeps more).
     """
     evict_rows = _native_evict_rows()
-    if evict_rows is None or not old.all_valid or old.keys.device.type != "cpu":
+    if (evict_rows is None or not old.all_valid or old.keys.device.type != "cpu"
+            or old.positions.dtype != torch.int64):
         return None
     length, keeps = old.length, set(keep.tolist())
     drop = length - keeps.pop() if len(keeps) == 1 else 0

@@ -6,6 +6,7 @@ a cache decoding with the C call gives the same logits, bytes and slots as with 
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
@@ -146,6 +147,20 @@ def test_it_declines_what_it_does_not_take():
     with loader.disabled():
         assert split_by_rank(old, scores, current, 0, 0, torch.tensor([4, 4])) is None
     assert split_by_rank(old, scores, current, 0, 0, torch.tensor([4, 4])) is not None  # back on after it
+
+
+@pytest.mark.parametrize("drop", [0, -1, 6, 7])
+def test_the_c_call_refuses_a_drop_outside_one_to_l_minus_one_and_writes_nothing(drop):
+    # split_by_rank never asks it (its own check comes first); a caller of the C function directly might
+    evict_rows = eviction._native_evict_rows()
+    scores, positions = torch.rand(1, 1, 6), torch.arange(6).view(1, 1, 6)
+    source = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
+    kept, dropped = torch.full((1, 1, 12, 1), -1.0), torch.full((1, 1, 12, 1), -1.0)
+    pointers = ctypes.c_void_p * 1
+    status = evict_rows(1, 1, 6, drop, scores.data_ptr(), positions.data_ptr(), torch.tensor([5]).data_ptr(), 0, 0, 1,
+                        pointers(source.data_ptr()), pointers(kept.data_ptr()), pointers(dropped.data_ptr()),
+                        (ctypes.c_int64 * 1)(4))
+    assert status == 1 and bool((kept == -1).all()) and bool((dropped == -1).all())
 
 
 def _decode(policy, memory, batch, native_split: bool, monkeypatch, steps: int = 120):

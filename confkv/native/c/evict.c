@@ -21,11 +21,11 @@ typedef struct {
     int64_t slot;
 } ranked_slot;
 
-/* ascending priority, then ascending slot: the lowest priorities first (no NaN reaches it) */
-static int by_priority_then_slot(const void *a, const void *b) {
-    const ranked_slot *x = (const ranked_slot *)a, *y = (const ranked_slot *)b;
-    if (x->priority != y->priority) return x->priority < y->priority ? -1 : 1;
-    return (x->slot > y->slot) - (x->slot < y->slot);
+/* ascending priority (no NaN reaches it). The order of equal priorities does not matter: the slots dropped are
+ * those below the first one kept, since a tie across that boundary is refused. */
+static int by_priority(const void *a, const void *b) {
+    const float x = ((const ranked_slot *)a)->priority, y = ((const ranked_slot *)b)->priority;
+    return (x > y) - (x < y);
 }
 
 /* flags[s] = 1 for the `drop` slots of one head that leave; 0 when that choice is unique and takes no
@@ -59,9 +59,9 @@ static int choose_dropped(const float *scores, const int64_t *positions, int64_t
         flags[low] = 1;
         return 0;
     }
-    qsort(work, (size_t)L, sizeof(ranked_slot), by_priority_then_slot);
+    qsort(work, (size_t)L, sizeof(ranked_slot), by_priority);
     const float last = work[drop - 1].priority;
-    if (last == INFINITY || (drop < L && work[drop].priority == last)) return 1;
+    if (last == INFINITY || work[drop].priority == last) return 1; /* drop < L: the entry point refuses others */
     for (int64_t i = 0; i < drop; i++) flags[work[i].slot] = 1;
     return 0;
 }

@@ -1,7 +1,7 @@
 """The hot tier's eviction in one C call against the torch path on the real model: SmolLM2 in bfloat16 under the
 memory preset (memory=0.25), a prefill of 512 tokens of a text, then 512 decode steps through the lean decoder, once
-with the C call and once with the torch path alone; prints whether the logits are identical, the bytes held and the
-perplexity of the decoded tokens under each.
+with the C call and once with the torch path alone; prints whether the logits are identical, the bytes held, the
+perplexity of the decoded tokens under each, and how many of the first run's evictions the C call took or declined.
 
     .venv/bin/python benchmarks/evict_real_check.py [--corpus stdlib-docs] [--memory 0.25]
 """
@@ -27,8 +27,15 @@ def main() -> None:
     ids = torch.tensor([tokenizer.encode(load_corpus(args.corpus))[:1024]])
     real = eviction.split_by_rank
 
+    calls = {"taken": 0, "declined": 0}
+
+    def counted(*args, **kwargs):
+        split = real(*args, **kwargs)
+        calls["taken" if split is not None else "declined"] += 1
+        return split
+
     def run(native: bool):
-        eviction.split_by_rank = real if native else (lambda *a, **k: None)
+        eviction.split_by_rank = counted if native else (lambda *a, **k: None)
         try:
             cache = ConfKVCache.for_model(model, memory=args.memory)
             with torch.no_grad():
@@ -41,7 +48,8 @@ def main() -> None:
 
     (a, bytes_a, ppl_a), (b, bytes_b, ppl_b) = run(True), run(False)
     print(f"identical logits: {torch.equal(a, b)}; bytes {bytes_a} / {bytes_b}; perplexity of the 511 decoded tokens "
-          f"{ppl_a:.6f} (C call) / {ppl_b:.6f} (torch path)")
+          f"{ppl_a:.6f} (C call) / {ppl_b:.6f} (torch path); evictions (prefill and decode, all layers): "
+          f"{calls['taken']} by the C call, {calls['declined']} declined to the torch path")
 
 
 if __name__ == "__main__":

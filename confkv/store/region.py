@@ -11,16 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t`` [B, H, L, D] at slots ``index`` [B, H, K] of each head: ``t.gather(2, index[..., None].expand(..., D))``,
-    the same values, as one ``index_select`` of whole rows (a decode step's compaction gathers a few hundred
-    rows per head: about 4x faster than the element-wise gather, `benchmarks/take_rows_micro.py`). Every index must be in [0, L): unlike ``gather``,
-    a slot past L is not refused but read from the next head's rows (the store's indices come from
-    ``select_kept`` / ``dropped_slots``, in range by construction)."""
-    batch, heads, length, dim = t.shape
-    rows = index.reshape(batch * heads, -1) + (torch.arange(batch * heads, device=index.device) * length)[:, None]
-    return t.reshape(batch * heads * length, dim).index_select(0, rows.reshape(-1)).reshape(batch, heads, -1, dim)
+from confkv.attention.segments import take_rows
 
 
 @dataclass

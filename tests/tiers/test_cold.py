@@ -953,3 +953,22 @@ def test_sealed_pages_and_their_bookkeeping_live_on_the_device_of_the_keys():
     assert tier.pages["heat"].dtype == torch.float32 and tier.pages["sealed_at"].dtype == torch.int64
     bound = tier.digest_bound(torch.empty(1, 2, 1, DIM, device="meta"))
     assert bound.device.type == "meta" and bound.shape == (1, 2, 2)
+
+
+def test_dropped_pages_of_an_exact_capacity_tier_leave_the_rest_in_order_and_no_spare_page():
+    """A ladder's rung (``exact_capacity``: every allocated page counted) gathers the pages it keeps into its tensors:
+    the rest keep their order in every head, their codes and metadata unchanged, and no page is left allocated."""
+    gen = torch.Generator().manual_seed(5)
+    tier = ColdTier(ColdConfig(bits=4, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+    tier.exact_capacity = True
+    keys, values = torch.randn(1, 2, 6 * PAGE, DIM, generator=gen), torch.randn(1, 2, 6 * PAGE, DIM, generator=gen)
+    tier.demote(keys, values, torch.arange(6 * PAGE).expand(1, 2, 6 * PAGE).clone(), torch.ones(1, 6 * PAGE, dtype=torch.bool))
+    before = {name: t.clone() for name, t in tier.pages.items()}
+    tier.drop_pages(torch.tensor([[[1, 4], [5, 0]]]))  # head 0 drops pages 1 and 4, head 1 pages 5 and 0
+    kept = {0: [0, 2, 3, 5], 1: [1, 2, 3, 4]}
+    assert tier.num_pages == 4
+    for name, tensor in tier.pages.items():
+        assert tensor.shape[2] == 4, name  # no spare page allocated
+        for head, pages in kept.items():
+            assert torch.equal(tensor[0, head], before[name][0, head, pages]), (name, head)
+    assert tier.pages["positions"][0, :, :, 0].tolist() == [[0, 8, 12, 20], [4, 8, 12, 16]]

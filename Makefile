@@ -37,7 +37,7 @@ test: $(STAMP)
 # Mutation testing of the core (docs/MUTATION.md): slow (hours on 2 cores), not part of `make test`.
 # mutmut 3 keeps its results in ./mutants/ and resumes where it stopped; `rm -rf mutants` starts afresh.
 # MUTMUT_CHILDREN: parallel mutant workers (default 2); it runs at low priority (nice).
-# MUTANTS: optional name globs, e.g. MUTANTS="confkv.store.eviction.* confkv.store.region.*" (one module at a time).
+# MUTANTS: optional name globs, e.g. MUTANTS="confkv.store.hot_tier.* confkv.quant.*".
 MUTMUT_CHILDREN ?= 2
 # CONFKV_NATIVE=0: the tests then run the torch code that is mutated (with the native kernels on,
 # the attention read and the lean decoder would take the C kernels instead).

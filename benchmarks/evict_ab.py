@@ -14,13 +14,13 @@ from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
 from confkv.hf.weights import quantize_linear_weights
 from confkv.models import load_model
-from confkv.store import eviction
+from confkv.store import hot_tier
 
 
 def step_times(decoder, cache, ids, position: int, steps: int, native: bool) -> tuple[list[float], int]:
-    switch = eviction._native_evict_rows
+    switch = hot_tier._native_evict_rows
     if not native:
-        eviction._native_evict_rows = lambda: None
+        hot_tier._native_evict_rows = lambda: None
     times = []
     try:
         for _ in range(steps):
@@ -29,7 +29,7 @@ def step_times(decoder, cache, ids, position: int, steps: int, native: bool) -> 
             times.append(time.perf_counter() - start)
             position += 1
     finally:
-        eviction._native_evict_rows = switch
+        hot_tier._native_evict_rows = switch
     return times, position
 
 

@@ -13,7 +13,7 @@ from confkv.data.corpora import load_corpus
 from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
 from confkv.models import load_model
-from confkv.store import eviction
+from confkv.store import hot_tier
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     model, tokenizer = load_model("smollm2", dtype=torch.bfloat16)
     decoder = LeanDecoder(model)
     ids = torch.tensor([tokenizer.encode(load_corpus(args.corpus))[:1024]])
-    real = eviction.split_by_rank
+    real = hot_tier.split_by_rank
 
     calls = {"taken": 0, "declined": 0}
 
@@ -35,14 +35,14 @@ def main() -> None:
         return split
 
     def run(native: bool):
-        eviction.split_by_rank = counted if native else (lambda *a, **k: None)
+        hot_tier.split_by_rank = counted if native else (lambda *a, **k: None)
         try:
             cache = ConfKVCache.for_model(model, memory=args.memory)
             with torch.no_grad():
                 prefill(model, cache, ids[:, :512], chunk=128)
             logits = torch.stack([decoder(ids[:, t:t + 1], cache) for t in range(512, 1024)]).float()
         finally:
-            eviction.split_by_rank = real
+            hot_tier.split_by_rank = real
         nll = torch.nn.functional.cross_entropy(logits[:-1, 0], ids[0, 513:1024])
         return logits, cache.kv_bytes(), float(nll.exp())
 

@@ -1,4 +1,4 @@
-"""Timing probe: ``Region.gather``'s row take (``confkv.store.region.take_rows``, one ``index_select`` of whole
+"""Timing probe: ``Region.gather``'s row take (``confkv.store.hot_tier.take_rows``, one ``index_select`` of whole
 rows) against the element-wise ``gather`` it replaced, at a decode step's compaction shape (SmolLM2's 3 KV
 heads, head dim 64, a hot region of ``--slots`` slots in bfloat16, all but one slot kept). Interleaved, median
 microseconds and their ratio; the outputs are checked equal.
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from confkv.store.region import take_rows
+from confkv.store.hot_tier import take_rows
 
 
 def main() -> None:

@@ -27,11 +27,11 @@ MOVED: dict[str, str] = {
     "confkv.commands_ruler": "confkv.cli.ruler",
     "confkv.demo": "confkv.cli.demo",
     "confkv.textplot": "confkv.cli.textplot",
-    "confkv.region": "confkv.store.region",
+    "confkv.region": "confkv.store.hot_tier",
     "confkv.window_buffer": "confkv.store.window_buffer",
-    "confkv.tier_moves": "confkv.store.eviction",
-    "confkv.store.tier_moves": "confkv.store.eviction",
-    "confkv.eviction": "confkv.store.eviction",
+    "confkv.tier_moves": "confkv.store.hot_tier",
+    "confkv.store.tier_moves": "confkv.store.hot_tier",
+    "confkv.eviction": "confkv.store.hot_tier",
     "confkv.cold": "confkv.tiers.cold",
     "confkv.lowbit": "confkv.tiers.lowbit",
     "confkv.page_file": "confkv.tiers.page_file",
@@ -61,6 +61,10 @@ MOVED: dict[str, str] = {
     "confkv.eval.ray_speedup": "confkv.eval.ray.speedup",
     "confkv.eval.plots": "confkv.eval.report.plots",
     "confkv.serve.command": "confkv.cli.serve",
+    "confkv.hf.attention": "confkv.hf.enable",
+    "confkv.store.region": "confkv.store.hot_tier",
+    "confkv.store.eviction": "confkv.store.hot_tier",
+    "confkv.trace": "confkv.tiers.planner",
 }
 
 

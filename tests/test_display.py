@@ -7,7 +7,7 @@ import torch
 from confkv.display import budget_from_json, budget_text, budget_to_json, budgets_text, is_unlimited
 from confkv.eval.report.plots import trace_from_dict
 from confkv.policies import UNLIMITED
-from confkv.trace import MemoryTrace, StepRecord
+from confkv.tiers.planner import MemoryTrace, StepRecord
 
 
 def trace_with_budgets(budgets: list[int]) -> MemoryTrace:

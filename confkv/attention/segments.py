@@ -117,7 +117,7 @@ def take_rows(t: Tensor, index: Tensor) -> Tensor:
     the same values, as one ``index_select`` of whole rows (a decode step's compaction gathers a few hundred
     rows per head: about 4x faster than the element-wise gather, `benchmarks/take_rows_micro.py`). Every index must be
     in [0, L): unlike ``gather``, a slot past L is not refused but read from the next head's rows (the callers' indices
-    are in range by construction). Also ``confkv.store.region.take_rows``."""
+    are in range by construction). Also ``confkv.store.hot_tier.take_rows``."""
     batch, heads, length, dim = t.shape
     rows = index.reshape(batch * heads, -1) + (torch.arange(batch * heads, device=index.device) * length)[:, None]
     return t.reshape(batch * heads * length, dim).index_select(0, rows.reshape(-1)).reshape(batch, heads, -1, dim)

@@ -34,19 +34,17 @@ from confkv.budget import BudgetController
 from confkv.confidence import confidence as confidence_of
 from confkv.config import ConfidenceConfig, StoreConfig
 from confkv.errors import ConfigError, UnsupportedModelError
-from confkv.hf import attention as attention_glue
-from confkv.hf.enable import enable
+from confkv.hf.enable import enable, keys_for_attention
 from confkv.hf.support import LayerLayout, floor_bytes_of, layer_layout
 from confkv.policies import UNLIMITED, Policy
 from confkv.tiers.page_file import PageFile
 from confkv.policies.tee import TeePolicy
 from confkv.policies.tiered import TieredPolicy
 from confkv.store import LayerStore, check_store_fits
-from confkv.trace import MemoryTrace, StepRecord
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.byte_model import KVShape
-from confkv.tiers.planner import (StepPlan, bottom_token_bytes, check_cap, floor_bytes, floor_tokens, plan_step,
-                                  reserve_bytes)
+from confkv.tiers.planner import (MemoryTrace, StepPlan, StepRecord, bottom_token_bytes, check_cap, floor_bytes,
+                                  floor_tokens, plan_step, reserve_bytes)
 from confkv.tiers.storage import MemoryTarget, Storage, store_for
 
 _NO_CROP = ("confkv caches drop tokens, so they cannot be cropped back to a prefix: assisted decoding, "
@@ -84,7 +82,7 @@ class ConfKVLayer(CacheLayerMixin):
         owner = self._owner()
         if owner is not None:
             owner.pass_open = True
-        return attention_glue.keys_for_attention(self.store), self.store.recent.values
+        return keys_for_attention(self.store), self.store.recent.values
 
     def get_seq_length(self) -> int:
         return self.store.seen_tokens

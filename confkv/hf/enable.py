@@ -1,6 +1,17 @@
-"""Switch a transformers model to confkv attention, and close a cache's step after a forward pass.
+"""Switch a transformers model to confkv: the ``"confkv"`` attention implementation it reads with, and the
+hook that closes a cache's step after a forward pass. Everything :func:`enable` installs lives here.
 
-Who closes a step (issue 33, "an explicit step"):
+**The attention** (until 5 Dec ``confkv/hf/attention.py``; that path still imports this module).
+``ConfKVLayer.update`` returns the keys with its :class:`~confkv.store.LayerStore` attached
+(:func:`keys_for_attention`); the model passes them to :func:`confkv_attention`, which reads over the
+store (INT8 region, FP window and the new tokens) and records the queries' attention mass for the
+policy. No eager attention, no [B, H, q, L] weights returned to the model. transformers builds no 4D
+mask for this implementation: the registered mask function only passes the 2D padding mask through,
+and the store applies causality, padding and sliding windows itself from the positions it tracks.
+Without a confkv cache (a plain forward, or another cache), the function falls back to PyTorch SDPA
+with a causal and padding mask, so a model switched to ``"confkv"`` still runs everywhere.
+
+**Who closes a step** (issue 33, "an explicit step"):
 
 - confkv's own loops call ``cache.end_step(logits)`` themselves: :func:`confkv.hf.generate.prefill`,
   :class:`confkv.hf.lean.LeanDecoder`, the evaluation protocols.
@@ -19,12 +30,82 @@ from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
-from confkv.hf import attention as attention_glue
 from confkv.hf.support import check_supported
+from confkv.store import LayerStore
 
 _HOOK_HANDLE = "_confkv_step_hook"
 _PREVIOUS_ATTENTION = "_confkv_previous_attention"
+
+ATTENTION_NAME = "confkv"
+_STORE_ATTRIBUTE = "confkv_store"
+
+
+def keys_for_attention(store: LayerStore) -> torch.Tensor:
+    """The keys ``ConfKVLayer.update`` returns: a fresh view of the store's new keys [B, Hkv, q, D] that carries
+    ``store``, so the attention call that receives them reads over it (no state outside the call)."""
+    keys = store.recent.keys
+    keys = keys.view(keys.shape)
+    setattr(keys, _STORE_ATTRIBUTE, store)
+    return keys
+
+
+def confkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     sliding_window: int | None = None, softcap: float | None = None, **kwargs
+                     ) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: query [B, Hq, q, D], key/value [B, Hkv, L, D] -> ([B, q, Hq, D], None)."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    padding = attention_mask if attention_mask is not None and attention_mask.ndim == 2 else None
+    store = getattr(key, _STORE_ATTRIBUTE, None)
+    if store is not None:
+        out = store.attend(query, scaling=scaling, padding=padding, softcap=softcap)
+    else:
+        out = _sdpa_fallback(query, key, value, padding, scaling, sliding_window, softcap)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa_fallback(query, key, value, padding, scaling, sliding_window, softcap):
+    """Causal attention without a confkv store: new queries sit at the end of ``key``."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
+    k_pos = torch.arange(kv_len, device=query.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask = mask & (q_pos[:, None] - k_pos[None, :] < sliding_window)
+    mask = mask[None, None]
+    if padding is not None:
+        mask = mask & padding[:, -kv_len:].bool()[:, None, None, :]
+    group = query.shape[1] // key.shape[1]
+    if softcap is not None:
+        key_r, value_r = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        scores = (query @ key_r.transpose(-1, -2)) * scaling
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+        return probs.to(value_r.dtype) @ value_r
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+    return out.nan_to_num(0.0)
+
+
+def padding_passthrough_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                             mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs
+                             ) -> torch.Tensor | None:
+    """Mask function for ``"confkv"``: the 2D padding mask [B, <= kv_length] bool, or None if nothing is padded."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:].bool()
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, confkv_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, padding_passthrough_mask)
 
 
 @runtime_checkable
@@ -80,10 +161,10 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
     check_supported(model.config)
     if model.get_output_embeddings() is None:
         raise ValueError("confkv needs a causal LM with an output head (e.g. AutoModelForCausalLM)")
-    attention_glue.register()
-    if model.config._attn_implementation != attention_glue.ATTENTION_NAME:
+    register()
+    if model.config._attn_implementation != ATTENTION_NAME:
         model.__dict__.setdefault(_PREVIOUS_ATTENTION, model.config._attn_implementation)
-        model.set_attn_implementation(attention_glue.ATTENTION_NAME)
+        model.set_attn_implementation(ATTENTION_NAME)
     if _HOOK_HANDLE not in model.__dict__:
         model.__dict__[_HOOK_HANDLE] = model.register_forward_hook(close_step_after_forward, with_kwargs=True)
     return model

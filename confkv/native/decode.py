@@ -24,7 +24,7 @@ from torch import Tensor
 from confkv.native.loader import library
 
 if TYPE_CHECKING:
-    from confkv.store.region import Region
+    from confkv.store.hot_tier import Region
     from confkv.store.window_buffer import WindowBuffer
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}

@@ -8,7 +8,7 @@ A policy answers three questions for the cache, on plain tensors:
    queries gave each kept slot into the policy's per-slot statistics (in place).
 3. ``scores(stats, positions, current_position)``: rank the slots; the highest are kept.
 
-The cache does the rest the same way for every policy (:mod:`confkv.store.eviction`):
+The cache does the rest the same way for every policy (:mod:`confkv.store.hot_tier`):
 slots of the ``protect`` most recent tokens and of the first ``sinks`` tokens are
 never evicted, padding slots go first, and the kept slots are compacted by one
 dense gather.
@@ -107,7 +107,7 @@ class Policy:
         """[B, Hkv, L] float32: the attention each slot received per query, as estimated by ``stats`` (a pass's
         mass over all of its queries, as :meth:`observe` takes it), or None when the statistics hold no such
         estimate (the default). Orders the cold pages not yet read (:class:`confkv.tiers.storage.Storage`
-        ``unread_by``; :func:`confkv.store.eviction.demote_dropped` scales a chunk's own tokens)."""
+        ``unread_by``; :func:`confkv.store.hot_tier.demote_dropped` scales a chunk's own tokens)."""
         return None
 
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,

@@ -35,9 +35,9 @@ from confkv.native.decode import DecodePlan
 from confkv.tiers.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
-from confkv.store import eviction
+from confkv.store import hot_tier
 from confkv.store.read import AttentionRead
-from confkv.store.region import Region, concat, select_batch
+from confkv.store.hot_tier import Region, concat, select_batch
 from confkv.store.window_buffer import WindowBuffer
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import Storage
@@ -359,28 +359,28 @@ class LayerStore(AttentionRead):
                 # evict down to budget - slack: the next `slack` steps need no compaction
                 keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
             # every slot valid, as many kept in every sequence: the split in one C call (None: the torch path decides)
-            split = eviction.split_by_rank(old, scores, current, protect, sinks, keep) if (
+            split = hot_tier.split_by_rank(old, scores, current, protect, sinks, keep) if (
                 over_budget and old.all_valid and not isinstance(slack, float)) else None
             if split is None:
-                protected = eviction.protected_mask(old.positions, old.valid, current, protect, sinks)
+                protected = hot_tier.protected_mask(old.positions, old.valid, current, protect, sinks)
                 floor = protected.sum(-1).amax(-1)  # [B] protected tokens and sinks: kept whatever the budget
                 if slack and over_budget and isinstance(slack, float):
                     # that share of the tokens each sequence keeps by rank, above its floor (none at the floor)
                     slack = ((keep - floor).clamp_min(0).double() * slack).long()
                     keep = torch.where(old_count > keep, (keep - slack).clamp_min(0), keep)
                 keep = torch.maximum(keep, floor)
-                index, valid = eviction.select_kept(scores, old.valid, protected, keep)
+                index, valid = hot_tier.select_kept(scores, old.valid, protected, keep)
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
             ranked_by_attention = self.storage is not None and self.storage.unread_by == "attention"
             policy = self.policy if ranked_by_attention else None
             if split is not None:
                 self.old, dropped = split
                 if self.cold is not None:
-                    eviction.demote_slots(self.cold, dropped, dropped.valid, self.channel_scale,
+                    hot_tier.demote_slots(self.cold, dropped, dropped.valid, self.channel_scale,
                                           self.recent.keys.dtype, policy, current, self.last_queries)
                 return
             if self.cold is not None:
-                eviction.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
+                hot_tier.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
                                           policy, current, self.last_queries)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
 
@@ -393,7 +393,7 @@ class LayerStore(AttentionRead):
         taken = self.cold.take_best_read_page(page_mass, self.cold.config.promote)
         if taken is None:
             return
-        back = eviction.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
+        back = hot_tier.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
         if self.int8:
             back = self._quantize(back)
-        self.old = eviction.merge_in_position_order(self.old, back)
+        self.old = hot_tier.merge_in_position_order(self.old, back)

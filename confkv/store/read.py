@@ -28,7 +28,7 @@ from confkv.tiers.ladder import LadderTier
 if TYPE_CHECKING:
     from confkv.tiers.cold import ColdTier
     from confkv.policies.base import Policy
-    from confkv.store.region import Region
+    from confkv.store.hot_tier import Region
     from confkv.tiers.storage import Storage
 
 

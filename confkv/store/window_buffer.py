@@ -2,7 +2,7 @@
 (issue "Speed", item 1: "preallocated per-layer buffers with spare capacity").
 
 :meth:`confkv.store.LayerStore.decode_step` keeps the recent region (``[B, Hkv, L]`` slots, see
-:mod:`confkv.store.region`) as views of the first ``L`` slots of a :class:`WindowBuffer` of capacity
+:mod:`confkv.store.hot_tier`) as views of the first ``L`` slots of a :class:`WindowBuffer` of capacity
 ``C >= L``; a new token is written into slot ``L`` and the region becomes the views of ``L + 1``
 slots, instead of concatenating every tensor of the region (a fresh copy per step). Ageing replaces
 the recent region by a fresh copy; the next decode step then copies it into a new buffer. The
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from confkv.store.region import Region
+from confkv.store.hot_tier import Region
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 
 from confkv.confidence import confidence as confidence_of
 from confkv.hf import ConfKVCache, disable, enable, enabled, prefill
-from confkv.hf import attention as attention_glue
+from confkv.hf.enable import confkv_attention, keys_for_attention
 from confkv.hf.lean import LeanDecoder
 from confkv.models import tiny_model
 
@@ -116,13 +116,13 @@ def test_the_store_travels_on_the_keys_and_plain_keys_fall_back_to_exact_attenti
     with cache.steps_by_hand():
         model(_ids(4), cache=cache)
     store = cache.layers[0].store
-    keys = attention_glue.keys_for_attention(store)
+    keys = keys_for_attention(store)
     assert keys.confkv_store is store and keys is not store.recent.keys
     assert keys.data_ptr() == store.recent.keys.data_ptr()
     query = torch.randn(1, 4, 1, keys.shape[-1])
     values = store.recent.values
     plain = keys.clone()  # the same numbers without a store: SDPA over them
-    out_plain, _ = attention_glue.confkv_attention(model.model.layers[0].self_attn, query, plain, values, None,
+    out_plain, _ = confkv_attention(model.model.layers[0].self_attn, query, plain, values, None,
                                                    scaling=0.25)
     group = query.shape[1] // plain.shape[1]
     expected = torch.softmax(query @ plain.repeat_interleave(group, 1).transpose(-1, -2) * 0.25, -1) \

@@ -13,7 +13,7 @@ from confkv import native
 from confkv.attention import KVSegment
 from confkv.attention.mass_read import mass_read
 from confkv.native.decode import DecodePlan
-from confkv.store.region import Region
+from confkv.store.hot_tier import Region
 from confkv.store.window_buffer import WindowBuffer
 
 pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),

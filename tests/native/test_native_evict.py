@@ -1,4 +1,4 @@
-"""A hot region's eviction in one C call (``c/evict.c`` through :func:`confkv.store.eviction.split_by_rank`): its
+"""A hot region's eviction in one C call (``c/evict.c`` through :func:`confkv.store.hot_tier.split_by_rank`): its
 split equals the torch path's (:func:`select_kept`, :func:`dropped_slots` and two gathers) row for row, and it
 declines every case where the two could differ (then the torch path runs, as before). Then through a store:
 a cache decoding with the C call gives the same logits, bytes and slots as with the torch path alone.
@@ -16,9 +16,9 @@ from confkv import native
 from confkv.hf import ConfKVCache, prefill
 from confkv.models import tiny_model
 from confkv.native import loader
-from confkv.store import eviction
-from confkv.store.eviction import dropped_slots, protected_mask, select_kept, split_by_rank
-from confkv.store.region import Region
+from confkv.store import hot_tier
+from confkv.store.hot_tier import dropped_slots, protected_mask, select_kept, split_by_rank
+from confkv.store.hot_tier import Region
 
 pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),
               pytest.mark.skipif(not native.available(), reason="the eviction's C call needs the library")]
@@ -152,7 +152,7 @@ def test_it_declines_what_it_does_not_take():
 @pytest.mark.parametrize("drop", [0, -1, 6, 7])
 def test_the_c_call_refuses_a_drop_outside_one_to_l_minus_one_and_writes_nothing(drop):
     # split_by_rank never asks it (its own check comes first); a caller of the C function directly might
-    evict_rows = eviction._native_evict_rows()
+    evict_rows = hot_tier._native_evict_rows()
     scores, positions = torch.rand(1, 1, 6), torch.arange(6).view(1, 1, 6)
     source = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
     kept, dropped = torch.full((1, 1, 12, 1), -1.0), torch.full((1, 1, 12, 1), -1.0)
@@ -165,14 +165,14 @@ def test_the_c_call_refuses_a_drop_outside_one_to_l_minus_one_and_writes_nothing
 
 def _decode(policy, memory, batch, native_split: bool, monkeypatch, steps: int = 120):
     taken = []
-    real = eviction.split_by_rank
+    real = hot_tier.split_by_rank
 
     def counted(*args, **kwargs):
         split = real(*args, **kwargs) if native_split else None
         taken.append(split is not None)
         return split
 
-    monkeypatch.setattr(eviction, "split_by_rank", counted)
+    monkeypatch.setattr(hot_tier, "split_by_rank", counted)
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, policy, memory=memory)
     ids = torch.randint(0, 250, (batch, 80 + steps), generator=torch.Generator().manual_seed(3))
@@ -181,7 +181,7 @@ def _decode(policy, memory, batch, native_split: bool, monkeypatch, steps: int =
         prefill(model, cache, ids[:, :80], chunk=32)
         for t in range(80, 80 + steps):
             logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
-    monkeypatch.setattr(eviction, "split_by_rank", real)
+    monkeypatch.setattr(hot_tier, "split_by_rank", real)
     stores = [layer.store for layer in cache.layers]
     state = [(s.old.positions.clone(), s.old.keys.clone(), dict(s.old.stats)) for s in stores]
     return torch.stack(logits), cache.kv_bytes(), state, sum(taken)

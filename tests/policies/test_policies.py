@@ -1,14 +1,14 @@
 """Each baseline policy on hand-made attention patterns with a known answer.
 
 The policies are driven directly (``observe`` with crafted masses, then the cache's own
-selection rule :func:`confkv.store.eviction.select_kept`), or through a :class:`LayerStore`.
+selection rule :func:`confkv.store.hot_tier.select_kept`), or through a :class:`LayerStore`.
 """
 
 import math
 import pytest
 import torch
 from confkv.config import StoreConfig
-from confkv.store.eviction import protected_mask, select_kept
+from confkv.store.hot_tier import protected_mask, select_kept
 from confkv.policies import make_policy
 from confkv.policies.scissorhands import MAX_HISTORY
 from confkv.store import LayerStore

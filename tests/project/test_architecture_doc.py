@@ -22,3 +22,9 @@ def test_the_hand_trace_lists_the_files_the_step_enters_in_order():
 def test_the_doc_states_the_count_it_lists():
     count = len(_listed_files())
     assert f"It enters {count}." in DOC.read_text()
+
+
+def test_the_step_enters_at_most_a_dozen_files():
+    """Issue 33's bar: one decode step of the memory preset enters at most 12 Python files of the package."""
+    entered = [name for name, _ in files_of_one_decode_step()]
+    assert len(entered) <= 12, f"the step enters {len(entered)} files: {entered}"

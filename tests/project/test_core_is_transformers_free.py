@@ -1,8 +1,8 @@
 import subprocess
 import sys
 
-CORE = ["confkv", "confkv.config", "confkv.confidence", "confkv.budget", "confkv.policies", "confkv.store.eviction",
-        "confkv.store.region", "confkv.store", "confkv.quant", "confkv.attention", "confkv.trace"]
+CORE = ["confkv", "confkv.config", "confkv.confidence", "confkv.budget", "confkv.policies", "confkv.store.hot_tier",
+        "confkv.store", "confkv.quant", "confkv.attention", "confkv.tiers.planner"]
 
 
 def test_core_modules_do_not_import_transformers():

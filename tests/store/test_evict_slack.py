@@ -7,8 +7,8 @@ from confkv import StoreConfig, profiling
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from confkv.store.region import Region
-from confkv.store import eviction
+from confkv.store.hot_tier import Region
+from confkv.store import hot_tier
 
 BUDGET, SLACK = 16, 5
 
@@ -78,7 +78,7 @@ def test_a_share_under_a_memory_target_holds_the_target_and_compacts_less(monkey
         gathers["n"] += 1
         return original(self, index, valid, **kwargs)
 
-    split_by_rank = eviction.split_by_rank
+    split_by_rank = hot_tier.split_by_rank
 
     def split(*args, **kwargs):  # a compaction in one C call (c/evict.c): the two gathers it replaces (kept, dropped)
         out = split_by_rank(*args, **kwargs)
@@ -86,7 +86,7 @@ def test_a_share_under_a_memory_target_holds_the_target_and_compacts_less(monkey
         return out
 
     monkeypatch.setattr(Region, "gather", gather)
-    monkeypatch.setattr(eviction, "split_by_rank", split)
+    monkeypatch.setattr(hot_tier, "split_by_rank", split)
     counts = {}
     for slack in (0, 0.25):
         gathers["n"] = 0

@@ -1,4 +1,4 @@
-"""Eviction in one layer (:mod:`confkv.store.eviction`) on hand-made slots and regions, with answers worked
+"""Eviction in one layer (:mod:`confkv.store.hot_tier`) on hand-made slots and regions, with answers worked
 out by hand: the selection rule (protected slots, the kept and the dropped slots), the demotion to the cold
 tier, and the moves back (the promoted region's statistics, dtype and validity; the merge into position order).
 
@@ -11,9 +11,9 @@ import torch
 from confkv import profiling
 from confkv.config import ColdConfig
 from confkv.policies import make_policy
-from confkv.store.eviction import (demote_dropped, dropped_slots, merge_in_position_order, promoted_region,
+from confkv.store.hot_tier import (demote_dropped, dropped_slots, merge_in_position_order, promoted_region,
                                    protected_mask, select_kept)
-from confkv.store.region import Region
+from confkv.store.hot_tier import Region
 from confkv.tiers.cold import ColdTier
 
 

@@ -1,4 +1,4 @@
-"""A :class:`confkv.store.region.Region` on small hand-made slots: what gather, slice, concat and
+"""A :class:`confkv.store.hot_tier.Region` on small hand-made slots: what gather, slice, concat and
 select_batch keep, and the bytes it reports, against expectations written out by hand.
 
 Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
@@ -6,9 +6,8 @@ Written to kill the mutants that survived ``make mutate`` (docs/MUTATION.md).
 
 import pytest
 import torch
-from confkv.store.region import Region, concat, select_batch
+from confkv.store.hot_tier import Region, concat, select_batch
 from confkv import quant
-from confkv.store.region import Region
 
 
 def _int8_region(batch: int = 2, heads: int = 2, length: int = 5, dim: int = 3) -> Region:
@@ -214,7 +213,7 @@ def test_int8_gather_moves_scales_with_their_slots(seed):
 def test_take_rows_is_the_elementwise_gather_of_whole_rows(dtype):
     """take_rows (one index_select of rows) gives what ``gather`` with the index expanded over D gives: per
     head its own slots, repeats allowed, a view that is not contiguous, batch 2, and no slot at all."""
-    from confkv.store.region import take_rows
+    from confkv.store.hot_tier import take_rows
 
     gen = torch.Generator().manual_seed(0)
     base = (torch.randn(2, 3, 11, 10, generator=gen) * 50).to(dtype)

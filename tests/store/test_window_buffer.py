@@ -11,7 +11,7 @@ from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
 from confkv.models import tiny_model
-from confkv.store.region import Region
+from confkv.store.hot_tier import Region
 from confkv.native.decode import DecodePlan
 from confkv.store.window_buffer import WindowBuffer
 from thread_counts import torch_threads

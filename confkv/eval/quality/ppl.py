@@ -19,7 +19,7 @@ from confkv.hf.cache import ConfKVCache
 from confkv.hf.generate import check_prompt_length
 from confkv.policies import Policy
 from confkv.progress import progress as show_progress
-from confkv.trace import MemoryTrace
+from confkv.tiers.planner import MemoryTrace
 
 
 @dataclass

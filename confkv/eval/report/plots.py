@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from confkv.display import budget_for_plot, budget_from_json, is_unlimited  # noqa: E402
-from confkv.trace import MemoryTrace  # noqa: E402
+from confkv.tiers.planner import MemoryTrace  # noqa: E402
 
 
 def plot_trace(trace: MemoryTrace, path: str | Path, title: str = "", sequence: int = 0) -> Path:
@@ -45,7 +45,7 @@ def trace_from_dict(data: dict) -> MemoryTrace:
     """Rebuild a :class:`MemoryTrace` from :meth:`MemoryTrace.to_dict` output (e.g. a saved JSON)."""
     import torch
 
-    from confkv.trace import StepRecord
+    from confkv.tiers.planner import StepRecord
 
     trace = MemoryTrace()
     targets = data.get("target_bytes") or [None] * len(data["seen"])  # traces made before memory targets: none

@@ -1,7 +1,7 @@
 /* Eviction of a hot region's slots in one call: which slots leave, and the rows of every per-slot tensor
  * split into the kept slots and the dropped ones. Part of kernels.c.
  *
- * What it computes is confkv/store/eviction.py's select_kept + dropped_slots + two gathers (the torch path,
+ * What it computes is confkv/store/hot_tier.py's select_kept + dropped_slots + two gathers (the torch path,
  * which stays the reference): per (sequence b, KV head h) of a region of L valid slots, the priority of slot s
  * is +inf when it is protected (positions[s] > current[b] - protect, or positions[s] < sinks) and scores[s]
  * otherwise; the `drop` slots of lowest priority leave, the others stay, both in slot order.

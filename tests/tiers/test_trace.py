@@ -5,7 +5,7 @@ import torch
 
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from confkv.trace import MemoryTrace, StepRecord
+from confkv.tiers.planner import MemoryTrace, StepRecord
 
 
 def _step(total):

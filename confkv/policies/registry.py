@@ -18,6 +18,7 @@ from confkv.policies.kivi import KIVIPolicy
 from confkv.policies.quest import QuestPolicy
 from confkv.policies.random_evict import RandomPolicy
 from confkv.policies.scissorhands import ScissorhandsPolicy
+from confkv.policies.snapkv import SnapKVPolicy
 from confkv.policies.streaming import StreamingPolicy
 from confkv.policies.tova import TOVAPolicy
 from confkv.policies.window import WindowPolicy
@@ -33,7 +34,7 @@ def register(policy_class: type[Policy]) -> type[Policy]:
 
 for _cls in (FullPolicy, WindowPolicy, StreamingPolicy, ConfKVPolicy,
              H2OPolicy, ScissorhandsPolicy, TOVAPolicy, RandomPolicy, ConfKVFixedPolicy, ConfKVLPolicy,
-             ConfKVRPolicy, QuestPolicy, KIVIPolicy):
+             ConfKVRPolicy, QuestPolicy, KIVIPolicy, SnapKVPolicy):
     register(_cls)
 
 _GATE_FIELDS = ("tau", "n_high", "n_low", "smoothing")

@@ -3,9 +3,9 @@
 * :mod:`confkv.store.layer`: the store's state, what it keeps at the end of a step (ageing the FP
   window, INT8, eviction, promotion), its bytes, batch reorders and ``fork``;
 * :mod:`confkv.store.read`: the attention read of a step (``attend``, ``decode_step`` in place);
-* :mod:`confkv.store.hot_tier`: a run of KV slots (the older region, the FP window);
-* :mod:`confkv.store.window_buffer`: the FP window's slots with spare capacity;
-* :mod:`confkv.store.hot_tier`: which hot slots a step keeps, and the others handed to the cold tier (and back).
+* :mod:`confkv.store.hot_tier`: the hot tier: a run of KV slots (``Region``: the older region, the FP window),
+  which of them a step keeps, and the others handed to the cold tier (and back);
+* :mod:`confkv.store.window_buffer`: the FP window's slots with spare capacity.
 """
 
 from confkv.store.layer import LayerStore, check_store_fits

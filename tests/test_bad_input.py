@@ -109,7 +109,7 @@ ROWS = [
      lambda: make_policy(make_policy("window"), budget=3), ConfigError, r"either a Policy object or a name"),
     ("unknown-policy", "make_policy('lru')", lambda: make_policy("lru"), ConfigError,
      r"^policy: unknown policy 'lru'; known policies: confkv, confkv-fixed, confkv-l, confkv-r, full, h2o, kivi, "
-     r"quest, random, scissorhands, streaming, tova, window$"),
+     r"quest, random, scissorhands, snapkv, streaming, tova, window$"),
     ("cold-bits", "make_policy('confkv-r', bits=5)", lambda: make_policy("confkv-r", bits=5), ConfigError,
      r"^bits: must be one of 2, 3, 4, 8 \(KIVI-style\) or 16 \(unquantized\), got 5$"),
     ("cold-page-size", "make_policy('kivi', page_size=0)", lambda: make_policy("kivi", page_size=0), ConfigError,

@@ -4,16 +4,6 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from confkv.quant import (
-    channel_scale_bytes,
-    dequantize_keys,
-    dequantize_values,
-    int8_bytes_per_token,
-    int8_key_bytes_per_token,
-    key_channel_scale,
-    quantize_keys,
-    quantize_values,
-)
 import pytest
 from confkv.quant import (
     channel_scale_bytes,

@@ -9,7 +9,6 @@ from confkv.attention import KVSegment, attention_read, blockwise_attention
 from confkv.attention.blockwise import dense_attention_reference
 from confkv.quant import key_channel_scale, quantize_keys, quantize_values
 from segment_cases import attention_cases, make_segment
-from confkv.attention.segments import KVSegment
 
 
 FAST = settings(max_examples=40, deadline=None)

@@ -9,7 +9,6 @@ import pytest
 import torch
 from confkv.config import StoreConfig
 from confkv.store.hot_tier import protected_mask, select_kept
-from confkv.policies import make_policy
 from confkv.policies.scissorhands import MAX_HISTORY
 from confkv.store import LayerStore
 from confkv.errors import ConfigError

@@ -103,6 +103,12 @@ class Policy:
         decode step can update them itself (:mod:`confkv.native.decode`); None otherwise (the default)."""
         return None
 
+    def observation_window(self) -> int | None:
+        """Observe only the attention of a pass's last ``n`` queries (SnapKV's observation window), or None: every
+        query's (the default). With ``n``, a pass of more than ``n`` queries is read once for its output and its
+        last ``n`` queries again for their masses, which :meth:`observe` then gets with ``num_queries = n``."""
+        return None
+
     def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """[B, Hkv, L] float32: the attention each slot received per query, as estimated by ``stats`` (a pass's
         mass over all of its queries, as :meth:`observe` takes it), or None when the statistics hold no such

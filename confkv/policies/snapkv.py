@@ -26,11 +26,13 @@ class SnapKVPolicy(FixedBudgetPolicy):
     and a window of 64 tokens are the defaults of the paper's code as kvpress runs it). Unlike TOVA
     each KV head ranks on its own, so heads may keep different tokens. The window itself is protected.
 
-    SnapKV compresses once, after the prompt. Run it with the ``query-aware`` protocol (``confkv ruler
-    --protocol query-aware``, ``confkv niah``), which feeds the last prompt tokens as their own final
-    chunk and evicts only after it, so the votes are that window's and nothing else's. Under the
-    ``streaming`` protocol, and at every decode step under a memory target, the votes are those of the
-    pass that just ran (its chunk, or the one new token): the same rule with a window of one pass.
+    The votes are those of a pass's last ``protect`` queries only (:meth:`observation_window`): a pass of
+    more queries (a whole prompt through ``model.generate``, a prefill chunk) is read once for its output and
+    its last ``protect`` queries again for their masses, so one prompt pass ranks as the paper's prefill
+    does (``protect=0``: every query of a pass votes). SnapKV compresses once, after the prompt: the
+    ``query-aware`` protocol (``confkv ruler --protocol query-aware``, ``confkv niah``) defers eviction to
+    the end of the prompt, as the paper does. Under the ``streaming`` protocol each chunk is ranked by its
+    own last ``protect`` queries, and a decode step under a memory target by its one query.
 
     Statistics ``attn`` [B, Hkv, L] float32: the last pass's mean attention per query, overwritten by
     every pass. Slots are pooled in slot order, which is position order in a store (kept slots stay in
@@ -53,6 +55,10 @@ class SnapKVPolicy(FixedBudgetPolicy):
 
     def observe(self, stats: dict[str, torch.Tensor], mass: torch.Tensor, num_queries: int) -> None:
         stats["attn"].copy_(mass / max(num_queries, 1))
+
+    def observation_window(self) -> int | None:
+        """The last ``protect`` queries of a pass vote (the window SnapKV also keeps); ``protect=0``: every query."""
+        return self.protect or None
 
     def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
         """The last pass's mean attention per query, per KV head (the votes before pooling)."""

@@ -10,6 +10,7 @@ the two are one class split by job, so each file reads on its own.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -215,18 +216,21 @@ class AttentionRead:
             segments += self.cold.segments(query, self._cold_read_pages(), paged=paged,
                                            rotated=rotation is not None)  # timed inside
         read_query = query if rotation is None else rotation.forward(query)
+        window = self.policy.observation_window() if need_mass and new > 1 else None  # (a decode step: all of one)
+        observed = new if window is None or new <= window else window  # the queries whose attention is observed
         with profiling.section("attention read"):
-            if self.cold is not None:
-                out, masses = self._tiered_read(read_query, segments, scaling, softcap, need_mass)
-            else:
-                out, masses = attention_read(read_query, segments, scaling, block_size=self.config.block_size,
-                                             softcap=softcap, need_mass=need_mass, backend=self.config.read_backend)
+            out, masses = self._read(read_query, segments, scaling, softcap, need_mass and observed == new)
+            if observed < new:  # the pass's last `observed` queries again, for their masses alone
+                hot = len(regions)
+                last = [replace(s, visible=s.visible[:, :, -observed:]) if s.visible is not None
+                        and s.visible.shape[2] == new else s for s in segments[:hot]] + segments[hot:]
+                masses = self._read(read_query[:, :, -observed:], last, scaling, softcap, True)[1]
         if rotation is not None:
             out = rotation.inverse(out).to(query.dtype)
         if need_mass:
             with profiling.section("EMA / stats update"):
                 for region, mass in zip(regions, masses):
-                    self.policy.observe(region.stats, mass, new)
+                    self.policy.observe(region.stats, mass, observed)
                 if self.cold is not None and len(masses) > len(regions):
                     self.cold.observe_read(masses[len(regions):])
                     if self.cold.config.promote is not None and new == 1:
@@ -245,6 +249,14 @@ class AttentionRead:
             paged = hands_pages(query, self.config.read_backend)
             self.page_handling = (key, paged, paged and not triton_reads(query, self.config.read_backend))
         return self.page_handling[1], self.page_handling[2]
+
+    def _read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None,
+              need_mass: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The read of ``query`` [B, Hq, q, D] over ``segments``: a tiered store's planned route, else ``attention_read``."""
+        if self.cold is not None:
+            return self._tiered_read(query, segments, scaling, softcap, need_mass)
+        return attention_read(query, segments, scaling, block_size=self.config.block_size, softcap=softcap,
+                              need_mass=need_mass, backend=self.config.read_backend)
 
     def _tiered_read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None,
                      need_mass: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:

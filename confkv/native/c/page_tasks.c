@@ -62,13 +62,18 @@ static void task_scores(const void *ctx, int64_t task) {
             for (int64_t d = 0; d < D; d++) qf[(g * Q + q) * D + d] = src[d] * a->scaling;
         }
     const float *rot = a->rotation;
-    if (rot) /* (R q) . (R k) = q . k: rotated pages score the query turned into their basis */
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t e = 0; e < D; e++) {
-                float v = 0.0f;
-                for (int64_t d = 0; d < D; d++) v = fmaf(qf[r * D + d], rot[d * D + e], v);
-                w.query_turned[r * D + e] = v;
+    if (rot) /* (R q) . (R k) = q . k: rotated pages score the query turned into their basis. Entry e of a row is
+              * its products summed in channel order d, as a dot product would; the D entries are summed side by
+              * side (each its own chain, so they vectorize), which leaves every entry's sum as it was. */
+        for (int64_t r = 0; r < R; r++) {
+            float *restrict turned = w.query_turned + r * D;
+            for (int64_t e = 0; e < D; e++) turned[e] = 0.0f;
+            for (int64_t d = 0; d < D; d++) {
+                const float x = qf[r * D + d];
+                const float *restrict row = rot + d * D;
+                for (int64_t e = 0; e < D; e++) turned[e] = fmaf(x, row[e], turned[e]);
             }
+        }
     int64_t offset = 0;
     for (int s = 0; s < a->n_seg; s++) {
         const int64_t *m = a->meta + PR_META * s;
@@ -184,14 +189,18 @@ static void unit_finish(const void *ctx, int64_t unit) {
             acc[r * D + d] *= inv[r];
             if (a->rotation) acc_turned[r * D + d] *= inv[r];
         }
-    const float *rot = a->rotation;
-    if (rot) /* the rotated pages' share of the output back to the model's basis: x = y @ rotation^T */
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t d = 0; d < D; d++) {
-                float v = acc[r * D + d];
-                for (int64_t e = 0; e < D; e++) v = fmaf(acc_turned[r * D + e], rot[d * D + e], v);
-                acc[r * D + d] = v;
+    const float *rot_t = a->rotation_t;
+    if (rot_t) /* the rotated pages' share of the output back to the model's basis: x = y @ rotation^T, entry d from
+                * x[d] adding y[e] * rotation[d][e] in order e; the D entries side by side, as the query's turn */
+        for (int64_t r = 0; r < R; r++) {
+            float *restrict x = acc + r * D;
+            const float *restrict y = acc_turned + r * D;
+            for (int64_t e = 0; e < D; e++) {
+                const float ye = y[e];
+                const float *restrict column = rot_t + e * D;
+                for (int64_t d = 0; d < D; d++) x[d] = fmaf(ye, column[d], x[d]);
             }
+        }
     if (a->mass) {
         int64_t offset = 0;
         for (int s = 0; s < a->n_seg; s++) {
@@ -285,7 +294,9 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
     const int64_t tasks = units * a.parts;
     a.work_stride = task_floats(&a);
     int32_t *channels = malloc(sizeof(int32_t) * (size_t)(n_seg * 4 * D));
-    float *floats = malloc(sizeof(float) * (size_t)(units * a.R * a.total + 2 * tasks * a.R + tasks * a.work_stride));
+    const int64_t turn = rotation ? D * D : 0; /* the rotation transposed, for the output's turn back */
+    float *floats = malloc(sizeof(float) * (size_t)(units * a.R * a.total + 2 * tasks * a.R + tasks * a.work_stride +
+                                                    turn));
     if (!channels || !floats) {
         free(channels);
         free(floats);
@@ -303,6 +314,11 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
     a.sums = a.scores + units * a.R * a.total;
     a.tops = a.sums + tasks * a.R;
     a.work = a.tops + tasks * a.R;
+    if (rotation) {
+        a.rotation_t = a.work + tasks * a.work_stride;
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t e = 0; e < D; e++) a.rotation_t[e * D + d] = rotation[d * D + e];
+    }
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     const int parallel = threads >= 2 && tasks >= 2 && units * a.R * a.total * D >= mass_min_parallel;
     if (a.parts == 1) {

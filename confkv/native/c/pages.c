@@ -98,6 +98,7 @@ typedef struct {
     float *tops;             /* [tasks, R]: each task's largest score per row (NaN if one is NaN) */
     float *work;             /* per task work_stride floats (task_work) */
     int64_t work_stride;
+    float *rotation_t;       /* [D, D] the rotation transposed (rotation_t[e * D + d] = rotation[d * D + e]), or NULL */
 } page_args;
 
 /* scores of a dense segment's L slots for the R rows (qf pre-scaled), masked slots -inf */

@@ -29,16 +29,19 @@ from confkv.tiers import lowbit
 Q_HEADS, KV_HEADS, DIM, PAGE, GROUP = 9, 3, 64, 64, 64
 
 
-def page_segment(gen: torch.Generator, bits: int, tokens: int) -> PagedSegment:
+def page_segment(gen: torch.Generator, bits: int, tokens: int, kv_heads: int = KV_HEADS, dim: int = DIM,
+                 rotation=None) -> PagedSegment:
+    """``tokens`` tokens of random keys / values as sealed pages at ``bits`` (``rotation``: a
+    :class:`~confkv.tiers.hadamard.HadamardRotation` the pages are marked as coded in, or None)."""
     pages = tokens // PAGE
-    keys = torch.randn(1, KV_HEADS, pages, PAGE, DIM, generator=gen)
-    values = torch.randn(1, KV_HEADS, pages, PAGE, DIM, generator=gen)
-    valid = torch.ones(1, KV_HEADS, pages, PAGE, dtype=torch.bool)
+    keys = torch.randn(1, kv_heads, pages, PAGE, dim, generator=gen)
+    values = torch.randn(1, kv_heads, pages, PAGE, dim, generator=gen)
+    valid = torch.ones(1, kv_heads, pages, PAGE, dtype=torch.bool)
     qk, qv = lowbit.quantize_keys(keys, valid, bits, GROUP), lowbit.quantize_values(values, bits, GROUP)
-    index = torch.arange(pages).expand(1, KV_HEADS, pages)
-    return PagedSegment(index, torch.tensor([pages]), valid, bits, GROUP, DIM, key_codes=qk.codes,
+    index = torch.arange(pages).expand(1, kv_heads, pages)
+    return PagedSegment(index, torch.tensor([pages]), valid, bits, GROUP, dim, key_codes=qk.codes,
                         key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
-                        value_min=qv.minimum)
+                        value_min=qv.minimum, rotation=rotation)
 
 
 def torch_read(query, segments, scaling):

@@ -61,56 +61,6 @@ def test_a_kernel_that_is_not_a_positive_odd_integer_is_refused_by_name(bad):
         make_policy("snapkv", budget=8, protect=1, kernel_size=bad)
 
 
-def test_under_the_query_aware_protocol_the_window_decides_what_stays(monkeypatch):
-    """Fill a cache with eviction deferred, then compress after a last chunk (the observation window): the kept
-    slots of every layer and head are the best of the window's pooled votes, worked out here from the attention
-    mass the window's pass handed each layer's policy, and not from any earlier chunk's."""
-    from confkv.policies.snapkv import SnapKVPolicy
-
-    passes: list[tuple[torch.Tensor, int]] = []
-    observe = SnapKVPolicy.observe
-
-    def recorded(self, stats, mass, num_queries):
-        passes.append((mass.clone(), num_queries))
-        observe(self, stats, mass, num_queries)
-
-    monkeypatch.setattr(SnapKVPolicy, "observe", recorded)
-    torch.manual_seed(0)
-    model = tiny_model("llama", num_hidden_layers=2)
-    budget, window, prompt = 12, 4, 40
-    cache = ConfKVCache.for_model(model, "snapkv", budget=budget, protect=window, kernel_size=3)
-    ids = torch.randint(3, model.config.vocab_size, (1, prompt))
-    mask = torch.ones_like(ids)
-    cache.evict = False
-    prefill(model, cache, ids[:, :prompt - window], mask[:, :prompt - window], chunk=16)
-    passes.clear()
-    logits = prefill(model, cache, ids[:, prompt - window:], mask, chunk=16)  # the window's pass
-    layers = [layer.store for layer in cache.layers]
-    assert all(q == window for _, q in passes)
-    votes, part = [], []  # each layer observes its older region, then its recent slots: joined, in slot order
-    for mass, _ in passes:
-        part.append(mass)
-        if sum(m.shape[-1] for m in part) == prompt:
-            votes.append(torch.cat(part, dim=-1) / window)
-            part = []
-    assert len(votes) == len(layers) and not part
-    positions = [torch.cat([store.old.positions, store.recent.positions], dim=-1) for store in layers]
-    assert all(p.shape[-1] == prompt for p in positions)
-    cache.evict = True
-    cache.end_step(logits)
-    policy = make_policy("snapkv", budget=budget, protect=window, kernel_size=3)
-    for store, vote, position in zip(layers, votes, positions):
-        kept = torch.cat([store.old.positions, store.recent.positions], dim=-1).sort(-1).values
-        assert kept.shape[-1] == budget
-        older = budget - window  # the window (protected) stays; the rest of the budget goes by pooled votes
-        scores = policy.scores({"attn": vote}, position, torch.tensor([prompt - 1]))
-        unprotected = position < prompt - window
-        best = scores.masked_fill(~unprotected, float("-inf")).topk(older, dim=-1).indices
-        expected = torch.cat([position.gather(-1, best), torch.arange(prompt - window, prompt).expand(
-            1, position.shape[1], window)], dim=-1).sort(-1).values
-        assert torch.equal(kept, expected)
-
-
 def _recorded_passes(monkeypatch) -> list[tuple[torch.Tensor, int]]:
     from confkv.policies.snapkv import SnapKVPolicy
 
@@ -135,6 +85,42 @@ def _per_layer(passes: list[tuple[torch.Tensor, int]], length: int) -> list[torc
             part = []
     assert not part
     return joined
+
+
+def test_under_the_query_aware_protocol_the_window_decides_what_stays(monkeypatch):
+    """Fill a cache with eviction deferred, then compress after a last chunk (the observation window): the kept
+    slots of every layer and head are the best of the window's pooled votes, worked out here from the attention
+    mass the window's pass handed each layer's policy, and not from any earlier chunk's."""
+    passes = _recorded_passes(monkeypatch)
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_hidden_layers=2)
+    budget, window, prompt = 12, 4, 40
+    cache = ConfKVCache.for_model(model, "snapkv", budget=budget, protect=window, kernel_size=3)
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt))
+    mask = torch.ones_like(ids)
+    cache.evict = False
+    prefill(model, cache, ids[:, :prompt - window], mask[:, :prompt - window], chunk=16)
+    passes.clear()
+    logits = prefill(model, cache, ids[:, prompt - window:], mask, chunk=16)  # the window's pass
+    layers = [layer.store for layer in cache.layers]
+    assert all(q == window for _, q in passes)
+    votes = [mass / window for mass in _per_layer(passes, prompt)]
+    assert len(votes) == len(layers)
+    positions = [torch.cat([store.old.positions, store.recent.positions], dim=-1) for store in layers]
+    assert all(p.shape[-1] == prompt for p in positions)
+    cache.evict = True
+    cache.end_step(logits)
+    policy = make_policy("snapkv", budget=budget, protect=window, kernel_size=3)
+    for store, vote, position in zip(layers, votes, positions):
+        kept = torch.cat([store.old.positions, store.recent.positions], dim=-1).sort(-1).values
+        assert kept.shape[-1] == budget
+        older = budget - window  # the window (protected) stays; the rest of the budget goes by pooled votes
+        scores = policy.scores({"attn": vote}, position, torch.tensor([prompt - 1]))
+        unprotected = position < prompt - window
+        best = scores.masked_fill(~unprotected, float("-inf")).topk(older, dim=-1).indices
+        expected = torch.cat([position.gather(-1, best), torch.arange(prompt - window, prompt).expand(
+            1, position.shape[1], window)], dim=-1).sort(-1).values
+        assert torch.equal(kept, expected)
 
 
 def test_one_pass_over_the_whole_prompt_votes_with_its_last_window_only(monkeypatch):

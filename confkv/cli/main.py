@@ -126,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--threads", type=int, default=2,
                        help="torch CPU threads, and llama.cpp's n_threads for its row (default 2)")
     bench.add_argument("--dtype", nargs="+", default=["float32"],
-                       choices=["float32", "bfloat16", "bfloat16-w8", "bfloat16-w8a8"],
+                       choices=["float32", "bfloat16", "bfloat16-w8", "bfloat16-w8a8", "bfloat16-w4a8"],
                        help="model dtype(s): the whole grid runs once per dtype, rows labelled (e.g. confkv@bf16); "
                             "bfloat16-w8: bfloat16 with weight-only INT8 linear layers; bfloat16-w8a8: also int8 "
-                            "activation blocks of 32 (integer products)")
+                            "activation blocks of 32 (integer products); bfloat16-w4a8: 4-bit weight blocks of 32 "
+                            "with a float16 scale and minimum each, int8 activation blocks")
     bench.add_argument("--quality-tokens", type=int, default=2048,
                        help="perplexity check per dtype on the text's first N tokens, ratio to float32 (0: skip)")
     bench.add_argument("--llamacpp-kv", nargs="+", default=["f16", "q8_0", "q4_0"], choices=["f16", "q8_0", "q4_0"],

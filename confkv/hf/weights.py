@@ -1,4 +1,4 @@
-"""Weight-only INT8 for a model's linear layers, on torch's own CPU kernel (issue "Speed", item 2).
+"""Weight-only INT8 (and 4-bit) for a model's linear layers, on torch's own CPU kernel (issue "Speed", item 2).
 
 A decode step on a CPU reads every weight once: SmolLM2-135M holds 540 MB in float32,
 270 MB in bfloat16 and about 135 MB in INT8. :func:`quantize_linear_weights` replaces each
@@ -12,7 +12,9 @@ inputs (at most ``confkv.native.MAX_GEMV_ROWS`` rows on CPU) run the same produc
 kernels are on. With ``activation_bits=8`` each projection's input is also quantised to int8 in
 blocks of 32 (W8A8, as llama.cpp's Q8_0 activations): the native GEMV then sums integer products
 (AVX-512 VNNI) and prefill multiplies the same quantised numbers in float32
-(:func:`confkv.native.quantize_activation_blocks`). By default the
+(:func:`confkv.native.quantize_activation_blocks`). With ``weight_bits=4`` (and ``activation_bits=8``) the
+weights are stored as 4-bit blocks of 32 with a float16 scale and minimum each (:class:`Int4Linear`, W4A8, Q4_1's
+form; :mod:`confkv.hf.int4_blocks`): a step reads about 5 bits a weight instead of 8. By default the
 activations keep the model's dtype: the kernel is fast for bfloat16 activations and slow for
 float32 ones on CPU, so use it with a bfloat16 model (:func:`quantize_linear_weights` refuses
 other dtypes unless told otherwise). The embedding table stays as it is (a lookup reads one
@@ -23,9 +25,11 @@ weight setting.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from confkv import native
+from confkv.hf.int4_blocks import pack_int4_blocks, unpack_int4_blocks
+from confkv.native.int4 import Int4Projection
 
 
 class Int8Linear(nn.Module):
@@ -132,7 +136,71 @@ class Int8Linear(nn.Module):
                 f"activation_bits={self.activation_bits}")
 
 
-def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, activation_bits: int = 16) -> int:
+class Int4Linear(Int8Linear):
+    """``y = q(x) @ W4.T + bias`` for x [..., in] -> y [..., out], ``q`` the int8 activation blocks (as W8A8's),
+    ``W4`` the 4-bit weight blocks of :mod:`confkv.hf.int4_blocks` (32 columns with a float16 scale and minimum,
+    Q4_1's form). Decode-sized inputs run the native W4A8 GEMV (:class:`confkv.native.int4.Int4Projection`);
+    prefill chunks the same quantised activations times the dequantized weight in float32. A subclass of :class:`~confkv.hf.weights.Int8Linear`, so
+    that the lean decoder fuses its layers the same way (the kernels read the plan's weight bits).
+
+    Attributes:
+        weight_codes: [out, Kq / 2] uint8; weight_scale, weight_min: [out, Kq / 32] float16; bias: [out] or None.
+        dtype: the activations' dtype.
+    """
+
+    activation_bits = 8
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = dtype
+        codes, scale, minimum = pack_int4_blocks(linear.weight.detach())
+        self.register_buffer("weight_codes", codes)
+        self.register_buffer("weight_scale", scale)
+        self.register_buffer("weight_min", minimum)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., in] -> [..., out]: the native W4A8 GEMV for decode-sized CPU inputs, else :meth:`torch_forward`."""
+        projection = self.native_projection()
+        out = projection(x) if projection is not None and self.use_native_gemv else None
+        if out is not None:
+            return out
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != self.dtype:
+            raise TypeError(f"Int4Linear was built for {self.dtype} activations, got {flat.dtype}")
+        return self.torch_forward(flat).reshape(*x.shape[:-1], self.out_features)
+
+    def torch_forward(self, flat: Tensor) -> Tensor:
+        """[M, in] -> [M, out]: the activations' int8 blocks as numbers times the dequantized weight, in float32,
+        rounded to the activations' dtype, plus the bias (prefill chunks, no native library; the tests' reference)."""
+        out = (native.quantize_activation_blocks(flat) @ self.dequantized_weight().T).to(flat.dtype)
+        return out if self.bias is None else out + self.bias
+
+    def _projection(self) -> Int4Projection | None:
+        tensors = (self.weight_codes, self.weight_scale, self.weight_min, self.bias)
+        lib = native.library()
+        ready = lib is not None and Int4Projection.fits(*tensors, self.dtype, self.in_features)
+        projection = Int4Projection(*tensors, self.dtype, self.in_features) if ready else None
+        self.__dict__["_native"] = (lib, projection)
+        return projection
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("weight_codes", "weight_scale", "weight_min"):
+            self.__dict__.pop("_native", None)  # the prepared GEMV points at the old tensors
+        super().__setattr__(name, value)
+
+    def dequantized_weight(self) -> Tensor:
+        """[out, in] float32: the weight the kernel multiplies by."""
+        return unpack_int4_blocks(self.weight_codes, self.weight_scale, self.weight_min, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight_bits=4, activation_bits=8")
+
+
+def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, activation_bits: int = 16,
+                            weight_bits: int = 8) -> int:
     """Replace the decoder's and the LM head's ``nn.Linear`` modules of ``model`` by :class:`Int8Linear`, in place.
 
     Returns the number of layers replaced. The model must be in bfloat16 or float16
@@ -141,7 +209,8 @@ def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, ac
     its own INT8 copy. ``activation_bits=8`` also quantises each projection's input to int8 in
     blocks of 32 (W8A8, as llama.cpp's Q8_0 activations): the decode GEMV then sums integer
     products (AVX-512 VNNI), and prefill multiplies the same quantised numbers, so perplexity
-    measures what decoding computes.
+    measures what decoding computes. ``weight_bits=4`` (with ``activation_bits=8``) stores 4-bit weight
+    blocks instead (:class:`Int4Linear`, W4A8: about half the bytes a step reads).
     """
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.bfloat16, torch.float16) and not (allow_float32 and dtype == torch.float32):
@@ -153,6 +222,10 @@ def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, ac
         raise ValueError("the model has no nn.Linear layers to quantize (GPT-2's Conv1D projections are not supported)")
     if activation_bits not in (8, 16):
         raise ValueError(f"activation_bits must be 16 (weight-only INT8) or 8 (W8A8), got {activation_bits!r}")
+    if weight_bits not in (4, 8) or (weight_bits == 4 and activation_bits != 8):
+        raise ValueError(f"weight_bits must be 8, or 4 with activation_bits=8 (W4A8: the 4-bit GEMV sums int8 "
+                         f"activation blocks), got weight_bits={weight_bits!r}, activation_bits={activation_bits!r}")
     for parent, name, child in targets:
-        setattr(parent, name, Int8Linear(child, dtype, activation_bits=activation_bits))
+        setattr(parent, name, Int4Linear(child, dtype) if weight_bits == 4
+                else Int8Linear(child, dtype, activation_bits=activation_bits))
     return len(targets)

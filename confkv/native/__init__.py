@@ -30,6 +30,9 @@ ACTIVATION_BLOCK = 32
 MAX_EXACT_WIDTH = 16384
 #: most activation rows the INT8 GEMV takes (decode: batch x 1 token); prefill chunks run torch's kernel
 MAX_GEMV_ROWS = 4
+#: int64 entries of a GEMV plan (gemv_calls.c's confkv_int8_linear): weight, N, K, scale, its dtype, bias, its
+#: dtype, activation bits (0 or 8), weight bits (8 or 4), the 4-bit weight's block minima
+PLAN_LENGTH = 10
 _lanes: dict[int, int] = {}  # id(library) -> the vector width of torch's float sum order (0: not matched)
 
 
@@ -288,9 +291,11 @@ class Int8Projection:
         self.outputs, self.inputs = weight.shape
         self.dtype, self._code = scale.dtype, _CODES[scale.dtype]  # the activations' dtype: the scale's
         self.activation_bits = activation_bits
-        self._plan = (ctypes.c_int64 * 8)(weight.data_ptr(), weight.shape[0], weight.shape[1], scale.data_ptr(),
-                                          _CODES[scale.dtype], 0 if bias is None else bias.data_ptr(),
-                                          0 if bias is None else _CODES[bias.dtype], 8 if activation_bits == 8 else 0)
+        self._plan = (ctypes.c_int64 * PLAN_LENGTH)(weight.data_ptr(), weight.shape[0], weight.shape[1],
+                                                    scale.data_ptr(), _CODES[scale.dtype],
+                                                    0 if bias is None else bias.data_ptr(),
+                                                    0 if bias is None else _CODES[bias.dtype],
+                                                    8 if activation_bits == 8 else 0, 8, 0)
         self._call = lib.confkv_int8_linear
 
     @staticmethod

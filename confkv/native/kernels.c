@@ -21,6 +21,7 @@
 #include "c/prefill.c"    /* the read of a prefill chunk: many query rows, dense bfloat16 segments, masks */
 #include "c/rows.c"       /* the confidence's terms, RMSNorm, rotary */
 #include "c/gemv.c"       /* the INT8 GEMV's row kernels (W8A16 and W8A8) */
+#include "c/gemv_w4.c"    /* the 4-bit weight GEMV's row kernels (W4A8) */
 #include "c/pool.c"       /* the worker pool */
 #include "c/gemv_calls.c" /* the GEMV's entry points */
 #include "c/layer.c"      /* one Llama-family layer around its attention, in two calls */

@@ -31,10 +31,12 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "bfloat16-w8": (torch.bfloat16, "bf16w8"),
     # the same with the projections' inputs quantised to int8 blocks (W8A8: integer products in the GEMV)
     "bfloat16-w8a8": (torch.bfloat16, "bf16w8a8"),
+    # 4-bit weight blocks with int8 activation blocks (W4A8, confkv.hf.weights.Int4Linear: half W8's weight bytes)
+    "bfloat16-w4a8": (torch.bfloat16, "bf16w4a8"),
 }
 
-#: ``--dtype`` names whose linear weights are quantized to INT8 after loading -> their activation bits
-WEIGHT_INT8 = {"bfloat16-w8": 16, "bfloat16-w8a8": 8}
+#: ``--dtype`` names whose linear weights are quantized after loading -> (activation bits, weight bits)
+WEIGHT_INT8 = {"bfloat16-w8": (16, 8), "bfloat16-w8a8": (8, 8), "bfloat16-w4a8": (8, 4)}
 
 
 def parse_dtypes(names: list[str] | tuple[str, ...] | None) -> list[str]:
@@ -74,7 +76,8 @@ def models_by_dtype(dtypes: list[str], model_name: str, model: Any, tokenizer: A
 
             if models[name] is model:
                 models[name] = copy.deepcopy(model)
-            quantize_linear_weights(models[name], activation_bits=WEIGHT_INT8[name])
+            activation_bits, weight_bits = WEIGHT_INT8[name]
+            quantize_linear_weights(models[name], activation_bits=activation_bits, weight_bits=weight_bits)
     return models, tokenizer
 
 

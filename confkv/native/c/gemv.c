@@ -20,6 +20,12 @@ typedef struct {
     const float *xs;
     const int32_t *xcorr;
     int64_t Kq;
+    /* W4A8 (wbits == 4, with xq; gemv_w4.c): w holds 4-bit codes [N, Kq / 2], scale [N, Kq / 32] float16 block
+     * scales, wmin [N, Kq / 32] float16 block minima (weight = minimum + code * scale); xsum [M, Kq / 32] each
+     * activation block's scale times the sum of its int8 codes (set by quantize_acts) */
+    int wbits;
+    const uint16_t *wmin;
+    const float *xsum;
 } gemv_args;
 
 static inline float value_at(const void *p, int dtype, int64_t i) {
@@ -29,7 +35,7 @@ static inline float value_at(const void *p, int dtype, int64_t i) {
 /* out[m, n] from the float32 dot product `acc`: times the scale, rounded to od, plus the bias rounded again
  * (torch's `_weight_int8pack_mm(...) + bias`) */
 static inline void gemv_store(const gemv_args *a, int64_t m, int64_t n, float acc) {
-    float y = round_to(acc * value_at(a->scale, a->sd, n), a->od);
+    float y = round_to(a->wbits == 4 ? acc : acc * value_at(a->scale, a->sd, n), a->od); /* W4: scaled per block */
     if (a->bias) y = y + value_at(a->bias, a->bd, n);
     if (a->od == F32) ((float *)a->out)[m * a->N + n] = y;
     else ((uint16_t *)a->out)[m * a->N + n] = f32_to_bf16(y);
@@ -181,6 +187,8 @@ static void gemv_rows_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
 }
 #endif
 
+static void gemv_rows_w4(const gemv_args *a, int64_t n0, int64_t n1); /* gemv_w4.c */
+
 /* activation rows [m0, m0 + 4) of `a` (fewer at the end) as a call of their own: the per-row operands offset */
 static __attribute__((unused)) gemv_args rows_from(const gemv_args *a, int64_t m0) {
     gemv_args part = *a;
@@ -190,12 +198,17 @@ static __attribute__((unused)) gemv_args rows_from(const gemv_args *a, int64_t m
         part.xq = a->xq + m0 * a->Kq;
         part.xs = a->xs + m0 * (a->Kq / ACT_STEP) * 16;
         part.xcorr = a->xcorr + m0 * (a->Kq / ACT_STEP) * 16;
+        if (a->xsum) part.xsum = a->xsum + m0 * (a->Kq / ACT_BLOCK);
     }
     part.out = (char *)a->out + m0 * a->N * (a->od == BF16 ? 2 : 4);
     return part;
 }
 
 static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
+    if (a->wbits == 4) {
+        gemv_rows_w4(a, n0, n1);
+        return;
+    }
     if (a->xq) {
 #ifdef CONFKV_GEMV_VNNI
         for (int64_t m0 = 0; m0 < a->M; m0 += 4) {

@@ -60,15 +60,18 @@ static float *widen_rows(const void *x, int xd, int64_t x_sr, int64_t M, int64_t
  * ACT_BLOCK values quantised to int8 with the scale s = max|x| / 127 (q = x / s rounded half to even, as
  * torch.round; an all-zero block: s = 0, q = 0), the row zero-padded to Kq = K rounded up to 64; the scales
  * of blocks 2j and 2j + 1 repeated over lanes 0-7 and 8-15 of xs[m, j, 0..16); xcorr[m, j, lane] = -128 times
- * the sum of the lane's four activations (the VNNI GEMV's unsigned weights add it back). Sets a->xq, xs,
- * xcorr, Kq; returns the buffer to free, or NULL when out of memory. */
+ * the sum of the lane's four activations (the VNNI GEMV's unsigned weights add it back); xsum[m, block] the
+ * block's scale times the sum of its codes (the W4A8 GEMV's minima multiply it). Sets a->xq, xs, xcorr, xsum,
+ * Kq; returns the buffer to free, or NULL when out of memory. */
 static void *quantize_acts(gemv_args *a, int64_t M) {
     const int64_t K = a->K, Kq = (K + ACT_STEP - 1) / ACT_STEP * ACT_STEP, steps = Kq / ACT_STEP;
-    char *buffer = malloc((size_t)(M * Kq + 64) + sizeof(float) * (size_t)(M * steps * 16 * 2));
+    const int64_t blocks = Kq / ACT_BLOCK;
+    char *buffer = malloc((size_t)(M * Kq + 64) + sizeof(float) * (size_t)(M * steps * 16 * 2 + M * blocks));
     if (!buffer) return NULL;
     int8_t *q = (int8_t *)buffer;
     float *xs = (float *)(buffer + ((M * Kq + 63) / 64) * 64);
     int32_t *corr = (int32_t *)(xs + M * steps * 16);
+    float *xsum = (float *)(corr + M * steps * 16);
     for (int64_t m = 0; m < M; m++) {
         const float *x = a->xf + m * a->Kp;
         for (int64_t b0 = 0; b0 < Kq; b0 += ACT_BLOCK) {
@@ -80,6 +83,9 @@ static void *quantize_acts(gemv_args *a, int64_t M) {
                 q[m * Kq + k] = (int8_t)(k < b1 && scale > 0.0f ? (int32_t)nearbyintf(x[k] / scale) : 0);
             const int64_t j = b0 / ACT_STEP, half = (b0 % ACT_STEP) / ACT_BLOCK;
             for (int lane = 0; lane < 8; lane++) xs[(m * steps + j) * 16 + half * 8 + lane] = scale;
+            int32_t codes = 0;
+            for (int64_t k = b0; k < b0 + ACT_BLOCK; k++) codes += q[m * Kq + k];
+            xsum[m * blocks + b0 / ACT_BLOCK] = scale * (float)codes;
         }
         for (int64_t i = 0; i < steps * 16; i++) { /* lane i % 16 of step i / 16 sums activations 4i .. 4i + 3 */
             const int8_t *four = q + m * Kq + 4 * i;
@@ -89,6 +95,7 @@ static void *quantize_acts(gemv_args *a, int64_t M) {
     a->xq = q;
     a->xs = xs;
     a->xcorr = corr;
+    a->xsum = xsum;
     a->Kq = Kq;
     return buffer;
 }
@@ -97,13 +104,14 @@ static void *quantize_acts(gemv_args *a, int64_t M) {
  * per-row scale [N] (sd) and optional bias [N] (bd, NULL for none), on up to `threads` threads.
  * Returns 0, or 1 when out of memory. */
 static int int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
-                     const void *scale, int sd, const void *bias, int bd, void *out, int od, int a8, int threads) {
+                     const void *scale, int sd, const void *bias, int bd, void *out, int od, int a8, int threads,
+                     const uint16_t *wmin) {
     int64_t Kp;
     float *xf = widen_rows(x, xd, x_sr, M, K, &Kp);
     if (!xf) return 1;
-    gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out, NULL, NULL, NULL, 0};
-    void *acts = a8 ? quantize_acts(&a, M) : NULL;
-    if (a8 && !acts) {
+    gemv_args a = {xf, M, K, Kp, N, w, scale, bias, sd, bd, od, out, NULL, NULL, NULL, 0, wmin ? 4 : 8, wmin, NULL};
+    void *acts = a8 || wmin ? quantize_acts(&a, M) : NULL;
+    if ((a8 || wmin) && !acts) {
         free(xf);
         return 1;
     }
@@ -115,14 +123,17 @@ static int int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, 
 
 int confkv_int8_gemv(const void *x, int xd, int64_t x_sr, int64_t M, int64_t K, const int8_t *w, int64_t N,
                      const void *scale, int sd, const void *bias, int bd, void *out, int od, int threads) {
-    return int8_gemv(x, xd, x_sr, M, K, w, N, scale, sd, bias, bd, out, od, 0, threads);
+    return int8_gemv(x, xd, x_sr, M, K, w, N, scale, sd, bias, bd, out, od, 0, threads, NULL);
 }
 
 /* confkv_int8_gemv with the weight's operands prepared once (fewer arguments through ctypes per call):
- * plan = {w, N, K, scale, sd, bias (0: none), bd, activations (0: float, W8A16; 8: int8 blocks, W8A8)} as int64 */
+ * plan = {w, N, K, scale, sd, bias (0: none), bd, activations (0: float, W8A16; 8: int8 blocks, W8A8),
+ * weight bits (8; 4: W4A8, gemv_w4.c, w the codes and scale the block scales), block minima (W4A8, else 0)}
+ * as int64 (PLAN_LENGTH entries) */
 int confkv_int8_linear(const int64_t *plan, const void *x, int xd, int64_t x_sr, int64_t M, void *out, int threads) {
+    const uint16_t *wmin = plan[8] == 4 ? (const uint16_t *)(intptr_t)plan[9] : NULL;
     return int8_gemv(x, xd, x_sr, M, plan[2], (const int8_t *)(intptr_t)plan[0], plan[1], (const void *)(intptr_t)plan[3],
-                     (int)plan[4], (const void *)(intptr_t)plan[5], (int)plan[6], out, xd, plan[7] == 8, threads);
+                     (int)plan[4], (const void *)(intptr_t)plan[5], (int)plan[6], out, xd, plan[7] == 8, threads, wmin);
 }
 
 /* settings (benchmarks, tests): the idle workers' spin before they sleep (ns; < 0 keeps it) and the

@@ -5,8 +5,10 @@
  * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd, activations}; every tensor is contiguous. */
 
 static gemv_args plan_args(const int64_t *plan, const float *xf, int64_t M, int64_t Kp, void *out, int od) {
+    const int w4 = plan[8] == 4;
     const gemv_args a = {xf, M, plan[2], Kp, plan[1], (const int8_t *)(intptr_t)plan[0], (const void *)(intptr_t)plan[3],
-                         (const void *)(intptr_t)plan[5], (int)plan[4], (int)plan[6], od, out, NULL, NULL, NULL, 0};
+                         (const void *)(intptr_t)plan[5], (int)plan[4], (int)plan[6], od, out, NULL, NULL, NULL, 0,
+                         w4 ? 4 : 8, w4 ? (const uint16_t *)(intptr_t)plan[9] : NULL, NULL};
     return a;
 }
 
@@ -14,12 +16,13 @@ static gemv_args plan_args(const int64_t *plan, const float *xf, int64_t M, int6
  * quantised once for all of them); 0, or 1 when out of memory */
 static int gemv_plans(gemv_args *parts, int count, const int64_t *plan, int64_t M, int threads) {
     void *acts = NULL;
-    if (plan[7] == 8) {
+    if (plan[7] == 8 || plan[8] == 4) {
         if (!(acts = quantize_acts(&parts[0], M))) return 1;
         for (int p = 1; p < count; p++) {
             parts[p].xq = parts[0].xq;
             parts[p].xs = parts[0].xs;
             parts[p].xcorr = parts[0].xcorr;
+            parts[p].xsum = parts[0].xsum;
             parts[p].Kq = parts[0].Kq;
         }
     }

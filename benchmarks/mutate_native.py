@@ -66,7 +66,7 @@ from native_verdicts import (BEGIN, DOC, END, STORE, equivalent, record, rename_
 ROOT = Path(__file__).resolve().parent.parent
 #: the tests that exercise the kernels, fastest files first (pytest -x stops at the first failure)
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
-         "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
+         "tests/native/test_native_w4a8.py", "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
          "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
          "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py",
          "tests/native/test_native_evict.py"]
@@ -75,17 +75,20 @@ TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
     "c/decode_step.c": ["test_native_contracts", "test_window_buffer", "test_native_kernels", "test_native_decode_plan"],
     "c/rows.c": ["test_native_contracts", "test_native_confidence", "test_native_kernels", "test_native_layer"],
-    "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
-    "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_layer"],
-    "c/layer.c": ["test_native_contracts", "test_native_layer", "test_native_w8a8"],  # w8a8: the fused W8A8 layer
+    "c/gemv.c": ["test_native_contracts", "test_native_w8a8", "test_native_w4a8", "test_native_gemv", "test_native_layer"],
+    "c/gemv_w4.c": ["test_native_w4a8"],
+    "c/gemv_calls.c": ["test_native_contracts", "test_native_w8a8", "test_native_w4a8", "test_native_gemv",
+                       "test_native_layer"],
+    "c/layer.c": ["test_native_contracts", "test_native_layer", "test_native_w8a8", "test_native_w4a8"],  # the fused
+    # W8A8 and W4A8 layers
     "c/pages.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_simd.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],
     "c/prefill.c": ["test_native_prefill"],
     "c/evict.c": ["test_native_evict"],
-    "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_gemv", "test_native_kernels",
-                 "test_native_layer", "test_native_prefill"],
+    "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_w4a8", "test_native_gemv",
+                 "test_native_kernels", "test_native_layer", "test_native_prefill"],
 }
 #: loader tests that build libraries of their own and test no kernel
 DESELECT = ["tests/native/test_native_kernels.py::test_the_library_is_cached_by_source_flags_and_compiler",

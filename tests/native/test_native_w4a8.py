@@ -131,7 +131,9 @@ def test_the_portable_w4a8_loop_equals_the_reference(tmp_path, monkeypatch):
 def test_int4_linear_prefill_and_decode_compute_the_same_numbers():
     model = tiny_model("llama", num_hidden_layers=2).to(torch.bfloat16)
     assert quantize_linear_weights(model, activation_bits=8, weight_bits=4) > 0
-    layers = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    head = model.get_output_embeddings()
+    assert type(head) is Int8Linear and head.activation_bits == 8  # the LM head stays INT8, with the same activations
+    layers = [m for m in model.modules() if isinstance(m, Int8Linear) and m is not head]
     assert layers and all(isinstance(m, Int4Linear) for m in layers) and "weight_bits=4" in repr(layers[0])
     linear = layers[0]
     x = torch.randn(3, linear.in_features).bfloat16()

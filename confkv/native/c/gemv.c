@@ -20,9 +20,10 @@ typedef struct {
     const float *xs;
     const int32_t *xcorr;
     int64_t Kq;
-    /* W4A8 (wbits == 4, with xq; gemv_w4.c): w holds 4-bit codes [N, Kq / 2], scale [N, Kq / 32] float16 block
-     * scales, wmin [N, Kq / 32] float16 block minima (weight = minimum + code * scale); xsum [M, Kq / 32] each
-     * activation block's scale times the sum of its int8 codes (set by quantize_acts) */
+    /* W4A8 (wbits == 4, with xq; gemv_w4.c): w holds 4-bit codes [N, K128 / 2] (K128: K rounded up to 128),
+     * scale [N, K128 / 32] float16 block scales, wmin [N, K128 / 32] float16 block minima (weight = minimum +
+     * code * scale); xsum [M, Kq / 32] each activation block's scale times the sum of its int8 codes (set by
+     * quantize_acts). wbits is 8 otherwise. */
     int wbits;
     const uint16_t *wmin;
     const float *xsum;

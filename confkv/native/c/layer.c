@@ -2,7 +2,8 @@
  * The torch lines of confkv/hf/lean.py with weight-only INT8 projections, each step rounded to the activations'
  * dtype `xd` as torch rounds it: RMSNorm (confkv_rms_norm), the projections (the GEMV above, several products
  * of one input in one pool call), rotary (confkv_rotary), SiLU and the products and sums of the gated MLP.
- * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd, activations}; every tensor is contiguous. */
+ * Plans are confkv_int8_linear's {w, N, K, scale, sd, bias, bd, activations, weight bits, minima} (4-bit weights:
+ * gemv_w4.c); every tensor is contiguous. */
 
 static gemv_args plan_args(const int64_t *plan, const float *xf, int64_t M, int64_t Kp, void *out, int od) {
     const int w4 = plan[8] == 4;

@@ -140,11 +140,13 @@ class Int4Linear(Int8Linear):
     """``y = q(x) @ W4.T + bias`` for x [..., in] -> y [..., out], ``q`` the int8 activation blocks (as W8A8's),
     ``W4`` the 4-bit weight blocks of :mod:`confkv.hf.int4_blocks` (32 columns with a float16 scale and minimum,
     Q4_1's form). Decode-sized inputs run the native W4A8 GEMV (:class:`confkv.native.int4.Int4Projection`);
-    prefill chunks the same quantised activations times the dequantized weight in float32. A subclass of :class:`~confkv.hf.weights.Int8Linear`, so
-    that the lean decoder fuses its layers the same way (the kernels read the plan's weight bits).
+    prefill chunks the same quantised activations times the dequantized weight in float32. A subclass of
+    :class:`Int8Linear`, so that the lean decoder fuses its layers the same way (the kernels read the plan's
+    weight bits).
 
     Attributes:
-        weight_codes: [out, Kq / 2] uint8; weight_scale, weight_min: [out, Kq / 32] float16; bias: [out] or None.
+        weight_codes: [out, Kq / 2] uint8 (Kq: ``in`` rounded up to 128); weight_scale, weight_min: [out, Kq / 32]
+            float16; bias: [out] or None.
         dtype: the activations' dtype.
     """
 
@@ -201,7 +203,8 @@ class Int4Linear(Int8Linear):
 
 def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, activation_bits: int = 16,
                             weight_bits: int = 8) -> int:
-    """Replace the decoder's and the LM head's ``nn.Linear`` modules of ``model`` by :class:`Int8Linear`, in place.
+    """Replace the decoder's and the LM head's ``nn.Linear`` modules of ``model`` by :class:`Int8Linear` (or
+    :class:`Int4Linear`), in place.
 
     Returns the number of layers replaced. The model must be in bfloat16 or float16
     (float32 activations run the int8 kernel slowly on CPU; ``allow_float32=True`` permits it,
@@ -212,8 +215,9 @@ def quantize_linear_weights(model: nn.Module, *, allow_float32: bool = False, ac
     measures what decoding computes. ``weight_bits=4`` (with ``activation_bits=8``) stores the decoder
     layers' weights as 4-bit blocks instead (:class:`Int4Linear`, W4A8: about 5/8 of the bytes a step
     reads) and keeps the LM head in INT8 (W8A8), as llama.cpp's 4-bit files keep their output matrix at 6
-    or 8 bits: SmolLM2's head in 4 bits cost +4.8% perplexity, its decoder layers (a 4-bit GGUF's, found
-    again up to bfloat16 rounding) almost nothing (results/bench/w4a8/README.md).
+    or 8 bits: SmolLM2's head in 4 bits cost +4.8% perplexity; with it in INT8, its 4-bit decoder layers (a
+    4-bit GGUF's, found again up to bfloat16 rounding) +0.28% over float32, INT8 weights +0.45%
+    (results/bench/w4a8/README.md).
     """
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.bfloat16, torch.float16) and not (allow_float32 and dtype == torch.float32):

@@ -73,9 +73,10 @@ def _reference(x, codes, scale, minimum, bias, width):
     return out if bias is None else out + bias
 
 
-@pytest.mark.parametrize("width", [64, 128, 576, 100, 40, 130, 97, 127, 80, 192, 640])  # whole lines of 128, half
-# lines (an odd count of 64-column steps: the line's second half unread), blocks of 32, neither; one column past a
-# line; 640 and 576: more than 16 blocks a row (the scales widened twice)
+@pytest.mark.parametrize("width", [64, 128, 576, 100, 40, 130, 97, 127, 80, 192, 640, 1056])  # whole lines of 128,
+# half lines (an odd count of 64-column steps: the line's second half unread), blocks of 32, neither; one column past
+# a line; 640 and 576: more than 16 blocks a row (the scales widened twice); 1056: 34 activation blocks, so
+# that the minima's first 16 leave 18 (a mask of 2^34 - 1 would wrap)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -79,9 +79,14 @@ class Int8Linear(nn.Module):
         if out is not None:
             return out
         flat = x.reshape(-1, self.in_features)
-        if flat.dtype != self.scale.dtype:
-            raise TypeError(f"Int8Linear was built for {self.scale.dtype} activations, got {flat.dtype}")
+        if flat.dtype != self.activation_dtype:
+            raise TypeError(f"{type(self).__name__} was built for {self.activation_dtype} activations, got {flat.dtype}")
         return self.torch_forward(flat).reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The activations' dtype this layer was built for (its scale's)."""
+        return self.scale.dtype
 
     def torch_forward(self, flat: torch.Tensor) -> torch.Tensor:
         """[M, in] -> [M, out] with torch's kernel (prefill chunks, no native library; the tests' reference).
@@ -162,16 +167,9 @@ class Int4Linear(Int8Linear):
         self.register_buffer("weight_min", minimum)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [..., in] -> [..., out]: the native W4A8 GEMV for decode-sized CPU inputs, else :meth:`torch_forward`."""
-        projection = self.native_projection()
-        out = projection(x) if projection is not None and self.use_native_gemv else None
-        if out is not None:
-            return out
-        flat = x.reshape(-1, self.in_features)
-        if flat.dtype != self.dtype:
-            raise TypeError(f"Int4Linear was built for {self.dtype} activations, got {flat.dtype}")
-        return self.torch_forward(flat).reshape(*x.shape[:-1], self.out_features)
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.dtype
 
     def torch_forward(self, flat: Tensor) -> Tensor:
         """[M, in] -> [M, out]: the activations' int8 blocks as numbers times the dequantized weight, in float32,

@@ -143,6 +143,8 @@ def test_int4_linear_prefill_and_decode_compute_the_same_numbers():
     torch.testing.assert_close(decode, prefill, rtol=1e-2, atol=1e-2)
     with loader.disabled():
         torch.testing.assert_close(linear(x), prefill, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="Int4Linear was built for torch.bfloat16 activations, got torch.float32"):
+        linear(x.float())
     assert not torch.equal(prefill, torch.nn.functional.linear(x, linear.dequantized_weight().bfloat16()))
 
 

@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--llamacpp-kv", nargs="+", default=["f16", "q8_0", "q4_0"], choices=["f16", "q8_0", "q4_0"],
                        help="llama.cpp's KV cache types, a row each (q8_0 / q4_0 with flash attention; "
                             "default: all three); with --quality-tokens each also gets its perplexity")
+    bench.add_argument("--llamacpp-fill", choices=["native", "f16"], default="native",
+                       help="how the q8_0 / q4_0 rows reach each context: native (llama.cpp's own prefill with "
+                            "that cache, flash attention; hours at 32K on 2 threads) or f16 (a float16 prefill, "
+                            "its cache converted to the row's block format and loaded; the timed steps are the same)")
     bench.add_argument("--no-llamacpp", action="store_true",
                        help="leave out the llama.cpp peer row (it runs when llama_cpp is installed: "
                             'pip install "confkv[llamacpp]")')
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 configs=args.configs, dtypes=args.dtype, quality_tokens=args.quality_tokens,
                 llamacpp=not args.no_llamacpp, log=log, memory=tuple(args.memory), formats=tuple(args.formats),
                 llamacpp_kv=tuple(args.llamacpp_kv), kivi=tuple(args.kivi),
-                preset_slacks=tuple(args.preset_slack))
+                preset_slacks=tuple(args.preset_slack), llamacpp_fill=args.llamacpp_fill)
             log(f"peak RSS {result['peak_rss_bytes'] / 2**20:.0f} MiB; load {result['load']}")
             write_outputs(result, args.out, "\n".join(lines) + "\n")
             return 0

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, ContextManager, Sequence
 
 from confkv.eval.bench import llamacpp_worker
-from confkv.eval.bench.llamacpp_worker import KV_TYPES
+from confkv.eval.bench.llamacpp_worker import FILLS, KV_TYPES
 
 #: the pinned version of the optional extra ``confkv[llamacpp]``
 LLAMA_CPP_VERSION = "0.3.16"
@@ -64,6 +64,14 @@ def check_kv_types(kv_types: Sequence[str]) -> None:
     unknown = [t for t in kv_types if t not in KV_TYPES]
     if unknown:
         raise ConfigError(f"--llamacpp-kv {' '.join(unknown)}: llama.cpp KV types are {', '.join(KV_TYPES)}")
+
+
+def check_fill(fill: str) -> None:
+    """A clear error for an unknown way of filling the quantized rows' caches (before any model loads)."""
+    from confkv.errors import ConfigError  # noqa: PLC0415
+
+    if fill not in FILLS:
+        raise ConfigError(f"--llamacpp-fill {fill}: choose one of {', '.join(FILLS)}")
 
 
 def gguf_source(model_name: str) -> ContextManager[Path] | None:
@@ -117,6 +125,8 @@ class LlamaCppRunner:
         sys_path: folders put in front of the child's ``sys.path`` (the tests' stand-in).
         n_batch: tokens per ``eval`` call while prefilling.
         kv_type: llama.cpp's KV cache type (``f16``, ``q8_0``, ``q4_0``); names the row (:func:`kv_label`).
+        fill: ``"native"`` or ``"f16"``: how a quantized row's cache reaches each context
+            (:class:`~confkv.eval.bench.llamacpp_worker.LlamaSession`); ignored for ``f16``.
 
     Raises :class:`LlamaCppUnavailable` when the child cannot import ``module``, and
     ``RuntimeError`` (or :class:`LlamaCppCrashed`) when loading fails. ``file_bytes`` (the
@@ -127,8 +137,10 @@ class LlamaCppRunner:
 
     def __init__(self, gguf: Path, text: str, n_ctx: int, threads: int, kv_bytes_per_token: int, *,
                  module: str = "llama_cpp", sys_path: Sequence[str] = (), n_batch: int = 512,
-                 kv_type: str = "f16") -> None:
+                 kv_type: str = "f16", fill: str = "native") -> None:
         check_kv_types([kv_type])
+        check_fill(fill)
+        self.fill = "native" if kv_type == "f16" else fill
         self.error: str | None = None
         self.fed = 0
         self.kv_type = kv_type
@@ -142,7 +154,7 @@ class LlamaCppRunner:
         try:
             reply = self._call({"op": "load", "module": module, "sys_path": list(sys_path), "gguf": str(gguf),
                                 "text": text, "n_ctx": n_ctx, "threads": threads, "n_batch": n_batch,
-                                "kv_type": kv_type})
+                                "kv_type": kv_type, "fill": self.fill})
         except RuntimeError as error:
             self.close()
             if str(error).startswith("ModuleNotFoundError") and repr(module) in str(error):
@@ -212,7 +224,9 @@ class LlamaCppRunner:
     def describe(self) -> dict[str, Any]:
         return {"kind": "llama.cpp", "gguf_bytes": self.file_bytes, "n_ctx": self.n_ctx, "threads": self.threads,
                 "kv": "float16 (llama.cpp default)" if self.kv_type == "f16" else
-                f"{self.kv_type} keys and values, flash attention", "kv_type": self.kv_type,
+                f"{self.kv_type} keys and values, flash attention"
+                + (", filled from a float16 prefill (converted)" if self.fill == "f16" else ""),
+                "kv_type": self.kv_type, "fill": self.fill,
                 "version": self.version, "process": "child"}
 
 

@@ -51,7 +51,7 @@ from confkv.native import loader as native_loader
 from confkv.eval.bench.configs import BenchConfig, default_configs, kivi_rows, preset_rows  # noqa: F401 - re-exported
 from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
 from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
-                                        check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_fraction, kv_label)
+                                        check_fill, check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_fraction, kv_label)
 from confkv.eval.bench.loops import _latency_grid, _throughput
 from confkv.eval.bench.machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
 from confkv.eval.bench.output import format_breakdown
@@ -178,7 +178,8 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
               model: Any = None, tokenizer: Any = None, llamacpp_module: str = "llama_cpp",
               llamacpp_path: tuple[str, ...] = (), memory: tuple[float, ...] = (0.25,),
               formats: tuple[str, ...] = (), llamacpp_kv: tuple[str, ...] = ("f16",),
-              kivi: tuple[str, ...] = (), preset_slacks: tuple[int | float, ...] = ()) -> dict[str, Any]:
+              kivi: tuple[str, ...] = (), preset_slacks: tuple[int | float, ...] = (),
+              llamacpp_fill: str = "native") -> dict[str, Any]:
     """Run the benchmark; returns a JSON-ready dict (see the module docstring).
 
     Args:
@@ -197,6 +198,10 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
             row ``llama.cpp`` (the reference of ``x llama``), ``q8_0`` / ``q4_0`` the rows
             ``llama.cpp[q8_0]`` / ``llama.cpp[q4_0]``; with ``quality_tokens`` each also reports its
             perplexity from its own logits (``result["quality"]["llama.cpp[q4_0]"]``).
+        llamacpp_fill: how the q8_0 / q4_0 rows' caches reach each context: ``"native"`` (llama.cpp's
+            own prefill with that cache, flash attention: hours at 32K on two threads) or ``"f16"`` (a
+            float16 prefill converted to the row's block format,
+            :mod:`~confkv.eval.bench.llamacpp_state`); their timed steps are the same either way.
         preset_slacks: more ``tiered@<percent>+slack<s>-lean`` rows (``slack`` gives one), a count of tokens or a
             share of the tokens kept by rank each (:func:`~confkv.eval.bench.configs.preset_rows`).
         kivi: specs of extra KIVI rows (:func:`~confkv.eval.bench.configs.kivi_rows`), to compare page formats
@@ -209,6 +214,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     dtypes = parse_dtypes(dtypes)
     check_quality_tokens(quality_tokens)
     check_kv_types(llamacpp_kv)
+    check_fill(llamacpp_fill)
     batches = batches or []
     contexts = sorted(contexts)
     all_configs = (default_configs(budget, slack, tuple(memory), tuple(formats), tuple(preset_slacks))
@@ -264,7 +270,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     with contextlib.ExitStack() as stack:
         peers = _peer_runners(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
                               contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
-                              llamacpp_module, llamacpp_path, llamacpp_kv)
+                              llamacpp_module, llamacpp_path, llamacpp_kv, llamacpp_fill)
         for peer in peers:
             result["configs"][peer.label] = {**peer.describe(), "error": None}
         if quality_tokens and peers:
@@ -298,7 +304,7 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
 def _peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
                   kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None],
                   module: str = "llama_cpp", sys_path: tuple[str, ...] = (),
-                  kv_types: tuple[str, ...] = ("f16",)) -> list[LlamaCppRunner]:
+                  kv_types: tuple[str, ...] = ("f16",), fill: str = "native") -> list[LlamaCppRunner]:
     """The llama.cpp rows' runners, one per KV type, each closed with ``stack``; none when not asked,
     not installed or without a GGUF, and a row that fails to load is left out (each case logged)."""
     if not enabled or not kv_types:
@@ -314,7 +320,7 @@ def _peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None
     for kv_type in kv_types:
         try:
             peer = LlamaCppRunner(Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token,
-                                  module=module, sys_path=sys_path, kv_type=kv_type)
+                                  module=module, sys_path=sys_path, kv_type=kv_type, fill=fill)
         except LlamaCppUnavailable:
             log(SKIP_MESSAGE)
             return peers
@@ -324,8 +330,9 @@ def _peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None
             continue
         stack.callback(peer.close)
         peers.append(peer)
-        log(f"[bench] {peer.label} row: {Path(gguf).name}, KV {kv_type}, n_ctx {n_ctx}, {peer.threads} thread(s), "
-            f"{peer.token_count} tokens of the text with its own tokenizer, in a child process")
+        filled = ", its cache filled from a float16 prefill (converted)" if peer.fill == "f16" else ""
+        log(f"[bench] {peer.label} row: {Path(gguf).name}, KV {kv_type}{filled}, n_ctx {n_ctx}, "
+            f"{peer.threads} thread(s), {peer.token_count} tokens of the text with its own tokenizer, in a child process")
     return peers
 
 

@@ -48,7 +48,7 @@ def test_each_dtype_runs_the_grid_with_labelled_rows_and_a_quality_check():
 
 
 FAKE_LLAMA_CPP = """
-import json, os, signal
+import json, os, signal, struct
 
 __version__ = "fake"
 EVENTS = os.environ["FAKE_LLAMA_EVENTS"]
@@ -80,17 +80,69 @@ class Llama:
 
     def eval(self, tokens):
         assert self.n_tokens + len(tokens) <= self.args["n_ctx"], "past n_ctx"
+        assert self.n_tokens >= getattr(self, "state_cells", 0), "eval before the loaded state's end"
         if CRASH_AT and self.n_tokens + len(tokens) >= CRASH_AT:
             os.kill(os.getpid(), signal.SIGSEGV)  # as libggml-cpu once did
         if self.args.get("logits_all"):  # logits that favour the byte just read by the KV type's margin
             margin = {None: 3.0, GGML_TYPE_Q8_0: 2.5, GGML_TYPE_Q4_0: 2.0}[self.args.get("type_k")]
             for i, token in enumerate(tokens):
                 self.scores[self.n_tokens + i, token] = margin
+        self.input_ids[self.n_tokens:self.n_tokens + len(tokens)] = tokens
         self.n_tokens += len(tokens)
         _log("llama", list(tokens))
 
     def close(self):
         _log("close", self.args["n_ctx"])
+
+    # the sequence-state calls of --llamacpp-fill f16: a float16 cache of N_EMBD channels whose keys hold
+    # each cell's token and values its position; values channel-major (v_trans), as without flash attention
+    @property
+    def ctx(self):
+        return self
+
+    @property
+    def input_ids(self):
+        if not hasattr(self, "_input_ids"):
+            import numpy
+            self._input_ids = numpy.zeros(self.args["n_ctx"], dtype=numpy.intc)
+        return self._input_ids
+
+
+N_EMBD, LAYERS = 64, 2
+
+
+def _f16_state(llama):
+    import struct, numpy
+    ids = llama.input_ids[:llama.n_tokens]
+    n = len(ids)
+    parts = [struct.pack("<II", 1, n)] + [struct.pack("<iIi", pos, 1, 0) for pos in range(n)]
+    parts.append(struct.pack("<II", 1, LAYERS))
+    keys = numpy.repeat(ids.astype(numpy.float16)[:, None], N_EMBD, axis=1)
+    values = numpy.repeat(numpy.arange(n, dtype=numpy.float16)[:, None], N_EMBD, axis=1)
+    for _ in range(LAYERS):
+        parts += [struct.pack("<iQ", GGML_TYPE_F16, 2 * N_EMBD), keys.tobytes()]
+    for _ in range(LAYERS):
+        parts += [struct.pack("<iII", GGML_TYPE_F16, 2, N_EMBD), values.T.copy().tobytes()]
+    return b"".join(parts)
+
+
+def llama_state_seq_get_size(ctx, seq_id):
+    assert seq_id == 0 and not ctx.args.get("flash_attn") and "type_k" not in ctx.args
+    return len(_f16_state(ctx))
+
+
+def llama_state_seq_get_data(ctx, dst, size, seq_id):
+    import ctypes
+    data = _f16_state(ctx)
+    ctypes.memmove(dst, data, min(size, len(data)))
+    return len(data)
+
+
+def llama_state_seq_set_data(ctx, src, size, seq_id):
+    assert seq_id == 0 and ctx.args.get("flash_attn") and ctx.args.get("type_k") is not None
+    _log("state", bytes(src)[:size].hex())
+    ctx.state_cells = struct.unpack_from("<I", bytes(src), 4)[0]
+    return size
 """
 
 
@@ -245,6 +297,59 @@ def test_llamacpp_rows_per_kv_type_with_their_bytes_and_perplexity(tmp_path, fak
     ppl, n = perplexity_from_scores(scores, [0, 1, 2])
     nll = (math.log(math.exp(2) + 2) - 2) + (math.log(math.e + 2) - 0)
     assert n == 2 and ppl == pytest.approx(math.exp(nll / 2), rel=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_q4_0_row_filled_from_a_float16_prefill(tmp_path, fake_llama_cpp):
+    """--llamacpp-fill f16: a float16 helper prefills (plain attention), its cache goes to the q4_0 context
+    converted, and the q4_0 context only steps, from the position the state ends at."""
+    import numpy
+    from gguf import GGMLQuantizationType, quants
+
+    from confkv.eval.bench.llamacpp_state import GGML_Q4_0, read_seq_state
+
+    folder, events_file = fake_llama_cpp
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    model, tok = tiny_model("llama", seed=3), tiny_tokenizer()
+    lines = []
+    result = bench.run_bench(contexts=[32, 48], configs=["dynamic"], gguf=gguf, model=model, tokenizer=tok,
+                             log=lines.append, llamacpp_module="fake_llama_cpp", llamacpp_path=(folder,),
+                             llamacpp_kv=("q4_0",), llamacpp_fill="f16", **SMALL)
+    events = _events(events_file)
+    loads = [args for kind, args in events if kind == "load"]
+    assert [(a.get("type_k"), a.get("flash_attn")) for a in loads] == [(2, True), (None, None)]  # timed, helper
+    assert loads[0]["n_ctx"] == loads[1]["n_ctx"]
+    text = [1000 + b for b in load_corpus("pydoc-topics").encode()]
+    evals = [tokens for kind, tokens in events if kind == "llama"]
+    prefills = [t for t in evals if len(t) > 1]
+    assert prefills == [text[:32], text[32:48]]  # the helper, from where it stopped; no quantized prefill
+    states = [bytes.fromhex(h) for kind, h in events if kind == "state"]
+    assert len(states) == 2
+    for data, cells in zip(states, (32, 48)):
+        (stream,) = read_seq_state(data)
+        assert stream.positions.tolist() == list(range(cells)) and stream.seq_ids == [(0,)] * cells
+        for (k_type, k), (v_type, v) in zip(stream.keys, stream.values):
+            assert k_type == v_type == GGML_Q4_0 and k.shape == (cells, 2 * 18)
+            keys = quants.dequantize(k, GGMLQuantizationType.Q4_0)
+            assert numpy.array_equal(keys, numpy.repeat(numpy.float32(text[:cells])[:, None], 64, axis=1))
+            values = quants.dequantize(v, GGMLQuantizationType.Q4_0)
+            assert numpy.array_equal(values, numpy.repeat(numpy.arange(cells, dtype=numpy.float32)[:, None], 64, 1))
+    steps = [t for t in evals if len(t) == 1]
+    assert [t[0] for t in steps] == text[32:32 + len(steps) - 5] + text[48:48 + 5]  # steps go on from the state
+    assert result["latency"]["48"]["llama.cpp[q4_0]"]["kept_tokens"] == 48 + 5
+    assert result["configs"]["llama.cpp[q4_0]"]["fill"] == "f16"
+    assert any("KV q4_0, its cache filled from a float16 prefill (converted)" in line for line in lines)
+
+
+def test_an_unknown_fill_is_named():
+    from confkv.errors import ConfigError
+    from confkv.eval.bench.llamacpp_worker import LlamaSession
+
+    with pytest.raises(ConfigError, match="--llamacpp-fill bf16: choose one of native, f16"):
+        bench.run_bench(contexts=[48], llamacpp_fill="bf16", model=object(), tokenizer=object())
+    with pytest.raises(ValueError, match="fill 'bf16': choose one of native, f16"):
+        LlamaSession(object(), "model.gguf", "text", 8, 1, fill="bf16")
 
 
 def test_an_unknown_llamacpp_kv_type_is_named():

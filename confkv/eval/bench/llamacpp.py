@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from confkv.eval.bench import llamacpp_worker
 from confkv.eval.bench.llamacpp_worker import FILLS, KV_TYPES
@@ -237,3 +237,60 @@ def kv_bytes_per_token_f16(model: Any) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * 2
+
+
+def peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
+                 kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None], threads: int,
+                 module: str = "llama_cpp", sys_path: tuple[str, ...] = (),
+                 kv_types: tuple[str, ...] = ("f16",), fill: str = "native") -> list[LlamaCppRunner]:
+    """The llama.cpp rows' runners, one per KV type, each closed with ``stack``; none when not asked,
+    not installed or without a GGUF, and a row that fails to load is left out (each case logged)."""
+    if not enabled or not kv_types:
+        return []
+    if gguf is None:
+        source = gguf_source(model_name) if model_name is not None else None
+        if source is None:
+            log(f"[bench] llama.cpp row skipped: no GGUF file for model {model_name!r} "
+                "(the row needs a bundled model or a .gguf path)")
+            return []
+        gguf = stack.enter_context(source)
+    peers = []
+    for kv_type in kv_types:
+        try:
+            peer = LlamaCppRunner(Path(gguf), text, n_ctx, threads, kv_bytes_per_token,
+                                  module=module, sys_path=sys_path, kv_type=kv_type, fill=fill)
+        except LlamaCppUnavailable:
+            log(SKIP_MESSAGE)
+            return peers
+        except Exception as error:  # noqa: BLE001 - the other rows still run
+            log(f"[bench] {kv_label(kv_type)} row skipped: {type(error).__name__}: "
+                f"{str(error).splitlines()[0][:200]} (if llama_cpp itself fails to load, reinstall it: {INSTALL_HINT})")
+            continue
+        stack.callback(peer.close)
+        peers.append(peer)
+        filled = ", its cache filled from a float16 prefill (converted)" if peer.fill == "f16" else ""
+        log(f"[bench] {peer.label} row: {Path(gguf).name}, KV {kv_type}{filled}, n_ctx {n_ctx}, "
+            f"{peer.threads} thread(s), {peer.token_count} tokens of the text with its own tokenizer, in a child process")
+    return peers
+
+
+def peer_quality(peers: list[LlamaCppRunner], tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
+    """Each llama.cpp row's perplexity of the text's first ``tokens`` tokens (its own tokenization and
+    logits), with ``rise_over_f16``: its perplexity over the f16 row's, minus 1 (None without an f16 row).
+    A row whose check fails records ``error`` instead."""
+    quality: dict[str, Any] = {}
+    for peer in peers:
+        try:
+            quality[peer.label] = {**peer.perplexity(tokens), "kv_type": peer.kv_type}
+        except Exception as error:  # noqa: BLE001 - the peer's check only; the latency rows still run
+            quality[peer.label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    reference = quality.get(kv_label("f16"), {}).get("ppl")
+    for label, row in quality.items():
+        if "ppl" in row:
+            row["rise_over_f16"] = row["ppl"] / reference - 1 if reference else None
+            rise = f" ({row['rise_over_f16']:+.2%} over f16)" if row["rise_over_f16"] is not None else ""
+            log(f"[bench] quality {label}: perplexity {row['ppl']:.3f} over {row['tokens']} tokens of its own "
+                f"tokenization{rise}")
+        else:
+            log(f"[bench] quality {label}: failed: {row['error']}")
+    return quality

@@ -50,8 +50,8 @@ from confkv import profiling
 from confkv.native import loader as native_loader
 from confkv.eval.bench.configs import BenchConfig, default_configs, kivi_rows, preset_rows  # noqa: F401 - re-exported
 from confkv.eval.bench.dtypes import check_quality_tokens, models_by_dtype, parse_dtypes, quality_check, row_label
-from confkv.eval.bench.llamacpp import (INSTALL_HINT, SKIP_MESSAGE, LlamaCppRunner, LlamaCppUnavailable,
-                                        check_fill, check_kv_types, gguf_source, kv_bytes_per_token_f16, kv_fraction, kv_label)
+from confkv.eval.bench.llamacpp import (check_fill, check_kv_types, kv_bytes_per_token_f16, kv_fraction, peer_quality,
+                                        peer_runners)
 from confkv.eval.bench.loops import _latency_grid, _throughput
 from confkv.eval.bench.machine import _loadavg, _peak_rss_bytes, measure_bandwidth, weight_bytes_read
 from confkv.eval.bench.output import format_breakdown
@@ -268,9 +268,9 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
         result["quality"] = quality_check(models, ids, quality_tokens, log, tuple(memory))
 
     with contextlib.ExitStack() as stack:
-        peers = _peer_runners(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
-                              contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
-                              llamacpp_module, llamacpp_path, llamacpp_kv, llamacpp_fill)
+        peers = peer_runners(llamacpp, gguf, None if model_given else model_name, load_corpus(corpus),
+                             contexts[-1] + decode_budget, kv_bytes_per_token_f16(models[dtypes[0]]), stack, log,
+                             torch.get_num_threads(), llamacpp_module, llamacpp_path, llamacpp_kv, llamacpp_fill)
         for peer in peers:
             result["configs"][peer.label] = {**peer.describe(), "error": None}
         if quality_tokens and peers:
@@ -299,63 +299,6 @@ def run_bench(*, model_name: str = "smollm2", contexts: list[int], budget: int =
     result["load"]["end"] = _loadavg()
     result["peak_rss_bytes"] = _peak_rss_bytes()
     return result
-
-
-def _peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None, text: str, n_ctx: int,
-                  kv_bytes_per_token: int, stack: contextlib.ExitStack, log: Callable[[str], None],
-                  module: str = "llama_cpp", sys_path: tuple[str, ...] = (),
-                  kv_types: tuple[str, ...] = ("f16",), fill: str = "native") -> list[LlamaCppRunner]:
-    """The llama.cpp rows' runners, one per KV type, each closed with ``stack``; none when not asked,
-    not installed or without a GGUF, and a row that fails to load is left out (each case logged)."""
-    if not enabled or not kv_types:
-        return []
-    if gguf is None:
-        source = gguf_source(model_name) if model_name is not None else None
-        if source is None:
-            log(f"[bench] llama.cpp row skipped: no GGUF file for model {model_name!r} "
-                "(the row needs a bundled model or a .gguf path)")
-            return []
-        gguf = stack.enter_context(source)
-    peers = []
-    for kv_type in kv_types:
-        try:
-            peer = LlamaCppRunner(Path(gguf), text, n_ctx, torch.get_num_threads(), kv_bytes_per_token,
-                                  module=module, sys_path=sys_path, kv_type=kv_type, fill=fill)
-        except LlamaCppUnavailable:
-            log(SKIP_MESSAGE)
-            return peers
-        except Exception as error:  # noqa: BLE001 - the other rows still run
-            log(f"[bench] {kv_label(kv_type)} row skipped: {type(error).__name__}: "
-                f"{str(error).splitlines()[0][:200]} (if llama_cpp itself fails to load, reinstall it: {INSTALL_HINT})")
-            continue
-        stack.callback(peer.close)
-        peers.append(peer)
-        filled = ", its cache filled from a float16 prefill (converted)" if peer.fill == "f16" else ""
-        log(f"[bench] {peer.label} row: {Path(gguf).name}, KV {kv_type}{filled}, n_ctx {n_ctx}, "
-            f"{peer.threads} thread(s), {peer.token_count} tokens of the text with its own tokenizer, in a child process")
-    return peers
-
-
-def peer_quality(peers: list[LlamaCppRunner], tokens: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Each llama.cpp row's perplexity of the text's first ``tokens`` tokens (its own tokenization and
-    logits), with ``rise_over_f16``: its perplexity over the f16 row's, minus 1 (None without an f16 row).
-    A row whose check fails records ``error`` instead."""
-    quality: dict[str, Any] = {}
-    for peer in peers:
-        try:
-            quality[peer.label] = {**peer.perplexity(tokens), "kv_type": peer.kv_type}
-        except Exception as error:  # noqa: BLE001 - the peer's check only; the latency rows still run
-            quality[peer.label] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-    reference = quality.get(kv_label("f16"), {}).get("ppl")
-    for label, row in quality.items():
-        if "ppl" in row:
-            row["rise_over_f16"] = row["ppl"] / reference - 1 if reference else None
-            rise = f" ({row['rise_over_f16']:+.2%} over f16)" if row["rise_over_f16"] is not None else ""
-            log(f"[bench] quality {label}: perplexity {row['ppl']:.3f} over {row['tokens']} tokens of its own "
-                f"tokenization{rise}")
-        else:
-            log(f"[bench] quality {label}: failed: {row['error']}")
-    return quality
 
 
 def equal_bytes_lines(quality: dict[str, Any]) -> list[str]:

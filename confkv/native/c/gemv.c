@@ -205,6 +205,16 @@ static __attribute__((unused)) gemv_args rows_from(const gemv_args *a, int64_t m
     return part;
 }
 
+/* rows(part, n0, n1) for each block of at most four activation rows of a (the VNNI and AVX-512 row kernels hold
+ * four rows' sums in registers) */
+static __attribute__((unused)) void in_blocks_of_four_rows(const gemv_args *a, int64_t n0, int64_t n1,
+                                                           void (*rows)(const gemv_args *, int64_t, int64_t)) {
+    for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
+        const gemv_args part = rows_from(a, m0);
+        rows(&part, n0, n1);
+    }
+}
+
 static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
     if (a->wbits == 4) {
         gemv_rows_w4(a, n0, n1);
@@ -212,20 +222,14 @@ static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
     }
     if (a->xq) {
 #ifdef CONFKV_GEMV_VNNI
-        for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
-            const gemv_args part = rows_from(a, m0);
-            gemv_rows_vnni(&part, n0, n1);
-        }
+        in_blocks_of_four_rows(a, n0, n1, gemv_rows_vnni);
 #else
         gemv_rows_a8_c(a, n0, n1);
 #endif
         return;
     }
 #ifdef CONFKV_GEMV_AVX512
-    for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
-        const gemv_args part = rows_from(a, m0);
-        gemv_rows_avx512(&part, n0, n1);
-    }
+    in_blocks_of_four_rows(a, n0, n1, gemv_rows_avx512);
 #else
     gemv_rows_c(a, n0, n1);
 #endif

@@ -142,10 +142,7 @@ static void gemv_rows_w4_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
 /* output rows [n0, n1) of every activation row (the VNNI blocks four activation rows at a time) */
 static void gemv_rows_w4(const gemv_args *a, int64_t n0, int64_t n1) {
 #ifdef CONFKV_GEMV_VNNI
-    for (int64_t m0 = 0; m0 < a->M; m0 += 4) {
-        const gemv_args part = rows_from(a, m0);
-        gemv_rows_w4_vnni(&part, n0, n1);
-    }
+    in_blocks_of_four_rows(a, n0, n1, gemv_rows_w4_vnni);
 #else
     gemv_rows_w4_c(a, n0, n1);
 #endif

@@ -4,8 +4,8 @@ process: ``native`` (llama.cpp's own prefill with the quantized cache, flash att
 float16 prefill converted to the block format and loaded) and ``f16`` (llama.cpp's float16 cache, for scale).
 After prefilling each to ``--context`` tokens, each decodes the text's next ``--steps`` tokens, the sessions
 interleaved step by step. Printed per context: the largest logit difference between ``f16-fill`` and
-``native`` (and, for scale, between ``native`` and ``f16`` and between ``f16-fill`` and ``f16``), how often their top tokens agree, and the median
-step time of each session with the ratio ``f16-fill / native``.
+``native`` (and, for scale, between ``native`` and ``f16`` and between ``f16-fill`` and ``f16``), how often
+their top tokens agree, and the median step time of each session with the ratio ``f16-fill / native``.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/llamacpp_fill_check.py --model smollm2 --context 2048 8192 \\
         --kv q4_0 --threads 2 --steps 24

@@ -270,7 +270,8 @@ def peer_runners(enabled: bool, gguf: str | Path | None, model_name: str | None,
         peers.append(peer)
         filled = ", its cache filled from a float16 prefill (converted)" if peer.fill == "f16" else ""
         log(f"[bench] {peer.label} row: {Path(gguf).name}, KV {kv_type}{filled}, n_ctx {n_ctx}, "
-            f"{peer.threads} thread(s), {peer.token_count} tokens of the text with its own tokenizer, in a child process")
+            f"{peer.threads} thread(s), {peer.token_count} tokens of the text with its own tokenizer, "
+            "in a child process")
     return peers
 
 

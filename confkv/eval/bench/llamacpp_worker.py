@@ -16,7 +16,8 @@ prints cannot corrupt the replies). Requests: ``{"op": "load", "module": "llama_
 ``{"op": "close"}``. ``load`` may name ``"kv_type"`` (``"f16"``, llama.cpp's default, or ``"q8_0"`` /
 ``"q4_0"``: keys and values stored in that block format, flash attention on, as llama.cpp's
 ``--cache-type-k/v`` with ``-fa``), and ``"fill": "f16"``: such a row's cache reaches each context
-from a float16 prefill, converted to its block format (:mod:`llamacpp_state`, which says why). Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+from a float16 prefill, converted to its block format (:mod:`llamacpp_state`, which says why).
+Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
 """
 
 from __future__ import annotations

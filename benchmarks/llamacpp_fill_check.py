@@ -45,7 +45,7 @@ def check(gguf: str, text: str, context: int, kv: str, threads: int, steps: int,
         print(f"[fill-check] {kv} context {context}: {name} prefilled in {time.perf_counter() - start:.1f} s",
               flush=True)
     times: dict[str, list[float]] = {name: [] for name in sessions}
-    fill_gap, f16_gap, fill_f16_gap, agree = [], [], [], 0
+    fill_gap, f16_gap, fill_f16_gap, agree, agree_f16 = [], [], [], 0, 0
     for _ in range(steps):
         for name, session in sessions.items():
             times[name].append(session.step())
@@ -54,12 +54,13 @@ def check(gguf: str, text: str, context: int, kv: str, threads: int, steps: int,
         f16_gap.append(float(np.abs(f16 - native).max()))
         fill_f16_gap.append(float(np.abs(filled - f16).max()))
         agree += int(filled.argmax() == native.argmax())
+        agree_f16 += int(f16.argmax() == native.argmax())
     medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     print(f"[fill-check] {kv} context {context}, {steps} steps: max |logit f16-fill - native| "
           f"{max(fill_gap):.3f} (median over steps {statistics.median(fill_gap):.3f}); "
           f"max |logit f16 - native| {max(f16_gap):.3f} (median {statistics.median(f16_gap):.3f}); "
           f"max |logit f16-fill - f16| {max(fill_f16_gap):.3f} (median {statistics.median(fill_f16_gap):.3f}); "
-          f"top token f16-fill = native at {agree} of {steps} steps", flush=True)
+          f"top token f16-fill = native at {agree} of {steps} steps (f16 = native at {agree_f16})", flush=True)
     print(f"[fill-check] {kv} context {context}: median step ms native {medians['native']:.2f}, "
           f"f16-fill {medians['f16-fill']:.2f}, f16 {medians['f16']:.2f}; "
           f"f16-fill / native {medians['f16-fill'] / medians['native']:.3f}", flush=True)

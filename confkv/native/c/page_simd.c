@@ -73,9 +73,12 @@ static inline void unpack_registers(const uint8_t *restrict src, int64_t D, cons
                 c[d / 16 + k] = _mm512_permutexvar_ps(_mm512_permutexvar_epi8(l->lanes[k], codes), l->centred);
         } else {
             c[d / 16] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(codes))), l->middle);
-            for (int k = 1; k < 4; k++)
-                c[d / 16 + k] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, k))),
-                                              l->middle);
+            c[d / 16 + 1] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 1))),
+                                          l->middle);
+            c[d / 16 + 2] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 2))),
+                                          l->middle);
+            c[d / 16 + 3] = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, 3))),
+                                          l->middle);
         }
     }
 }
@@ -129,18 +132,53 @@ static inline __attribute__((always_inline)) void score_tokens16(const uint8_t *
     }
 }
 
-/* adds n value rows (codes less the middle one, c[e]) weighted by step[e][r * groups + g] (p * s of row e) to acc
- * [R, 16 * V], value group g = vector i / per_group. Always inlined, so that constant n and V unroll the sums */
+/* adds the n value rows c[0 .. n) (codes less the middle one) weighted by step[rg][token[e]] (p * s of that row,
+ * rg = row * groups + value group) to the rows r0 .. r0 + rows of acc [R, 16 * V] (value group g = vector i /
+ * per_group). The sums of 4 vectors of each row stay in registers over the n rows (up to 16 chains of multiply-adds
+ * side by side), which are added in slot order, one multiply-add each, as the row-by-row read adds them. Always
+ * inlined, so that a constant `rows` keeps the sums in registers (V % 4 == 0: simd_pages_fit) */
+static inline __attribute__((always_inline)) void add_value_regs(float *acc, int64_t r0, int64_t rows, int64_t V,
+                                                                 int64_t groups, int64_t per_group,
+                                                                 const float (*step)[16], const int *token,
+                                                                 const __m512 (*c)[16], int64_t n) {
+    for (int64_t i0 = 0; i0 < V; i0 += 4) {
+        __m512 sum[4][4];
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < 4; i++) sum[r][i] = _mm512_loadu_ps(acc + (r0 + r) * 16 * V + 16 * (i0 + i));
+        if (per_group % 4 == 0) { /* the 4 vectors in one value group: one weight a row */
+            const float *weights[4];
+            for (int64_t r = 0; r < rows; r++) weights[r] = step[(r0 + r) * groups + i0 / per_group];
+            for (int64_t e = 0; e < n; e++) {
+                const int slot = token[e];
+                for (int64_t r = 0; r < rows; r++) {
+                    const __m512 weight = _mm512_set1_ps(weights[r][slot]);
+                    for (int64_t i = 0; i < 4; i++) sum[r][i] = _mm512_fmadd_ps(weight, c[e][i0 + i], sum[r][i]);
+                }
+            }
+        } else
+            for (int64_t e = 0; e < n; e++)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t i = 0; i < 4; i++)
+                        sum[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(step[(r0 + r) * groups + (i0 + i) / per_group][token[e]]),
+                                                    c[e][i0 + i], sum[r][i]);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < 4; i++) _mm512_storeu_ps(acc + (r0 + r) * 16 * V + 16 * (i0 + i), sum[r][i]);
+    }
+}
+
+/* add_value_regs for every row, 4 rows at a time (a constant count, so the sums stay in registers) */
 static inline __attribute__((always_inline)) void add_value_block(float *acc, int64_t R, int64_t V, int64_t groups,
-                                                                  int64_t per_group, float step[][64],
-                                                                  __m512 c[][16], int64_t n) {
-    for (int64_t r = 0; r < R; r++)
-        for (int64_t i = 0; i < V; i++) {
-            const int64_t g = i / per_group;
-            __m512 sum = _mm512_loadu_ps(acc + r * 16 * V + 16 * i);
-            for (int64_t e = 0; e < n; e++) sum = _mm512_fmadd_ps(_mm512_set1_ps(step[e][r * groups + g]), c[e][i], sum);
-            _mm512_storeu_ps(acc + r * 16 * V + 16 * i, sum);
-        }
+                                                                  int64_t per_group, const float (*step)[16],
+                                                                  const int *token, const __m512 (*c)[16],
+                                                                  int64_t n) {
+    int64_t r0 = 0;
+    for (; r0 + 4 <= R; r0 += 4) add_value_regs(acc, r0, 4, V, groups, per_group, step, token, c, n);
+    switch (R - r0) {
+    case 3: add_value_regs(acc, r0, 3, V, groups, per_group, step, token, c, n); break;
+    case 2: add_value_regs(acc, r0, 2, V, groups, per_group, step, token, c, n); break;
+    case 1: add_value_regs(acc, r0, 1, V, groups, per_group, step, token, c, n); break;
+    default: break;
+    }
 }
 
 /* scores of the selected pages k0 .. k1 of one paged segment (meta m, pointers p) for the R query rows qf [R, D]
@@ -191,47 +229,60 @@ static void simd_scores(const void *const *p, const int64_t *m, int64_t b, int64
 }
 
 /* adds the selected pages' values weighted by probs [R, total] (this segment's columns) to acc [R, D], as
- * planar_values (channel order here); buf holds R * D / Gv floats */
+ * planar_values (channel order here), 16 slots at a time: their weights times the value scales (p * s) and the
+ * centres' sums (p (m + mid * s), 16 slots side by side) as vectors, then the valid slots' codes unpacked and added
+ * (add_value_block). The centres' sums are added to the output once, at the end. */
 static void simd_values(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
-                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc, float *buf) {
-    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 16, per_group = Gv / 16;
-    const int bits = (int)m[33];
-    const code_layout l = layout_of(bits);
-    float *low = buf; /* sum_t p_t (m_t + mid * s_t) [R, groups] */
-    for (int64_t i = 0; i < R * groups; i++) low[i] = 0.0f;
-    __m512 c[4][16];
-    float step[4][64]; /* p_t * s_t of a block's tokens [token][r * groups + g] (R * groups <= 64: simd_pages_fit) */
+                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc) {
+    const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 16, per_group = Gv / 16, RG = R * groups;
+    const code_layout l = layout_of((int)m[33]);
+    __m512 low[64]; /* sum_t p_t (m_t + mid * s_t), slot t in lane t % 16 [r * groups + g] (RG <= 64: simd_pages_fit) */
+    for (int64_t rg = 0; rg < RG; rg++) low[rg] = _mm512_setzero_ps();
+    float step[64][16];   /* p_t * s_t of the 16 slots [r * groups + g][slot] */
+    __m512 c[16][16];     /* the valid slots' codes less the middle one [n][vector] */
+    int token[16];        /* their slots */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         if (page < 0) continue;
         const page_view v = view_page(p, m, b, j, page);
         const float *w = probs + k * P;
-        int64_t n = 0;
-        for (int64_t t = 0; t <= P; t++) {
-            if (t < P && v.valid[t]) {
-                unpack_registers(v.value_codes + t * C, D, &l, c[n]);
-                for (int64_t g = 0; g < groups; g++) {
-                    const float scale = _cvtsh_ss(v.value_scale[t * groups + g]); /* float16, exactly */
-                    const float centre = fmaf(scale, l.mid, _cvtsh_ss(v.value_min[t * groups + g]));
-                    for (int64_t r = 0; r < R; r++) {
-                        const float weight = w[r * total + t];
-                        step[n][r * groups + g] = weight * scale;
-                        low[r * groups + g] = fmaf(weight, centre, low[r * groups + g]);
-                    }
+        for (int64_t t0 = 0; t0 < P; t0 += 16) {
+            const __mmask16 seen = _mm512_cmpneq_epi32_mask(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(v.valid + t0))), _mm512_setzero_si512());
+            if (!seen) continue;
+            for (int64_t g = 0; g < groups; g++) {
+                float scales[16], minima[16];
+                for (int e = 0; e < 16; e++) { /* float16, exactly */
+                    scales[e] = _cvtsh_ss(v.value_scale[(t0 + e) * groups + g]);
+                    minima[e] = _cvtsh_ss(v.value_min[(t0 + e) * groups + g]);
                 }
-                n++;
+                const __m512 scale = _mm512_loadu_ps(scales);
+                const __m512 centre = _mm512_fmadd_ps(scale, l.middle, _mm512_loadu_ps(minima));
+                for (int64_t r = 0; r < R; r++) {
+                    const __m512 weight = _mm512_loadu_ps(w + r * total + t0);
+                    _mm512_storeu_ps(step[r * groups + g], _mm512_mul_ps(weight, scale));
+                    low[r * groups + g] = _mm512_mask3_fmadd_ps(weight, centre, low[r * groups + g], seen);
+                }
             }
-            if (n == 4 && V == 4) /* constant n and V: unrolled */
-                add_value_block(acc, R, 4, groups, per_group, step, c, 4);
-            else if (n == 4 && V == 8)
-                add_value_block(acc, R, 8, groups, per_group, step, c, 4);
-            else if (n == 4 || (t == P && n))
-                add_value_block(acc, R, V, groups, per_group, step, c, n);
-            if (n == 4 || (t == P && n)) n = 0;
+            int64_t n = 0;
+            for (int e = 0; e < 16; e++)
+                if (seen >> e & 1) {
+                    unpack_registers(v.value_codes + (t0 + e) * C, D, &l, c[n]);
+                    token[n++] = e;
+                }
+            if (V == 4) /* a constant V: unrolled */
+                add_value_block(acc, R, 4, groups, per_group, (const float (*)[16])step, token, (const __m512 (*)[16])c, n);
+            else if (V == 8)
+                add_value_block(acc, R, 8, groups, per_group, (const float (*)[16])step, token, (const __m512 (*)[16])c, n);
+            else
+                add_value_block(acc, R, V, groups, per_group, (const float (*)[16])step, token, (const __m512 (*)[16])c, n);
         }
     }
     for (int64_t r = 0; r < R; r++)
-        for (int64_t d = 0; d < D; d++) acc[r * D + d] += low[r * groups + d / Gv];
+        for (int64_t g = 0; g < groups; g++) {
+            const float centres = _mm512_reduce_add_ps(low[r * groups + g]);
+            for (int64_t d = g * Gv; d < (g + 1) * Gv; d++) acc[r * D + d] += centres;
+        }
 }
 
 #endif

@@ -149,7 +149,7 @@ static void task_values(const void *ctx, int64_t task) {
                 float *out = a->rotation && m[32] ? w.out_turned : w.out;
 #if defined(CONFKV_VBMI)
                 if (simd_pages_fit(m, R, D))
-                    simd_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out, w.buf);
+                    simd_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out);
                 else
 #endif
                 if (planar(m))
@@ -209,11 +209,14 @@ static void unit_finish(const void *ctx, int64_t unit) {
                 float *slot_mass = a->mass[s] + (b * a->Hkv + j) * L;
                 for (int64_t l = 0; l < L; l++) slot_mass[l] = 0.0f;
                 for (int64_t q = 0; q < Q; q++)
-                    for (int64_t l = 0; l < L; l++) {
-                        float group = 0.0f;
-                        for (int64_t g = 0; g < G; g++)
-                            group += scores[(g * Q + q) * total + offset + l] * inv[g * Q + q];
-                        slot_mass[l] += group / (float)G;
+                    for (int64_t l0 = 0; l0 < L; l0 += 16) { /* 16 slots side by side, each summed in order g */
+                        const int64_t n = L - l0 < 16 ? L - l0 : 16;
+                        float group[16] = {0.0f};
+                        for (int64_t g = 0; g < G; g++) {
+                            const float *row = scores + (g * Q + q) * total + offset + l0, weight = inv[g * Q + q];
+                            for (int64_t i = 0; i < n; i++) group[i] += row[i] * weight;
+                        }
+                        for (int64_t i = 0; i < n; i++) slot_mass[l0 + i] += group[i] / (float)G;
                     }
             }
             offset += L;

@@ -83,28 +83,22 @@ static inline void unpack_registers(const uint8_t *restrict src, int64_t D, cons
     }
 }
 
-/* lane i of the result: the sum of the 16 lanes of v[i] (the v are overwritten). Each level halves the lanes a
- * token holds: a pair's first halves and second halves of each block are put side by side and added, so after
- * four levels lane i holds token i's sum. */
+/* lane i of the result: the sum of the 16 lanes of v[i] (the v are overwritten). Each level adds pairs of
+ * vectors' halves put side by side: first within each 128-bit block (32-bit then 64-bit interleaves, after which
+ * block k of w[j] holds block k's sums of tokens 4j .. 4j + 3), then across blocks (two 128-bit block shuffles), so
+ * that lane i ends with token i's sum: 15 shuffle pairs and adds for 16 sums, 12 of them in-block. */
 static inline __m512 sum16(__m512 *v) {
-    static const int32_t low[4][16] = {
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-        {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-    static const int32_t high[4][16] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
-        {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
-        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-    int n = 16;
-    for (int level = 0; level < 4; level++, n /= 2) {
-        const __m512i lo = _mm512_loadu_si512(low[level]), hi = _mm512_loadu_si512(high[level]);
-        for (int i = 0; i < n / 2; i++)
-            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]),
-                                 _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
+    for (int i = 0; i < 8; i++) /* block k of v[i]: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] of tokens a, b = 2i, 2i + 1 */
+        v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* block k of v[i]: block k's sums of tokens 4i .. 4i + 3 */
+        const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+        v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
     }
-    return v[0];
+    for (int i = 0; i < 2; i++) /* blocks: [v0: 0 + 1, v0: 2 + 3, v1: 0 + 1, v1: 2 + 3] */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* the scores of 16 tokens (their packed key rows at codes, C bytes apart) for the R query rows: folded [R, 16 * V]

@@ -8,18 +8,20 @@
  * code mid = (2^bits - 1) / 2
  *     q . (m + c * s) = q . (m + mid * s) + (q * s) . (c - mid):
  * q * s and the first term are computed once a group (R * D products, R dot products), and each token costs its
- * codes unpacked (unpack_simd's multishift, in registers) and R * D / 16 fused multiply-adds. The 16 running sums
- * of 16 tokens are added by one transposing tree (sum16: 15 two-register permutes and adds for 16 scores, where a
- * horizontal sum per score costs about 8 dependent steps).
+ * codes unpacked (unpack_registers: multishift, then a 16-entry lookup of (code - mid), in registers) and R * D / 16
+ * fused multiply-adds. The 16 running sums of 16 tokens are added by one tree (sum16: 15 pairs of shuffles and adds
+ * for 16 scores, 12 of them within 128-bit blocks, where a horizontal sum per score costs about 8 dependent steps).
  * Values. A value row's group of Gv channels shares a per-token scale and minimum, so
  *     sum_t p_t (m_t + c_t * s_t) = sum_t p_t (m_t + mid * s_t) + sum_t (p_t s_t) (c_t - mid):
- * the centred codes are weighted by p_t * s_t (4 tokens a pass over the R x D sums, in channel order) and the
- * first sum is kept per row and group and added once at the end.
+ * 16 slots at a time, their weights p_t * s_t and the first sum's terms are vectors (the first sum kept 16 slots
+ * side by side per row and group, added up and to the output once at the end), then the valid slots' centred codes
+ * are added to the R x D sums, which stay in registers over the 16 slots (add_value_block; in slot order).
  * Centring on the middle code keeps both terms about the size of the result: split at the minimum instead, the
  * two terms are about the size of the range and cancel (3e-6 off the row-by-row read where centred is 1e-7).
  * Otherwise the read differs from the row-by-row one only in the order and grouping of float32 products and sums
  * (tests/native/test_native_pages.py bounds them). Slots that hold no token score -inf and are never weighted
- * (their codes are read, their scales are not: a group with no valid token is skipped whole). */
+ * (their codes are read; their value scales are read but never used: a key group with no valid token is skipped
+ * whole). */
 
 #if defined(CONFKV_VBMI)
 

@@ -96,6 +96,19 @@ def test_the_native_page_read_equals_the_torch_read(bits, group, reads):
         assert bool((mass[-1][seen] > 0).all()) and float(mass[-1][~seen].abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("length", [1, 17, 33])
+def test_every_slot_of_a_segment_gets_its_mass_when_the_length_is_one_past_sixteen_slots(length):
+    """The kernel sums each segment's slot masses 16 slots at a time (c/page_tasks.c, unit_finish); a segment of
+    16k + 1 slots ends in a block of one slot, which a loop bound one short would leave at 0. Dense segments of 1,
+    17 and 33 slots beside pages of 5 x 8 slots, 2 queries of 3 heads a KV head, masses against the torch read."""
+    gen = torch.Generator().manual_seed(length)
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen),
+                    torch.randn(BATCH, KV_HEADS, length, DIM, generator=gen), None)
+    query = torch.randn(BATCH, KV_HEADS * 3, 2, DIM, generator=gen)
+    _, mass = _compare(query, [hot, _pages(gen, 4, "all")])
+    assert bool((mass[0][..., -1] > 0).all())  # the last slot of every sequence and head took some mass
+
+
 def test_pages_alone_several_bit_widths_and_a_bfloat16_hot_tier():
     """A ladder's read: the open page and the hot tier in bfloat16, then rungs of 8, 4 and 3 bits."""
     gen = torch.Generator().manual_seed(7)

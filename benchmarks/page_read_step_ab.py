@@ -23,11 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from page_read_ab import build_from  # noqa: E402
+from preset_step_profile import prefilled_preset  # noqa: E402
 
-from confkv.hf import ConfKVCache, prefill  # noqa: E402
-from confkv.hf.lean import LeanDecoder  # noqa: E402
-from confkv.hf.weights import quantize_linear_weights  # noqa: E402
-from confkv.models import load_model  # noqa: E402
 from confkv.native import loader  # noqa: E402
 from confkv.native import pages as native_pages  # noqa: E402
 
@@ -50,18 +47,7 @@ def main() -> None:
         return own_read(serving["lib"], *rest)
 
     native_pages._read = switched_read
-    model, _ = load_model(args.model, dtype=torch.bfloat16)
-    quantize_linear_weights(model, activation_bits=8)
-    total = args.tokens + 2 * args.blocks * args.steps + 8
-    ids = torch.randint(1, 30000, (1, total), generator=torch.Generator().manual_seed(0))
-    cache = ConfKVCache.for_model(model, memory=0.25)
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :args.tokens], chunk=512)
-    decoder = LeanDecoder(model)
-    position = args.tokens
-    for _ in range(4):  # unmeasured
-        decoder(ids[:, position:position + 1], cache)
-        position += 1
+    decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, 2 * args.blocks * args.steps, warm=4)
     times: dict[str, list[float]] = {"before": [], "after": []}
     for _ in range(args.blocks):
         for name in ("before", "after"):

@@ -26,17 +26,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, dtype=torch.bfloat16)
-    quantize_linear_weights(model, activation_bits=8)
-    ids = torch.randint(1, 30000, (1, args.tokens + args.steps + 5), generator=torch.Generator().manual_seed(0))
-    cache = ConfKVCache.for_model(model, memory=0.25)
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :args.tokens], chunk=512)
-    decoder = LeanDecoder(model)
-    position = args.tokens
-    for _ in range(5):  # unmeasured
-        decoder(ids[:, position:position + 1], cache)
-        position += 1
+    decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, args.steps, warm=5)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):
@@ -44,6 +34,22 @@ def main() -> None:
         position += 1
     profile.disable()
     pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
+
+
+def prefilled_preset(model_name: str, tokens: int, steps: int, warm: int):
+    """The preset (``memory=0.25``) of ``model_name`` in bf16 with W8A8 weights, prefilled with ``tokens`` random
+    tokens and stepped ``warm`` times through the lean decoder: (decoder, cache, ids [1, tokens + warm + steps + 1],
+    the next position)."""
+    model, _ = load_model(model_name, dtype=torch.bfloat16)
+    quantize_linear_weights(model, activation_bits=8)
+    ids = torch.randint(1, 30000, (1, tokens + warm + steps + 1), generator=torch.Generator().manual_seed(0))
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :tokens], chunk=512)
+    decoder = LeanDecoder(model)
+    for position in range(tokens, tokens + warm):  # unmeasured
+        decoder(ids[:, position:position + 1], cache)
+    return decoder, cache, ids, tokens + warm
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ The segment's slots are the ``K * P`` slots of the selected pages in rank order 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -164,6 +164,10 @@ class PagedSegment:
     key_outlier_value: Tensor | None = None
     value_outlier_index: Tensor | None = None
     value_outlier_value: Tensor | None = None
+    #: what the native page read worked out from this segment (its pointers and layout, :mod:`confkv.native.pages`),
+    #: kept for the next read of the same segment object (a decode step's cold tier hands the same one over while
+    #: its pages do not change); None until the first native read
+    native_args: Any = field(default=None, repr=False, compare=False)
 
     @property
     def widths(self) -> tuple[int, int]:

@@ -112,11 +112,36 @@ def _dense(segment, batch: int, kv_heads: int, queries: int, keep: list) -> tupl
 
 
 def _paged(segment, keep: list) -> tuple[list, list]:
+    """The pointers and layout of a page segment, as the call takes them (the tensors they point into added to
+    ``keep``); kept on the segment (:attr:`~confkv.attention.segments.PagedSegment.native_args`) for its next read
+    when every tensor pointed into is the segment's own or a copy of its page numbers and counts, and used again
+    while every field they were worked out from is the same object (a segment copied field by field with one
+    changed works them out again)."""
+    fields = tuple(getattr(segment, name, None) for name in _FIELDS)
+    cached = getattr(segment, "native_args", None)
+    if cached is not None and all(a is b for a, b in zip(cached[0], fields)):  # the fields it was worked out from
+        keep += cached[3]
+        return cached[1], cached[2]
+    held: list[Tensor] = []
+    ptrs, meta = _paged_args(segment, held)
+    keep += held
+    if hasattr(segment, "native_args") and all(any(t is mine for mine in fields) for t in held[2:]):
+        segment.native_args = (fields, ptrs, meta, held)  # no page tensor copied (a copy would go stale)
+    return ptrs, meta
+
+
+_STORAGE_NAMES = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
+_OUTLIER_NAMES = ("key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value")
+#: what :func:`_paged_args` reads of a segment: kept arguments serve a segment whose every one of these is the same object
+_FIELDS = ("index", "counts", "valid", "bits", "group_size", "head_dim", "rotation", "value_bits") + _STORAGE_NAMES + \
+    _OUTLIER_NAMES
+
+
+def _paged_args(segment, keep: list) -> tuple[list, list]:
     index = segment.index.to(torch.int64).contiguous()
     counts = segment.counts.to(device="cpu", dtype=torch.int64).contiguous()
     valid = _inner_contiguous(segment.valid.to(torch.bool), 3)
-    storage = [_inner_contiguous(getattr(segment, name), 3) for name in
-               ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")]
+    storage = [_inner_contiguous(getattr(segment, name), 3) for name in _STORAGE_NAMES]
     if any(t.dtype != torch.float16 for t in storage[1:3] + storage[4:]) or any(
             t.dtype != torch.uint8 for t in (storage[0], storage[3])):
         raise ValueError("packed pages: codes must be uint8 and scales / minima float16")
@@ -143,8 +168,7 @@ def _outliers(segment) -> list[Tensor]:
     if getattr(segment, "key_outlier_index", None) is None:
         return []
     index_type, value_type = torch.int16, torch.float16
-    tensors = [_inner_contiguous(getattr(segment, name), 3) for name in
-               ("key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value")]
+    tensors = [_inner_contiguous(getattr(segment, name), 3) for name in _OUTLIER_NAMES]
     if any(t.dtype != want for t, want in zip(tensors, (index_type, value_type) * 2)):
         raise ValueError("packed pages: outlier indices must be int16 and outlier values float16")
     if len({t.shape[-1] for t in tensors}) != 1:

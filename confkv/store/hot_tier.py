@@ -7,11 +7,8 @@ token keeps its bytes, its scales, its position and its policy statistics bit fo
 **Eviction** (until 5 Dec ``confkv/store/eviction.py``; before 3 Dec ``confkv/eviction.py`` and
 ``confkv/store/tier_moves.py``; every old path still imports this module):
 
-* Which slots are kept, one rule for every policy: given the policy's scores, the slot validity and
-  the protection mask, keep per (sequence, KV head) the ``keep_count[b]`` best slots, protected ones
-  first, padding never (:func:`protected_mask`, :func:`select_kept`). Every head of a sequence keeps
-  the same number of slots (so a layer stays one dense [B, Hkv, K, D] tensor); which slots may differ
-  per head.
+* Which slots are kept, one rule for every policy (:mod:`confkv.store.selection`, here until stop 59 and still
+  imported from here: :func:`protected_mask`, :func:`select_kept`).
 * Where the others go: :func:`dropped_slots` names them and :func:`demote_dropped` hands them to the
   layer's cold tier (dequantized first when INT8) instead of dropping them.
 * And back: a page the cold tier gives back becomes hot slots again (:func:`promoted_region`), merged
@@ -20,22 +17,29 @@ token keeps its bytes, its scales, its position and its policy statistics bit fo
   number in every sequence is split into its kept and dropped slots, every per-slot tensor at once, where the
   selection above takes some 60 torch calls a layer; the C call declines (and the torch path runs) whenever its
   choice could differ from the torch path's (a tie at the boundary, a NaN, a protected slot in the way).
+* A decode step's ageing with it (:func:`age_and_evict_at_once`, ``confkv_age_evict_rows``): in the steady state
+  the window's oldest slots join the older region and the lowest ranked leave in the same call, the older region
+  rewritten in place, where the store's ``_age`` and ``_evict`` copy it three times (stop 59, issue 32).
 """
 
 from __future__ import annotations
 
 import ctypes
-import math
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from confkv import profiling
 from confkv.attention.segments import take_rows
 from confkv.native import loader
-from confkv.policies.base import Policy
+from confkv.policies.base import UNLIMITED, Policy
+from confkv.store.selection import dropped_slots, protected_mask, select_kept  # noqa: F401 - their old home
 from confkv.tiers.cold import ColdTier
+
+if TYPE_CHECKING:
+    from confkv.store.layer import LayerStore
 
 
 @dataclass
@@ -164,76 +168,6 @@ def select_batch(region: Region, index: torch.Tensor) -> Region:
 
 
 
-def protected_mask(positions: torch.Tensor, valid: torch.Tensor, current_position: torch.Tensor,
-                    protect: int, sinks: int) -> torch.Tensor:
-    """Slots that must never be evicted.
-
-    Args:
-        positions: [B, Hkv, L] int64 logical token positions.
-        valid: [B, L] bool, False for padding / empty slots.
-        current_position: [B] int64, position of each sequence's newest token.
-        protect: the ``protect`` most recent positions are protected.
-        sinks: positions ``< sinks`` are protected.
-    Returns:
-        [B, Hkv, L] bool.
-    """
-    recent = positions > (current_position[:, None, None] - protect)
-    sink = positions < sinks
-    return (recent | sink) & valid[:, None, :]
-
-
-def select_kept(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor,
-                keep_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the slots to keep, in slot order, and the validity of the result.
-
-    Args:
-        scores: [B, Hkv, L] float, higher is kept first.
-        valid: [B, L] bool.
-        protected: [B, Hkv, L] bool, kept before anything else.
-        keep_count: [B] int64, slots each sequence keeps (clipped to its valid count).
-    Returns:
-        kept_index: [B, Hkv, K] int64 with ``K = max_b keep_count[b]``, sorted ascending
-            within the first ``keep_count[b]`` entries (the rest point at arbitrary slots
-            and are marked invalid);
-        kept_valid: [B, K] bool, ``arange(K) < keep_count[b]``.
-    """
-    batch, heads, length = scores.shape
-    keep_count = torch.minimum(keep_count, valid.sum(dim=-1))
-    width = int(keep_count.max()) if batch else 0
-    priority = scores.float().masked_fill(protected, math.inf).masked_fill(~valid[:, None, :], -math.inf)
-    top = priority.topk(width, dim=-1, sorted=True).indices  # [B, Hkv, K]
-    kept_valid = torch.arange(width, device=scores.device)[None, :] < keep_count[:, None]  # [B, K]
-    # Sort the kept slots by slot index (slot order = arrival order) and push the rest behind.
-    order_key = torch.where(kept_valid[:, None, :], top, top + length)
-    kept_index = order_key.sort(dim=-1).values % length if length else order_key
-    return kept_index, kept_valid
-
-
-def dropped_slots(kept_index: torch.Tensor, kept_valid: torch.Tensor, valid: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The valid slots that :func:`select_kept` did not keep, in slot order (for demotion).
-
-    Args:
-        kept_index: [B, Hkv, K] from :func:`select_kept`; kept_valid: [B, K].
-        valid: [B, L] bool, the slots' validity before eviction.
-    Returns:
-        dropped_index: [B, Hkv, M] int64, ``M = max_b dropped[b]`` (every head of a sequence
-            drops the same number of valid slots), sorted ascending in the first ``dropped[b]``
-            entries (the rest point at arbitrary slots);
-        dropped_valid: [B, M] bool, ``arange(M) < dropped[b]``.
-    """
-    batch, heads, _ = kept_index.shape
-    length = valid.shape[-1]
-    kept = torch.zeros((batch, heads, length), dtype=torch.int32, device=valid.device)
-    kept.scatter_add_(2, kept_index, kept_valid[:, None, :].expand(-1, heads, -1).to(torch.int32))
-    dropped = valid[:, None, :] & (kept == 0)  # [B, Hkv, L]
-    counts = dropped[:, 0].sum(-1)  # [B]
-    width = int(counts.max()) if batch else 0
-    order = (~dropped).to(torch.int8).argsort(dim=-1, stable=True)[..., :width]
-    dropped_valid = torch.arange(width, device=valid.device)[None, :] < counts[:, None]
-    return order, dropped_valid
-
-
 def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor,
                    channel_scale: torch.Tensor | None, dtype: torch.dtype, policy: Policy | None = None,
                    current: torch.Tensor | None = None, queries: int = 1) -> None:
@@ -330,22 +264,110 @@ def _region_of(tensors: list[torch.Tensor], stat_names: list[str], int8: bool, v
                   value_scale=tensors[4] if int8 else None, all_valid=True)
 
 
-#: (the library's generation, its confkv_evict_rows or None): looked up again only when the library's state moved,
+#: the library's generation, and its eviction functions by name: looked up again only when the library's state moved,
 #: so a decode step calls no code of the loader
-_evict_rows: list = [None, None]
+_native_functions: dict = {"generation": None}
+_ARGUMENTS = {"confkv_evict_rows": [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+              + [ctypes.c_void_p] * 4,
+              "confkv_age_evict_rows": [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+              + [ctypes.c_void_p] * 6}
+
+
+def _native(name: str):
+    """The library's eviction function ``name`` (``c/evict.c``) with its argument types, or None without the library."""
+    if _native_functions["generation"] != loader.generation:
+        lib = loader.library()
+        _native_functions.clear()
+        _native_functions["generation"] = loader.generation
+        for function_name, arguments in _ARGUMENTS.items():
+            function = None
+            if lib is not None:
+                function = getattr(lib, function_name)
+                function.restype, function.argtypes = ctypes.c_int, arguments
+            _native_functions[function_name] = function
+    return _native_functions[name]
 
 
 def _native_evict_rows():
-    if _evict_rows[0] != loader.generation:
-        lib = loader.library()
-        function = None
-        if lib is not None:
-            function = lib.confkv_evict_rows
-            function.restype = ctypes.c_int
-            function.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [
-                ctypes.c_void_p] * 4
-        _evict_rows[:] = [loader.generation, function]
-    return _evict_rows[1]
+    return _native("confkv_evict_rows")
+
+
+def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> bool:
+    """Age ``store``'s FP window and evict its older region down to ``budget`` [B] in one C call, as
+    ``store._age(force=True)`` then ``store._evict(budget)`` would, byte for byte (the dropped slots demoted to the
+    cold tier the same way). True when done; False, with nothing changed, when this step is not one it takes:
+    it takes a step over its budget with every slot valid, one budget for every sequence, no eviction slack and
+    full precision, on CPU; the policy scores the same concatenation the two steps would (built from the statistics
+    and positions alone), and the C call declines where its choice could differ from the torch path's (a tie at
+    the boundary, a NaN score, a protected slot among the lowest)."""
+    old, recent = store.old, store.recent
+    if (budget is None or store.sliding_window is not None or store.int8 or store.config.evict_slack
+            or not (old.all_valid and recent.all_valid) or old.is_int8 or old.keys.device.type != "cpu"):
+        return False
+    aged = recent.length - store.recent_len
+    keeps = set(budget.tolist())
+    if aged <= 0 or len(keeps) != 1:
+        return False
+    length = old.length + aged
+    keep = max(min(keeps.pop(), UNLIMITED) - (recent.length - aged), 0)  # slots the older region keeps
+    drop = length - keep
+    evict = _native("confkv_age_evict_rows")
+    if evict is None or not 0 < drop < length or old.positions.dtype != torch.int64:
+        return False
+    with profiling.section("ageing + eviction (one call)"):
+        current = store.seen_real - 1
+        # the scores of the concatenation the two steps would rank (elementwise ops may round a value differently
+        # at another place in a tensor, so the same tensor is scored, not the two regions apart)
+        positions = torch.cat([old.positions, recent.positions[:, :, :aged]], dim=2)
+        stats = {name: torch.cat([old.stats[name], recent.stats[name][:, :, :aged]], dim=2) for name in old.stats}
+        scores = store.policy.scores(stats, positions, current).to(torch.float32).contiguous()
+        split = _age_split(evict, old, recent, aged, drop, scores, positions, current.to(torch.int64).contiguous(),
+                       store.policy.protect, store.policy.sinks)
+        if split is None:
+            return False
+        store.old, dropped, store.recent = split
+        store.window = None  # as ageing does: the next decode step makes a buffer around the new window
+        if store.cold is not None:
+            ranked_by_attention = store.storage is not None and store.storage.unread_by == "attention"
+            demote_slots(store.cold, dropped, dropped.valid, store.channel_scale, recent.keys.dtype,
+                         store.policy if ranked_by_attention else None, current, store.last_queries)
+    return True
+
+
+def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores: torch.Tensor, positions: torch.Tensor,
+           current: torch.Tensor, protect: int, sinks: int) -> tuple[Region, Region, Region] | None:
+    """The C call: (older region kept [B, Hkv, L - drop], dropped [B, Hkv, drop], window left [B, Hkv, W - aged]) of
+    the concatenation of ``old`` [B, Hkv, L_old] and ``recent``'s first ``aged`` slots (L = L_old + aged), or None
+    when it declines or a tensor is not contiguous. In the steady state (``aged == drop``) the kept slots are
+    written over ``old``'s own tensors, and ``old`` itself is returned as the kept region."""
+    names = list(old.stats)
+    sources = [old.keys, old.values, old.positions] + [old.stats[name] for name in names]
+    windows = [recent.keys, recent.values, recent.positions] + [recent.stats[name] for name in names]
+    batch, heads, length, rest = old.positions.shape[0], old.positions.shape[1], old.length + aged, recent.length - aged
+    in_place = aged == drop
+    kept, dropped, left, row_bytes = [], [], [], []
+    for source, window in zip(sources, windows):  # one loop: this runs in every decode step of every layer
+        if not (source.is_contiguous() and window.is_contiguous()) or source.dtype != window.dtype:
+            return None
+        tail = source.shape[3:]
+        kept.append(source if in_place else source.new_empty((batch, heads, length - drop) + tail))
+        dropped.append(source.new_empty((batch, heads, drop) + tail))
+        left.append(source.new_empty((batch, heads, rest) + tail))
+        row_bytes.append(source.element_size() * (tail[0] if tail else 1))
+    count = len(sources)
+    pointers = ctypes.c_void_p * count
+    status = evict(batch, heads, old.length, recent.length, aged, drop, scores.data_ptr(), positions.data_ptr(),
+                   current.data_ptr(), protect, sinks, count, pointers(*[t.data_ptr() for t in sources]),
+                   pointers(*[t.data_ptr() for t in windows]), pointers(*[t.data_ptr() for t in kept]),
+                   pointers(*[t.data_ptr() for t in dropped]), pointers(*[t.data_ptr() for t in left]),
+                   (ctypes.c_int64 * count)(*row_bytes))
+    if status:
+        return None
+
+    def region(tensors: list[torch.Tensor], slots: int) -> Region:
+        return Region(keys=tensors[0], values=tensors[1], positions=tensors[2], valid=old.valid.new_ones(batch, slots),
+                      stats=dict(zip(names, tensors[3:])), all_valid=True)
+    return old if in_place else region(kept, length - drop), region(dropped, drop), region(left, rest)
 
 
 def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: tuple[str, ...],

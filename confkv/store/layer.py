@@ -256,10 +256,8 @@ class LayerStore(AttentionRead):
             self.pending = new
 
     def end_step(self, budget: torch.Tensor | None, cold_read: torch.Tensor | None = None) -> None:
-        """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction).
-
-        ``cold_read`` [B]: cold pages the next read takes (tiered policies; None keeps the last).
-        """
+        """Age the FP window and evict down to ``budget`` [B] (None or UNLIMITED: no eviction). ``cold_read`` [B]:
+        cold pages the next read takes (tiered policies; None keeps the last)."""
         if cold_read is not None and self.cold is not None:
             self.cold_read = cold_read.to(torch.int64)
         if not self.is_initialized or self.pending:
@@ -275,6 +273,8 @@ class LayerStore(AttentionRead):
                 over_budget = bool((self.kept_counts() > budget.to(self.seen_real.device)).any())
         if over_budget and self.int8_later:
             self._start_int8()
+        if over_budget and hot_tier.age_and_evict_at_once(self, budget):  # the steady state in one C call
+            return
         self._age(force=over_budget)
         self._evict(budget)
 
@@ -383,7 +383,6 @@ class LayerStore(AttentionRead):
                 hot_tier.demote_dropped(self.cold, old, index, valid, self.channel_scale, self.recent.keys.dtype,
                                           policy, current, self.last_queries)
             self.old = old.gather(index, valid, all_valid=bool(valid.all()))
-
 
     def _promote(self, page_mass: torch.Tensor) -> None:
         """Move each head's most-attended read page back into the older hot region (in position order).

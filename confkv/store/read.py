@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.functional import pad
 
 from confkv import native, profiling
 from confkv.attention import KVSegment, attention_read
@@ -23,13 +24,13 @@ from confkv.config import ALL_PAGES, StoreConfig
 from confkv.native import loader
 from confkv.native import pages as native_pages
 from confkv.native.decode import DecodePlan
+from confkv.store.hot_tier import Region
 from confkv.store.window_buffer import WindowBuffer
 from confkv.tiers.ladder import LadderTier
 
 if TYPE_CHECKING:
     from confkv.tiers.cold import ColdTier
     from confkv.policies.base import Policy
-    from confkv.store.hot_tier import Region
     from confkv.tiers.storage import Storage
 
 
@@ -82,12 +83,34 @@ class AttentionRead:
 
         The common decode step of an attention-ranked policy on CPU (full-precision all-valid regions, the
         native mass read) writes its token into the FP window's preallocated slots and reads at once,
-        as one C call where it can (:meth:`_decode_in_place`); otherwise the two calls run.
+        as one C call where it can (:meth:`_decode_in_place`); a step with every window slot valid otherwise
+        appends and places its token in fewer calls (:meth:`_append_one`); any other runs the two calls.
         """
-        if not self.can_decode_in_place(keys, query):
-            self.append(keys, values)
-            return self.attend(query, scaling=scaling)
-        return self._decode_in_place(keys, values, query, scaling)
+        if self.can_decode_in_place(keys, query):
+            return self._decode_in_place(keys, values, query, scaling)
+        if self.is_initialized and not self.pending and keys.shape[2] == 1 and self.recent.all_valid and \
+                keys.dtype == self.recent.keys.dtype and self.seen_real.dtype == torch.int64:
+            return self._attend_placed(query, self._append_one(keys, values), scaling, None)
+        self.append(keys, values)
+        return self.attend(query, scaling=scaling)
+
+    def _append_one(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``append`` of one token per sequence (keys / values [B, Hkv, 1, D]) and the positions ``attend`` gives it
+        when nothing is padded, in fewer calls (a decode step of a store that does not decode in place, as under a
+        memory target: the same region, every slot valid); returns the query positions [B, 1]."""
+        with profiling.section("append (FP window)"):
+            recent, (batch, kv_heads) = self.recent, keys.shape[:2]
+            position = self.seen_real.view(batch, 1, 1).expand(batch, kv_heads, 1)
+            self.recent = Region(keys=torch.cat([recent.keys, keys], dim=2),
+                                 values=torch.cat([recent.values, values], dim=2),
+                                 positions=torch.cat([recent.positions, position], dim=2),
+                                 valid=recent.valid.new_ones(batch, recent.length + 1), all_valid=True,
+                                 stats={name: pad(t, (0, 1)) for name, t in recent.stats.items()})  # zero statistics
+            self.window = None  # the recent region is a fresh copy now
+            query_positions, self.seen_real = self.seen_real[:, None], self.seen_real + 1
+            self.seen_tokens += 1
+            self.last_queries = 1
+        return query_positions
 
     def can_decode_in_place(self, keys: torch.Tensor, query: torch.Tensor) -> bool:
         """Whether this decode step may be taken in place: one initialised, non-pending token of a full-precision
@@ -200,6 +223,13 @@ class AttentionRead:
                                "the cache and the attention read are out of step")
         with profiling.section("positions and masks"):
             query_positions = self._place_new_tokens(padding)
+        return self._attend_placed(query, query_positions, scaling, softcap)
+
+    def _attend_placed(self, query: torch.Tensor, query_positions: torch.Tensor, scaling: float,
+                       softcap: float | None) -> torch.Tensor:
+        """:meth:`attend` once the new tokens' positions are placed (``query_positions`` [B, q])."""
+        new = query.shape[2]
+        with profiling.section("positions and masks"):
             regions = [r for r in (self.old, self.recent) if r.length]  # the old region may still be empty
             segments = [self._segment(r, self._visible(r, query_positions, causal=r is self.recent and new > 1))
                         for r in regions]

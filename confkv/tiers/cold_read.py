@@ -44,6 +44,8 @@ class PageRead:
     bytes_read: int
     reads: int
     _selected: Tensor | None
+    #: the last read of every page handed over packed (:class:`EveryPageRead`), see :meth:`_paged`
+    _every_page: EveryPageRead | None = None
 
     def read_rotation(self, turns_pages: bool = False):
         """The format's rotation when this read can fold it into the query and output (pages to read,
@@ -106,8 +108,11 @@ class PageRead:
                       rotated: bool = False) -> KVSegment | PagedSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
-        if int(read_pages.min()) >= count:  # every sequence reads every page: no ranking needed
-            index = torch.arange(count, device=device).expand(batch, heads, count)
+        every = int(read_pages.min()) >= count
+        if every:  # every sequence reads every page: no ranking needed
+            cached = self._every_page
+            index = cached.segment.index if cached is not None and cached.key == (count, batch, heads, device) else \
+                torch.arange(count, device=device).expand(batch, heads, count)
         else:
             with profiling.section("cold page selection (digest bound + top-k)"):
                 bound = self.digest_bound(query)  # [B, H, N] (digests are of the original keys)
@@ -124,7 +129,7 @@ class PageRead:
         # the pages carry it (the native read turns the query; to_dense decodes back)
         rotation = None if self.format.paged or rotated else self.format.rotation
         if paged and self.pages["valid"].device == device:  # pages elsewhere (e.g. offloaded to host): gather here
-            return self._paged(index, read_pages, width, rotation)
+            return self._paged(index, read_pages, width, rotation, every)
         with profiling.section("cold pages (gather + dequantize)"):
             return self._paged(index, read_pages, width, rotation).to_dense()
 
@@ -144,17 +149,28 @@ class PageRead:
                                self.config.group_size, self.head_dim).visible()
         return KVSegment(keys.reshape(shape), values.reshape(shape), visible)
 
-    def _paged(self, index: Tensor, read_pages: Tensor, width: int, rotation=None) -> PagedSegment:
+    def _paged(self, index: Tensor, read_pages: Tensor, width: int, rotation=None, every: bool = False) -> PagedSegment:
         """The read's pages as a :class:`PagedSegment` (``index`` [B, H, width], ``read_pages`` [B]; ``rotation``:
-        the basis their codes are in, None for the read's)."""
+        the basis their codes are in, None for the read's). ``every``: every page is read (``width`` pages, in page
+        order): the segment of the last such read is handed over again while the pages' count and tensors are the
+        same (a decode step's read under a byte target, where pages change once in many steps), and with it what the
+        native read worked out from it (:attr:`PagedSegment.native_args`)."""
         names = _STORAGE[self.config.bits == 16]
         if "key_outlier_index" in self.format.storage:
             names = names + OUTLIER_STORAGE
         storage = {name: self.pages[name] for name in names}
+        if every:
+            key, tensors, cached = (width, *index.shape[:2], index.device), (*storage.values(), self.pages["valid"]), \
+                self._every_page
+            if cached is not None and cached.serves(key, rotation, tensors):
+                return cached.segment
         value_bits = self.format.widths["value"] if self.config.bits != 16 else None
-        return PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
-                            self.config.group_size, self.head_dim, **storage, rotation=rotation,
-                            value_bits=None if value_bits == self.config.bits else value_bits)
+        segment = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
+                               self.config.group_size, self.head_dim, **storage, rotation=rotation,
+                               value_bits=None if value_bits == self.config.bits else value_bits)
+        if every:
+            self._every_page = EveryPageRead(key, rotation, tensors, segment)
+        return segment
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
         """Pages ``index`` [B, H, K] of ``live`` decoded by the format: keys, values [B, H, K, P, D]
@@ -223,3 +239,27 @@ class PageRead:
         index = self._selected
         per_page = mass.reshape(*index.shape, -1).sum(-1)
         self.pages["heat"].narrow(2, 0, self.num_pages).scatter_add_(2, index, per_page.float())
+
+
+class EveryPageRead:
+    """A cold tier's last read of every page, handed over packed: the :class:`PagedSegment` (page numbers, counts, the
+    pages' tensors, and what the native read worked out from it), kept while ``key`` (pages, batch, heads, device),
+    the rotation and the page tensors (by identity: the segment holds them, so no other object takes their ``id``)
+    stay the same. A copied tier (``ConfKVCache.clone``) starts without one: the native read's part holds raw
+    pointers into the original's tensors."""
+
+    __slots__ = ("key", "rotation", "tensors", "segment")
+
+    def __init__(self, key: tuple, rotation, tensors: tuple[Tensor, ...], segment: PagedSegment) -> None:
+        self.key, self.rotation, self.tensors, self.segment = key, rotation, tensors, segment
+
+    def serves(self, key: tuple, rotation, tensors: tuple[Tensor, ...]) -> bool:
+        return (key == self.key and rotation is self.rotation and len(tensors) == len(self.tensors)
+                and all(a is b for a, b in zip(tensors, self.tensors)))
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (type(None), ())  # pickled as None, for the same reason
+

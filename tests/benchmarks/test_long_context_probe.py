@@ -19,6 +19,7 @@ def test_a_short_probe_prints_the_sections_of_the_presets_step(monkeypatch, caps
     out = capsys.readouterr().out
     assert re.search(r"prefill of 600 tokens: \d+ s; KV held [\d.]+ MiB", out)
     assert re.search(r"step [\d.]+ ms over 2 layers", out)
-    sections = dict(re.findall(r"^(attention read|ranking and top-k|memory plan)\s+([\d.]+)\s+\d+$", out, re.M))
-    assert set(sections) == {"attention read", "ranking and top-k", "memory plan"}, out
+    sections = dict(re.findall(r"^(attention read|ageing \+ eviction \(one call\)|memory plan)\s+([\d.]+)\s+\d+$",
+                               out, re.M))
+    assert set(sections) == {"attention read", "ageing + eviction (one call)", "memory plan"}, out
     assert all(float(ms) > 0 for ms in sections.values())

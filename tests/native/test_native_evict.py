@@ -173,6 +173,9 @@ def _decode(policy, memory, batch, native_split: bool, monkeypatch, steps: int =
         return split
 
     monkeypatch.setattr(hot_tier, "split_by_rank", counted)
+    # the steady state's ageing and eviction in one call (tests/native/test_age_evict.py) off: every eviction here
+    # goes through split_by_rank
+    monkeypatch.setattr(hot_tier, "age_and_evict_at_once", lambda store, budget: False)
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, policy, memory=memory)
     ids = torch.randint(0, 250, (batch, 80 + steps), generator=torch.Generator().manual_seed(3))
@@ -182,6 +185,7 @@ def _decode(policy, memory, batch, native_split: bool, monkeypatch, steps: int =
         for t in range(80, 80 + steps):
             logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
     monkeypatch.setattr(hot_tier, "split_by_rank", real)
+    monkeypatch.undo()
     stores = [layer.store for layer in cache.layers]
     state = [(s.old.positions.clone(), s.old.keys.clone(), dict(s.old.stats)) for s in stores]
     return torch.stack(logits), cache.kv_bytes(), state, sum(taken)

@@ -324,7 +324,7 @@ def equal_bytes_lines(quality: dict[str, Any]) -> list[str]:
 #: of confkv's instrumented time (appending to the FP window, positions and masks, the
 #: trace) is the store's per-step plumbing, reported as "cache overhead" with the policy work.
 POLICY_SECTIONS = ("confidence", "budget gate", "EMA / stats update", "ranking and top-k", "compaction gather",
-                   "quantization", "eviction bookkeeping", "ageing (old-region concat)")
+                   "quantization", "eviction bookkeeping", "ageing (old-region concat)", "ageing + eviction (one call)")
 
 
 def step_breakdown(runner: _Runner, ids: torch.Tensor, steps: int) -> dict[str, Any]:

@@ -14,7 +14,12 @@
  *
  * Tensors: scores [B, H, L] float32, positions [B, H, L] int64, current [B] int64, all contiguous. The rows
  * to split: `count` tensors src[t] [B, H, L, row_bytes[t] bytes] contiguous, written to kept[t]
- * [B, H, L - drop, row] and dropped[t] [B, H, drop, row]. 0 < drop < L. */
+ * [B, H, L - drop, row] and dropped[t] [B, H, drop, row]. 0 < drop < L.
+ *
+ * confkv_age_evict_rows does a decode step's ageing with it (confkv/store/layer.py's _age, then _evict): the region
+ * split is the concatenation of the older region and the FP window's oldest slots, read in place from both, and the
+ * window's other slots are copied out too; the same rule, the same refusals. In the steady state (as many slots aged
+ * as dropped) the kept slots may be written over the older region itself. */
 
 typedef struct {
     float priority;
@@ -66,10 +71,17 @@ static int choose_dropped(const float *scores, const int64_t *positions, int64_t
     return 0;
 }
 
-int confkv_evict_rows(int64_t B, int64_t H, int64_t L, int64_t drop, const float *scores, const int64_t *positions,
-                      const int64_t *current, int64_t protect, int64_t sinks, int64_t count, void *const *src,
-                      void *const *kept, void *const *dropped, const int64_t *row_bytes) {
-    if (drop <= 0 || drop >= L) return 1;
+/* The split of the concatenation of `old` [B, H, L_old, row] and the first `aged` slots of `recent` [B, H, L_recent,
+ * row] (L = L_old + aged slots, scores and positions [B, H, L] of that concatenation): the kept slots to kept[t]
+ * [B, H, L - drop, row] and the dropped ones to dropped[t] [B, H, drop, row], both in slot order, and recent's
+ * other slots (aged .. L_recent - 1) to recent_kept[t] [B, H, L_recent - aged, row] (skipped when NULL). aged = 0
+ * with L_recent = 0 is confkv_evict_rows' split of `old` alone. 0, 1 (refused, nothing written) or 2 (no memory). */
+static int split_rows(int64_t B, int64_t H, int64_t L_old, int64_t L_recent, int64_t aged, int64_t drop,
+                      const float *scores, const int64_t *positions, const int64_t *current, int64_t protect,
+                      int64_t sinks, int64_t count, void *const *old_src, void *const *recent_src, void *const *kept,
+                      void *const *dropped, void *const *recent_kept, const int64_t *row_bytes) {
+    const int64_t L = L_old + aged;
+    if (drop <= 0 || drop >= L || aged < 0 || aged > L_recent || L_old < 0) return 1;
     const int64_t heads = B * H, keep = L - drop;
     unsigned char *flags = malloc((size_t)(heads * L));
     ranked_slot *work = malloc(sizeof(ranked_slot) * (size_t)L);
@@ -91,20 +103,55 @@ int confkv_evict_rows(int64_t B, int64_t H, int64_t L, int64_t drop, const float
     for (int64_t t = 0; t < count; t++) {
         const int64_t row = row_bytes[t];
         for (int64_t u = 0; u < heads; u++) {
-            const char *from = (const char *)src[t] + u * L * row;
+            const char *from_old = (const char *)old_src[t] + u * L_old * row;
+            const char *from_recent = aged ? (const char *)recent_src[t] + u * L_recent * row : NULL;
             char *stay = (char *)kept[t] + u * keep * row, *leave = (char *)dropped[t] + u * drop * row;
             const unsigned char *flag = flags + u * L;
-            for (int64_t s = 0; s < L; s++) {
+            /* runs of slots that go the same way, in slot order; the older region's and the window's apart. Slot s
+             * is written to kept slot <= s, so kept may be old_src itself (in place: keep == L_old): memmove */
+            for (int64_t s = 0; s < L;) {
+                const int64_t part_end = s < L_old ? L_old : L;
+                const char *from = s < L_old ? from_old + s * row : from_recent + (s - L_old) * row;
+                int64_t end = s + 1;
+                while (end < part_end && flag[end] == flag[s]) end++;
+                const size_t bytes = (size_t)((end - s) * row);
                 if (flag[s]) {
-                    memcpy(leave, from + s * row, (size_t)row);
-                    leave += row;
+                    memcpy(leave, from, bytes);
+                    leave += bytes;
                 } else {
-                    memcpy(stay, from + s * row, (size_t)row);
-                    stay += row;
+                    if (stay != from) memmove(stay, from, bytes);
+                    stay += bytes;
                 }
+                s = end;
             }
+            if (recent_kept && L_recent > aged) /* aged > 0 here: from_recent is set */
+                memcpy((char *)recent_kept[t] + u * (L_recent - aged) * row, from_recent + aged * row,
+                       (size_t)((L_recent - aged) * row));
         }
     }
     free(flags);
     return 0;
+}
+
+int confkv_evict_rows(int64_t B, int64_t H, int64_t L, int64_t drop, const float *scores, const int64_t *positions,
+                      const int64_t *current, int64_t protect, int64_t sinks, int64_t count, void *const *src,
+                      void *const *kept, void *const *dropped, const int64_t *row_bytes) {
+    return split_rows(B, H, L, 0, 0, drop, scores, positions, current, protect, sinks, count, src, NULL, kept,
+                      dropped, NULL, row_bytes);
+}
+
+/* A decode step's ageing and eviction in one call: the oldest `aged` slots of the FP window `recent` join the older
+ * region `old`, and the `drop` slots of lowest priority of that concatenation leave (confkv_evict_rows' rule and
+ * refusals, over scores / positions [B, H, L_old + aged] of the concatenation). Writes kept[t], dropped[t] and
+ * recent_kept[t] (the window's other slots) as split_rows says; 0 < aged <= L_recent. kept[t] may be old_src[t]
+ * itself when aged == drop (the older region keeps its length: rewritten in place, every dropped row read before
+ * it is written over). */
+int confkv_age_evict_rows(int64_t B, int64_t H, int64_t L_old, int64_t L_recent, int64_t aged, int64_t drop,
+                          const float *scores, const int64_t *positions, const int64_t *current, int64_t protect,
+                          int64_t sinks, int64_t count, void *const *old_src, void *const *recent_src,
+                          void *const *kept, void *const *dropped, void *const *recent_kept,
+                          const int64_t *row_bytes) {
+    if (aged <= 0) return 1;
+    return split_rows(B, H, L_old, L_recent, aged, drop, scores, positions, current, protect, sinks, count, old_src,
+                      recent_src, kept, dropped, recent_kept, row_bytes);
 }

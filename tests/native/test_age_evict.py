@@ -1,0 +1,182 @@
+"""A decode step's ageing and eviction in one C call (``confkv_age_evict_rows``, ``c/evict.c``, through
+:func:`confkv.store.hot_tier.age_and_evict_at_once`): the store it leaves is the one the two steps (``_age`` then
+``_evict``) leave, byte for byte, and it declines (changing nothing) every step it does not take. Then through a
+cache: decoding with it gives the same logits, bytes and slots as without it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+
+from confkv import native
+from confkv.config import StoreConfig
+from confkv.hf import ConfKVCache, prefill
+from confkv.models import tiny_model
+from confkv.native import loader
+from confkv.policies.registry import make_policy
+from confkv.store import LayerStore
+from confkv.store import hot_tier
+from confkv.store.hot_tier import age_and_evict_at_once
+from confkv.store.hot_tier import Region
+
+pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),
+              pytest.mark.skipif(not native.available(), reason="the call needs the library")]
+
+
+def _region(batch: int, heads: int, length: int, start: int, gen: torch.Generator, dtype) -> Region:
+    keys = torch.randn(batch, heads, length, 8, generator=gen).to(dtype)
+    values = torch.randn(batch, heads, length, 8, generator=gen).to(dtype)
+    positions = (start + torch.arange(length)).expand(batch, heads, length).clone()
+    return Region(keys=keys, values=values, positions=positions, valid=torch.ones(batch, length, dtype=torch.bool),
+                  stats={"ema": torch.rand(batch, heads, length, generator=gen)}, all_valid=True)
+
+
+def _store(batch: int, heads: int, old: int, recent: int, seed: int, dtype=torch.float32, protect: int = 4,
+           sinks: int = 2) -> LayerStore:
+    """A full-precision store of ``old`` older and ``recent`` window slots (positions 0 .. old + recent - 1)."""
+    policy = make_policy("confkv-fixed", protect=protect, sinks=sinks)
+    store = LayerStore(policy, StoreConfig())
+    gen = torch.Generator().manual_seed(seed)
+    store.old = _region(batch, heads, old, 0, gen, dtype)
+    store.recent = _region(batch, heads, recent, old, gen, dtype)
+    store.seen_real = torch.full((batch,), old + recent, dtype=torch.int64)
+    store.seen_tokens = old + recent
+    return store
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The same dtype, shape and values (a NaN where the other has one)."""
+    return x.dtype == y.dtype and x.shape == y.shape and bool(((x == y) | (x.isnan() & y.isnan())).all()
+                                                              if x.is_floating_point() else torch.equal(x, y))
+
+
+def _assert_same_region(a: Region, b: Region) -> None:
+    for name in ("keys", "values", "positions", "valid"):
+        assert _same(getattr(a, name), getattr(b, name)), name
+    assert a.stats.keys() == b.stats.keys() and all(_same(a.stats[k], b.stats[k]) for k in a.stats)
+    assert a.all_valid == b.all_valid
+
+
+def _two_steps(store: LayerStore, budget: torch.Tensor) -> LayerStore:
+    twin = copy.deepcopy(store)
+    twin._age(force=True)
+    twin._evict(budget)
+    return twin
+
+
+@pytest.mark.parametrize("batch,heads,old,recent,budget", [(1, 1, 9, 5, 12), (1, 3, 40, 5, 43), (3, 2, 40, 6, 44),
+                                                             (2, 3, 60, 9, 40), (1, 2, 30, 5, 31), (2, 1, 0, 9, 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_call_leaves_the_store_the_two_steps_leave(batch, heads, old, recent, budget, dtype):
+    # the window keeps its 4 newest slots (protect 4): recent - 4 slots age, and the older region drops to the budget
+    store = _store(batch, heads, old, recent, seed=old + recent + budget, dtype=dtype)
+    want = _two_steps(store, torch.full((batch,), budget))
+    assert age_and_evict_at_once(store, torch.full((batch,), budget))
+    _assert_same_region(store.old, want.old)
+    _assert_same_region(store.recent, want.recent)
+    assert store.recent.length == 4 and store.physical_length == budget
+
+
+def test_the_dropped_slots_go_to_the_cold_tier_as_the_two_steps_send_them():
+    seen = []
+
+    class Cold:
+        def demote(self, keys, values, positions, valid, attention):
+            seen.append((keys.clone(), values.clone(), positions.clone(), valid.clone(), attention))
+
+        def kv_bytes(self):
+            return 0
+
+    store = _store(2, 3, 30, 6, seed=5)
+    store.cold = Cold()
+    store.storage = types.SimpleNamespace(unread_by="attention")  # the policy's attention goes with each slot
+    twin = copy.deepcopy(store)
+    twin._age(force=True)
+    twin._evict(torch.tensor([28, 28]))
+    assert age_and_evict_at_once(store, torch.tensor([28, 28]))
+    assert len(seen) == 2
+    assert seen[0][4] is not None and seen[1][4] is not None
+    for a, b in zip(seen[0], seen[1]):
+        assert torch.equal(a, b)
+    assert seen[0][2].shape == (2, 3, 8)  # 30 older and 2 aged slots, 24 kept beside the window's 4
+
+
+def _unchanged(store: LayerStore, budget: torch.Tensor) -> None:
+    before = copy.deepcopy(store)
+    assert not age_and_evict_at_once(store, budget)
+    _assert_same_region(store.old, before.old)
+    _assert_same_region(store.recent, before.recent)
+
+
+def test_it_declines_a_tie_at_the_boundary_a_nan_and_a_protected_slot_among_the_lowest():
+    store = _store(1, 1, 10, 5, seed=1, protect=4, sinks=0)
+    store.policy = make_policy("confkv-fixed", protect=4, sinks=0, recency_weight=0.0)
+    # 10 older slots and 1 aged, the window's 4 newest kept: a budget of 14 drops one of the 11
+    store.old.stats["ema"][..., 3] = store.old.stats["ema"][..., 6] = -1.0  # the two lowest, equal
+    _unchanged(store, torch.tensor([14]))
+    store.old.stats["ema"][..., 3] = math.nan
+    _unchanged(store, torch.tensor([14]))
+    # sinks 8: positions 0-7 protected, so of the 11 only 8, 9, 10 may go: a budget of 11 would drop 4
+    store = _store(1, 1, 10, 5, seed=2, protect=4, sinks=8)
+    _unchanged(store, torch.tensor([11]))
+    assert age_and_evict_at_once(store, torch.tensor([12]))  # 3 to drop: the three unprotected
+    assert store.old.positions.flatten().tolist() == list(range(8))
+
+
+def test_it_declines_what_it_does_not_take():
+    store = _store(2, 1, 10, 5, seed=3)
+    _unchanged(store, torch.tensor([12, 11]))  # a budget per sequence
+    _unchanged(store, torch.tensor([20, 20]))  # nothing to drop
+    _unchanged(store, None)
+    _unchanged(_store(2, 1, 10, 4, seed=3), torch.tensor([12, 12]))  # nothing to age
+    holes = _store(2, 1, 10, 5, seed=3)
+    holes.old.all_valid = False
+    _unchanged(holes, torch.tensor([12, 12]))
+    slack = _store(2, 1, 10, 5, seed=3)
+    slack.config = StoreConfig(evict_slack=2)
+    _unchanged(slack, torch.tensor([12, 12]))
+    strided = _store(2, 1, 10, 5, seed=3)
+    strided.old.keys = torch.randn(2, 1, 8, 10).transpose(-1, -2)
+    _unchanged(strided, torch.tensor([12, 12]))
+    with loader.disabled():
+        _unchanged(store, torch.tensor([12, 12]))
+    assert age_and_evict_at_once(store, torch.tensor([12, 12]))  # back on after it
+
+
+def _decode(policy, memory, batch, one_call: bool, monkeypatch, steps: int = 120):
+    taken = []
+
+    def counted(store, budget):
+        done = age_and_evict_at_once(store, budget) if one_call else False
+        taken.append(done)
+        return done
+
+    monkeypatch.setattr(hot_tier, "age_and_evict_at_once", counted)
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, policy, memory=memory)
+    ids = torch.randint(0, 250, (batch, 80 + steps), generator=torch.Generator().manual_seed(3))
+    logits = []
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :80], chunk=32)
+        for t in range(80, 80 + steps):
+            logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+    monkeypatch.undo()
+    regions = [(s.old, s.recent) for s in (layer.store for layer in cache.layers)]
+    return torch.stack(logits), cache.kv_bytes(), regions, sum(taken)
+
+
+@pytest.mark.parametrize("policy,memory,batch", [(None, 0.25, 1), (None, 0.125, 3), ("h2o", 0.25, 2),
+                                                 ("tova", 0.25, 1)])
+def test_a_cache_decodes_the_same_with_the_one_call_as_without_it(policy, memory, batch, monkeypatch):
+    logits, nbytes, regions, one_call_steps = _decode(policy, memory, batch, True, monkeypatch)
+    want_logits, want_bytes, want_regions, none = _decode(policy, memory, batch, False, monkeypatch)
+    assert one_call_steps > 100 and none == 0
+    assert torch.equal(logits, want_logits) and nbytes == want_bytes
+    for (old, recent), (want_old, want_recent) in zip(regions, want_regions):
+        _assert_same_region(old, want_old)
+        _assert_same_region(recent, want_recent)

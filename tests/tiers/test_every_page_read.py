@@ -1,0 +1,110 @@
+"""A cold tier that reads every page (the bit ladder under a byte target) hands the same packed segment over from one
+read to the next while its pages do not change (:class:`confkv.tiers.cold_read.EveryPageRead`), and the native read
+uses what it worked out from that segment again (``PagedSegment.native_args``). Both are only ways of not building
+the same thing twice: a cache decodes the same with them as without, a change of the pages makes a new segment, a
+segment copied with a field changed is worked out again, and a copied cache does not keep them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from confkv.hf import ConfKVCache, prefill
+from confkv.models import tiny_model
+from confkv.native import pages as native_pages
+from confkv.native.loader import available
+from confkv.tiers import cold_read
+from confkv.tiers.ladder import LadderTier
+
+pytestmark = pytest.mark.skipif(not available(), reason="the packed pages are handed to the native read")
+
+
+def _stream(steps: int, monkeypatch, cached: bool = True, batch: int = 1):
+    """A tiny Llama at memory=0.25 through 200 tokens of prefill and ``steps`` decode steps; per step and layer, the
+    page segments the read took (by identity); the logits and the cache."""
+    if not cached:
+        monkeypatch.setattr(cold_read.EveryPageRead, "serves", lambda self, *args: False)
+    handed = []
+    real = native_pages._read
+
+    def read(lib, query, segments, *args, **kwargs):
+        handed.append([s for s in segments if hasattr(s, "counts")])
+        return real(lib, query, segments, *args, **kwargs)
+
+    monkeypatch.setattr(native_pages, "_read", read)
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    ids = torch.randint(0, 250, (batch, 200 + steps), generator=torch.Generator().manual_seed(5))
+    logits = []
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :200], chunk=64)
+        for t in range(200, 200 + steps):
+            logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+    monkeypatch.undo()
+    return torch.stack(logits), handed, cache
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_cache_decodes_the_same_with_the_segment_kept_as_without(batch, monkeypatch):
+    logits, handed, cache = _stream(60, monkeypatch, batch=batch)
+    want, fresh, want_cache = _stream(60, monkeypatch, cached=False, batch=batch)
+    assert torch.equal(logits, want) and cache.kv_bytes() == want_cache.kv_bytes()
+    layers = len(cache.layers)
+    same = sum(a is b for step, after in zip(handed, handed[layers:]) for a, b in zip(step, after))
+    assert same > len(handed) // 2  # most steps hand over the segment of the step before
+    assert not any(a is b for step, after in zip(fresh, fresh[layers:]) for a, b in zip(step, after))
+
+
+def test_a_new_segment_when_the_pages_change(monkeypatch):
+    _, handed, cache = _stream(70, monkeypatch)
+    layers = len(cache.layers)
+    rung_reads = [[(id(s), s.width) for s in step] for step in handed[::layers]]  # layer 0, step by step
+    changes = [(a, b) for a, b in zip(rung_reads, rung_reads[1:]) if a != b]
+    assert changes, "no page changed in 70 steps: the test needs a longer stream"
+    # a segment is handed over again only while its pages are the same: when the width (pages) changed, so did the object
+    for before, after in zip(rung_reads, rung_reads[1:]):
+        for (id_a, width_a), (id_b, width_b) in zip(before, after):
+            assert width_a == width_b or id_a != id_b
+
+
+def test_a_copied_cache_keeps_neither():
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    ids = torch.randint(0, 250, (1, 230), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :200], chunk=64)
+        for t in range(200, 230):
+            model(ids[:, t:t + 1], cache=cache)
+    tiers = [layer.store.cold for layer in cache.layers if isinstance(layer.store.cold, LadderTier)]
+    kept = [rung for tier in tiers for rung in tier.rungs if rung._every_page is not None]
+    assert kept and all(rung._every_page.segment.native_args is not None for rung in kept)
+    twin = copy.deepcopy(cache)
+    for layer in twin.layers:
+        if isinstance(layer.store.cold, LadderTier):
+            assert all(rung._every_page is None for rung in layer.store.cold.rungs)
+    # and the copy decodes as the original does (its own pages read, not the original's)
+    with torch.no_grad():
+        a = model(ids[:, 229:230], cache=cache).logits
+        b = model(ids[:, 229:230], cache=twin).logits
+    assert torch.equal(a, b)
+
+
+def test_a_segment_copied_with_a_field_changed_is_worked_out_again():
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    ids = torch.randint(0, 250, (1, 220), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :200], chunk=64)
+        for t in range(200, 220):
+            model(ids[:, t:t + 1], cache=cache)
+    rung = next(rung for layer in cache.layers for rung in layer.store.cold.rungs if rung._every_page is not None)
+    segment = rung._every_page.segment
+    assert segment.native_args is not None
+    fewer = copy.copy(segment)
+    fewer.counts = torch.zeros_like(segment.counts)  # no sequence reads a page
+    keep: list = []
+    _, meta = native_pages._paged(fewer, keep)
+    assert keep[1] is not segment.native_args[3][1] and int(keep[1].sum()) == 0

@@ -38,7 +38,6 @@ class PageRead:
     format: PageFormat | None
     fold_rotation: bool
     open: dict[str, Tensor] | None
-    pages: dict[str, Tensor]
     num_pages: int
     head_dim: int
     bytes_read: int
@@ -46,6 +45,17 @@ class PageRead:
     _selected: Tensor | None
     #: the last read of every page handed over packed (:class:`EveryPageRead`), see :meth:`_paged`
     _every_page: EveryPageRead | None = None
+
+    @property
+    def pages(self) -> dict[str, Tensor]:
+        """The sealed pages' tensors, name -> [B, H, N, ...] (see :class:`~confkv.tiers.cold.ColdTier`)."""
+        return self._pages
+
+    @pages.setter
+    def pages(self, tensors: dict[str, Tensor]) -> None:
+        # new page tensors: the kept every-page segment, which holds the old ones, goes with them (else they would
+        # stay allocated, uncounted, until the next read)
+        self._pages, self._every_page = tensors, None
 
     def read_rotation(self, turns_pages: bool = False):
         """The format's rotation when this read can fold it into the query and output (pages to read,

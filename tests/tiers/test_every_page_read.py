@@ -73,38 +73,58 @@ def test_a_new_segment_when_the_pages_change(monkeypatch):
 def test_a_copied_cache_keeps_neither():
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, memory=0.25)
-    ids = torch.randint(0, 250, (1, 230), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         prefill(model, cache, ids[:, :200], chunk=64)
-        for t in range(200, 230):
-            model(ids[:, t:t + 1], cache=cache)
-    tiers = [layer.store.cold for layer in cache.layers if isinstance(layer.store.cold, LadderTier)]
-    kept = [rung for tier in tiers for rung in tier.rungs if rung._every_page is not None]
-    assert kept and all(rung._every_page.segment.native_args is not None for rung in kept)
+    assert _a_kept_read(cache, model, ids).segment.native_args is not None
     twin = copy.deepcopy(cache)
     for layer in twin.layers:
         if isinstance(layer.store.cold, LadderTier):
             assert all(rung._every_page is None for rung in layer.store.cold.rungs)
     # and the copy decodes as the original does (its own pages read, not the original's)
     with torch.no_grad():
-        a = model(ids[:, 229:230], cache=cache).logits
-        b = model(ids[:, 229:230], cache=twin).logits
+        a = model(ids[:, -1:], cache=cache).logits
+        b = model(ids[:, -1:], cache=twin).logits
     assert torch.equal(a, b)
+
+
+def _a_kept_read(cache, model, ids) -> cold_read.EveryPageRead:
+    """Decode ``ids`` past the prefill until some rung keeps an every-page read at the end of a step (a rung whose
+    pages changed in the step's fit has none), and return it."""
+    for t in range(200, ids.shape[1]):
+        with torch.no_grad():
+            model(ids[:, t:t + 1], cache=cache)
+        kept = [rung._every_page for layer in cache.layers for rung in layer.store.cold.rungs
+                if rung._every_page is not None]
+        if kept:
+            return kept[0]
+    raise AssertionError("no rung kept its every-page read")
 
 
 def test_a_segment_copied_with_a_field_changed_is_worked_out_again():
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, memory=0.25)
-    ids = torch.randint(0, 250, (1, 220), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         prefill(model, cache, ids[:, :200], chunk=64)
-        for t in range(200, 220):
-            model(ids[:, t:t + 1], cache=cache)
-    rung = next(rung for layer in cache.layers for rung in layer.store.cold.rungs if rung._every_page is not None)
-    segment = rung._every_page.segment
+    segment = _a_kept_read(cache, model, ids).segment
     assert segment.native_args is not None
     fewer = copy.copy(segment)
     fewer.counts = torch.zeros_like(segment.counts)  # no sequence reads a page
     keep: list = []
-    _, meta = native_pages._paged(fewer, keep)
+    native_pages._paged(fewer, keep)
     assert keep[1] is not segment.native_args[3][1] and int(keep[1].sum()) == 0
+
+
+def test_new_page_tensors_let_the_kept_read_go():
+    """A rung whose page tensors are replaced (a page dropped or added under the ladder's exact capacity) lets its
+    kept segment go at once, so the old tensors are freed then, not at the next read (they are no longer counted)."""
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :200], chunk=64)
+    kept = _a_kept_read(cache, model, ids)
+    rung = next(rung for layer in cache.layers for rung in layer.store.cold.rungs if rung._every_page is kept)
+    rung.drop_pages(torch.zeros(*kept.segment.index.shape[:2], 1, dtype=torch.int64))
+    assert rung._every_page is None

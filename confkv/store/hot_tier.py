@@ -322,7 +322,7 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
         stats = {name: torch.cat([old.stats[name], recent.stats[name][:, :, :aged]], dim=2) for name in old.stats}
         scores = store.policy.scores(stats, positions, current).to(torch.float32).contiguous()
         split = _age_split(evict, old, recent, aged, drop, scores, positions, current.to(torch.int64).contiguous(),
-                       store.policy.protect, store.policy.sinks)
+                           store.policy.protect, store.policy.sinks)
         if split is None:
             return False
         store.old, dropped, store.recent = split
@@ -334,8 +334,9 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
     return True
 
 
-def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores: torch.Tensor, positions: torch.Tensor,
-           current: torch.Tensor, protect: int, sinks: int) -> tuple[Region, Region, Region] | None:
+def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores: torch.Tensor,
+               positions: torch.Tensor, current: torch.Tensor, protect: int,
+               sinks: int) -> tuple[Region, Region, Region] | None:
     """The C call: (older region kept [B, Hkv, L - drop], dropped [B, Hkv, drop], window left [B, Hkv, W - aged]) of
     the concatenation of ``old`` [B, Hkv, L_old] and ``recent``'s first ``aged`` slots (L = L_old + aged), or None
     when it declines or a tensor is not contiguous. In the steady state (``aged == drop``) the kept slots are

@@ -7,6 +7,7 @@ cache: decoding with it gives the same logits, bytes and slots as without it.
 from __future__ import annotations
 
 import copy
+import ctypes
 import math
 import types
 
@@ -180,3 +181,36 @@ def test_a_cache_decodes_the_same_with_the_one_call_as_without_it(policy, memory
     for (old, recent), (want_old, want_recent) in zip(regions, want_regions):
         _assert_same_region(old, want_old)
         _assert_same_region(recent, want_recent)
+
+
+@pytest.mark.parametrize("aged,old_length,drop", [(0, 6, 1), (-1, 6, 1), (4, 6, 1), (5, 6, 1), (3, -1, 1),
+                                                   (2, 6, 0), (2, 6, 8), (2, 6, 9)])
+def test_the_c_call_refuses_what_it_cannot_split_and_writes_nothing(aged, old_length, drop):
+    """Ageing past the window (aged > its 3 slots), none or fewer than none, a negative older region, a drop outside
+    1 .. L - 1: refused (1), every output as it was. The wrapper never asks these; a caller of the C function might."""
+    evict = hot_tier._native("confkv_age_evict_rows")
+    length = max(old_length, 0) + max(aged, 0)
+    scores, positions = torch.rand(1, 1, max(length, 1)), torch.arange(max(length, 1)).view(1, 1, -1)
+    old, recent = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1), torch.full((1, 1, 3, 1), 7.0)
+    outputs = [torch.full((1, 1, 12, 1), -1.0) for _ in range(3)]
+    pointers = ctypes.c_void_p * 1
+    status = evict(1, 1, old_length, 3, aged, drop, scores.data_ptr(), positions.data_ptr(),
+                   torch.tensor([length]).data_ptr(), 0, 0, 1, pointers(old.data_ptr()), pointers(recent.data_ptr()),
+                   *(pointers(t.data_ptr()) for t in outputs), (ctypes.c_int64 * 1)(4))
+    assert status == 1 and all(bool((t == -1).all()) for t in outputs)
+    assert torch.equal(old.flatten(), torch.arange(6.0)) and bool((recent == 7).all())
+
+
+def test_every_window_slot_may_age():
+    """aged == the window's length: the whole window joins the older region and nothing of it stays."""
+    evict = hot_tier._native("confkv_age_evict_rows")
+    scores = torch.tensor([[[0.0, 5, 5, 5, 5, 5, 5, 5, 5]]])  # slot 0 (the oldest) is the lowest
+    positions = torch.arange(9).view(1, 1, 9)
+    old, recent = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1), torch.full((1, 1, 3, 1), 7.0)
+    kept, dropped, left = torch.full((1, 1, 8, 1), -1.0), torch.full((1, 1, 1, 1), -1.0), torch.full((1, 1, 1, 1), -1.0)
+    pointers = ctypes.c_void_p * 1
+    status = evict(1, 1, 6, 3, 3, 1, scores.data_ptr(), positions.data_ptr(), torch.tensor([8]).data_ptr(), 0, 0, 1,
+                   pointers(old.data_ptr()), pointers(recent.data_ptr()), pointers(kept.data_ptr()),
+                   pointers(dropped.data_ptr()), pointers(left.data_ptr()), (ctypes.c_int64 * 1)(4))
+    assert status == 0
+    assert kept.flatten().tolist() == [1, 2, 3, 4, 5, 7, 7, 7] and dropped.item() == 0 and left.item() == -1

@@ -81,7 +81,7 @@ static int split_rows(int64_t B, int64_t H, int64_t L_old, int64_t L_recent, int
                       int64_t sinks, int64_t count, void *const *old_src, void *const *recent_src, void *const *kept,
                       void *const *dropped, void *const *recent_kept, const int64_t *row_bytes) {
     const int64_t L = L_old + aged;
-    if (drop <= 0 || drop >= L || aged < 0 || aged > L_recent || L_old < 0) return 1;
+    if (drop <= 0 || drop >= L || aged > L_recent || L_old < 0) return 1; /* aged >= 0: the entry points' */
     const int64_t heads = B * H, keep = L - drop;
     unsigned char *flags = malloc((size_t)(heads * L));
     ranked_slot *work = malloc(sizeof(ranked_slot) * (size_t)L);

@@ -88,8 +88,8 @@ class AttentionRead:
         """
         if self.can_decode_in_place(keys, query):
             return self._decode_in_place(keys, values, query, scaling)
-        if self.is_initialized and not self.pending and keys.shape[2] == 1 and self.recent.all_valid and \
-                keys.dtype == self.recent.keys.dtype and self.seen_real.dtype == torch.int64:
+        if self.is_initialized and not self.pending and keys.shape[2] == 1 == query.shape[2] and \
+                self.recent.all_valid and keys.dtype == self.recent.keys.dtype and self.seen_real.dtype == torch.int64:
             return self._attend_placed(query, self._append_one(keys, values), scaling, None)
         self.append(keys, values)
         return self.attend(query, scaling=scaling)

@@ -65,3 +65,15 @@ def test_a_decode_step_leaves_what_append_and_attend_leave(setting, monkeypatch)
             _same_region(lean.old, reference.old)
             assert lean.kv_bytes() == reference.kv_bytes()
     assert len(taken) == 12 * len(cache.layers)
+
+
+def test_a_decode_step_with_more_queries_than_keys_gets_the_clear_error():
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    with torch.no_grad():
+        prefill(model, cache, torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(2)), chunk=64)
+    store = cache.layers[0].store
+    kv_heads, dim, dtype = store.recent.keys.shape[1], store.recent.keys.shape[3], store.recent.keys.dtype
+    keys = torch.zeros(1, kv_heads, 1, dim, dtype=dtype)
+    with pytest.raises(RuntimeError, match="2 queries but 1 new keys in this layer"):
+        store.decode_step(keys, keys, torch.zeros(1, 2 * kv_heads, 2, dim, dtype=dtype), scaling=1.0)

@@ -71,16 +71,24 @@ def _two_steps(store: LayerStore, budget: torch.Tensor) -> LayerStore:
 
 
 @pytest.mark.parametrize("batch,heads,old,recent,budget", [(1, 1, 9, 5, 12), (1, 3, 40, 5, 43), (3, 2, 40, 6, 44),
-                                                             (2, 3, 60, 9, 40), (1, 2, 30, 5, 31), (2, 1, 0, 9, 6)])
+                                                             (2, 3, 60, 9, 40), (1, 2, 30, 5, 31), (2, 1, 0, 9, 6),
+                                                             (1, 3, 40, 5, 44), (2, 3, 40, 5, 44)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_one_call_leaves_the_store_the_two_steps_leave(batch, heads, old, recent, budget, dtype):
     # the window keeps its 4 newest slots (protect 4): recent - 4 slots age, and the older region drops to the budget
     store = _store(batch, heads, old, recent, seed=old + recent + budget, dtype=dtype)
     want = _two_steps(store, torch.full((batch,), budget))
+    before = store.old
+    pointers = [t.data_ptr() for t in (before.keys, before.values, before.positions, before.stats["ema"])]
     assert age_and_evict_at_once(store, torch.full((batch,), budget))
     _assert_same_region(store.old, want.old)
     _assert_same_region(store.recent, want.recent)
     assert store.recent.length == 4 and store.physical_length == budget
+    in_place = recent - 4 == old + recent - budget  # as many aged as dropped: the older region rewritten in place
+    assert (store.old is before) == in_place
+    if in_place:
+        assert [t.data_ptr() for t in (store.old.keys, store.old.values, store.old.positions,
+                                       store.old.stats["ema"])] == pointers
 
 
 def test_the_dropped_slots_go_to_the_cold_tier_as_the_two_steps_send_them():

@@ -201,9 +201,9 @@ def test_the_c_call_refuses_what_it_cannot_split_and_writes_nothing(aged, old_le
     scores, positions = torch.rand(1, 1, max(length, 1)), torch.arange(max(length, 1)).view(1, 1, -1)
     old, recent = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1), torch.full((1, 1, 3, 1), 7.0)
     outputs = [torch.full((1, 1, 12, 1), -1.0) for _ in range(3)]
-    pointers = ctypes.c_void_p * 1
+    pointers, current = ctypes.c_void_p * 1, torch.tensor([length])  # held: the call reads its memory
     status = evict(1, 1, old_length, 3, aged, drop, scores.data_ptr(), positions.data_ptr(),
-                   torch.tensor([length]).data_ptr(), 0, 0, 1, pointers(old.data_ptr()), pointers(recent.data_ptr()),
+                   current.data_ptr(), 0, 0, 1, pointers(old.data_ptr()), pointers(recent.data_ptr()),
                    *(pointers(t.data_ptr()) for t in outputs), (ctypes.c_int64 * 1)(4))
     assert status == 1 and all(bool((t == -1).all()) for t in outputs)
     assert torch.equal(old.flatten(), torch.arange(6.0)) and bool((recent == 7).all())
@@ -216,8 +216,8 @@ def test_every_window_slot_may_age():
     positions = torch.arange(9).view(1, 1, 9)
     old, recent = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1), torch.full((1, 1, 3, 1), 7.0)
     kept, dropped, left = torch.full((1, 1, 8, 1), -1.0), torch.full((1, 1, 1, 1), -1.0), torch.full((1, 1, 1, 1), -1.0)
-    pointers = ctypes.c_void_p * 1
-    status = evict(1, 1, 6, 3, 3, 1, scores.data_ptr(), positions.data_ptr(), torch.tensor([8]).data_ptr(), 0, 0, 1,
+    pointers, current = ctypes.c_void_p * 1, torch.tensor([8])  # held: the call reads its memory
+    status = evict(1, 1, 6, 3, 3, 1, scores.data_ptr(), positions.data_ptr(), current.data_ptr(), 0, 0, 1,
                    pointers(old.data_ptr()), pointers(recent.data_ptr()), pointers(kept.data_ptr()),
                    pointers(dropped.data_ptr()), pointers(left.data_ptr()), (ctypes.c_int64 * 1)(4))
     assert status == 0

@@ -156,8 +156,8 @@ def test_the_c_call_refuses_a_drop_outside_one_to_l_minus_one_and_writes_nothing
     scores, positions = torch.rand(1, 1, 6), torch.arange(6).view(1, 1, 6)
     source = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
     kept, dropped = torch.full((1, 1, 12, 1), -1.0), torch.full((1, 1, 12, 1), -1.0)
-    pointers = ctypes.c_void_p * 1
-    status = evict_rows(1, 1, 6, drop, scores.data_ptr(), positions.data_ptr(), torch.tensor([5]).data_ptr(), 0, 0, 1,
+    pointers, current = ctypes.c_void_p * 1, torch.tensor([5])  # held while the call may read it
+    status = evict_rows(1, 1, 6, drop, scores.data_ptr(), positions.data_ptr(), current.data_ptr(), 0, 0, 1,
                         pointers(source.data_ptr()), pointers(kept.data_ptr()), pointers(dropped.data_ptr()),
                         (ctypes.c_int64 * 1)(4))
     assert status == 1 and bool((kept == -1).all()) and bool((dropped == -1).all())

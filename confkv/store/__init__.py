@@ -4,7 +4,9 @@
   window, INT8, eviction, promotion), its bytes, batch reorders and ``fork``;
 * :mod:`confkv.store.read`: the attention read of a step (``attend``, ``decode_step`` in place);
 * :mod:`confkv.store.hot_tier`: the hot tier: a run of KV slots (``Region``: the older region, the FP window),
-  which of them a step keeps, and the others handed to the cold tier (and back);
+  the split of the slots a step keeps from the others (one C call in the common cases, ageing included), and the
+  others handed to the cold tier (and back);
+* :mod:`confkv.store.selection`: which slots a step keeps, the rule every policy's eviction follows (tensor functions);
 * :mod:`confkv.store.window_buffer`: the FP window's slots with spare capacity.
 """
 

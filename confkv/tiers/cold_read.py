@@ -120,9 +120,9 @@ class PageRead:
         device = query.device
         every = int(read_pages.min()) >= count
         if every:  # every sequence reads every page: no ranking needed
-            cached = self._every_page
-            index = cached.segment.index if cached is not None and cached.key == (count, batch, heads, device) else \
-                torch.arange(count, device=device).expand(batch, heads, count)
+            cached = self._every_page.segment.index if self._every_page is not None else None
+            index = cached if cached is not None and cached.shape == (batch, heads, count) and cached.device == device \
+                else torch.arange(count, device=device).expand(batch, heads, count)
         else:
             with profiling.section("cold page selection (digest bound + top-k)"):
                 bound = self.digest_bound(query)  # [B, H, N] (digests are of the original keys)
@@ -170,16 +170,15 @@ class PageRead:
             names = names + OUTLIER_STORAGE
         storage = {name: self.pages[name] for name in names}
         if every:
-            key, tensors, cached = (width, *index.shape[:2], index.device), (*storage.values(), self.pages["valid"]), \
-                self._every_page
-            if cached is not None and cached.serves(key, rotation, tensors):
+            tensors, cached = (*storage.values(), self.pages["valid"]), self._every_page
+            if cached is not None and cached.serves(index, rotation, tensors):
                 return cached.segment
         value_bits = self.format.widths["value"] if self.config.bits != 16 else None
         segment = PagedSegment(index, read_pages.clamp_max(width), self.pages["valid"], self.config.bits,
                                self.config.group_size, self.head_dim, **storage, rotation=rotation,
                                value_bits=None if value_bits == self.config.bits else value_bits)
         if every:
-            self._every_page = EveryPageRead(key, rotation, tensors, segment)
+            self._every_page = EveryPageRead(segment, tensors)
         return segment
 
     def _dequantized(self, live: dict[str, Tensor], index: Tensor) -> tuple[Tensor, Tensor]:
@@ -253,19 +252,23 @@ class PageRead:
 
 class EveryPageRead:
     """A cold tier's last read of every page, handed over packed: the :class:`PagedSegment` (page numbers, counts, the
-    pages' tensors, and what the native read worked out from it), kept while ``key`` (pages, batch, heads, device),
-    the rotation and the page tensors (by identity: the segment holds them, so no other object takes their ``id``)
+    pages' tensors, and what the native read worked out from it) and the page tensors it was made from (its storage
+    and validity, in the order :meth:`PageRead._paged` lists them), kept while the pages' count, the batch, heads,
+    device, rotation and those tensors (by identity: the segment holds them, so no other object takes their ``id``)
     stay the same. A copied tier (``ConfKVCache.clone``) starts without one: the native read's part holds raw
     pointers into the original's tensors."""
 
-    __slots__ = ("key", "rotation", "tensors", "segment")
+    __slots__ = ("segment", "tensors")
 
-    def __init__(self, key: tuple, rotation, tensors: tuple[Tensor, ...], segment: PagedSegment) -> None:
-        self.key, self.rotation, self.tensors, self.segment = key, rotation, tensors, segment
+    def __init__(self, segment: PagedSegment, tensors: tuple[Tensor, ...]) -> None:
+        self.segment, self.tensors = segment, tensors
 
-    def serves(self, key: tuple, rotation, tensors: tuple[Tensor, ...]) -> bool:
-        return (key == self.key and rotation is self.rotation and len(tensors) == len(self.tensors)
-                and all(a is b for a, b in zip(tensors, self.tensors)))
+    def serves(self, index: Tensor, rotation, tensors: tuple[Tensor, ...]) -> bool:
+        """Whether a read of every page with page numbers ``index`` [B, H, N], ``rotation`` and page tensors ``tensors``
+        may take this segment."""
+        mine = self.segment.index
+        return (index.shape == mine.shape and index.device == mine.device and rotation is self.segment.rotation
+                and len(tensors) == len(self.tensors) and all(a is b for a, b in zip(tensors, self.tensors)))
 
     def __deepcopy__(self, memo: dict) -> None:
         return None

@@ -16,7 +16,7 @@ import torch
 
 from confkv import native
 from confkv.config import StoreConfig
-from confkv.hf import ConfKVCache, prefill
+from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from confkv.native import loader
 from confkv.policies.registry import make_policy
@@ -24,6 +24,7 @@ from confkv.store import LayerStore
 from confkv.store import hot_tier
 from confkv.store.hot_tier import age_and_evict_at_once
 from confkv.store.hot_tier import Region
+from decode_stream import decode_logits
 
 pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),
               pytest.mark.skipif(not native.available(), reason="the call needs the library")]
@@ -169,14 +170,10 @@ def _decode(policy, memory, batch, one_call: bool, monkeypatch, steps: int = 120
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, policy, memory=memory)
     ids = torch.randint(0, 250, (batch, 80 + steps), generator=torch.Generator().manual_seed(3))
-    logits = []
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :80], chunk=32)
-        for t in range(80, 80 + steps):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+    logits = decode_logits(model, cache, ids, 80, 32)
     monkeypatch.undo()
     regions = [(s.old, s.recent) for s in (layer.store for layer in cache.layers)]
-    return torch.stack(logits), cache.kv_bytes(), regions, sum(taken)
+    return logits, cache.kv_bytes(), regions, sum(taken)
 
 
 @pytest.mark.parametrize("policy,memory,batch", [(None, 0.25, 1), (None, 0.125, 3), ("h2o", 0.25, 2),

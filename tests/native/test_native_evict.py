@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from confkv import native
-from confkv.hf import ConfKVCache, prefill
+from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from confkv.native import loader
 from confkv.store import hot_tier
 from confkv.store.hot_tier import dropped_slots, protected_mask, select_kept, split_by_rank
 from confkv.store.hot_tier import Region
+from decode_stream import decode_logits
 
 pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),
               pytest.mark.skipif(not native.available(), reason="the eviction's C call needs the library")]
@@ -179,16 +180,11 @@ def _decode(policy, memory, batch, native_split: bool, monkeypatch, steps: int =
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, policy, memory=memory)
     ids = torch.randint(0, 250, (batch, 80 + steps), generator=torch.Generator().manual_seed(3))
-    logits = []
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :80], chunk=32)
-        for t in range(80, 80 + steps):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
-    monkeypatch.setattr(hot_tier, "split_by_rank", real)
+    logits = decode_logits(model, cache, ids, 80, 32)
     monkeypatch.undo()
     stores = [layer.store for layer in cache.layers]
     state = [(s.old.positions.clone(), s.old.keys.clone(), dict(s.old.stats)) for s in stores]
-    return torch.stack(logits), cache.kv_bytes(), state, sum(taken)
+    return logits, cache.kv_bytes(), state, sum(taken)
 
 
 @pytest.mark.parametrize("policy,memory,batch", [(None, 0.25, 1), (None, 0.125, 3), ("h2o", 0.25, 2),

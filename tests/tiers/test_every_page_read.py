@@ -18,6 +18,7 @@ from confkv.native import pages as native_pages
 from confkv.native.loader import available
 from confkv.tiers import cold_read
 from confkv.tiers.ladder import LadderTier
+from decode_stream import decode_logits
 
 pytestmark = pytest.mark.skipif(not available(), reason="the packed pages are handed to the native read")
 
@@ -38,13 +39,9 @@ def _stream(steps: int, monkeypatch, cached: bool = True, batch: int = 1):
     model = tiny_model("llama")
     cache = ConfKVCache.for_model(model, memory=0.25)
     ids = torch.randint(0, 250, (batch, 200 + steps), generator=torch.Generator().manual_seed(5))
-    logits = []
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :200], chunk=64)
-        for t in range(200, 200 + steps):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
+    logits = decode_logits(model, cache, ids, 200, 64)
     monkeypatch.undo()
-    return torch.stack(logits), handed, cache
+    return logits, handed, cache
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -71,11 +68,7 @@ def test_a_new_segment_when_the_pages_change(monkeypatch):
 
 
 def test_a_copied_cache_keeps_neither():
-    model = tiny_model("llama")
-    cache = ConfKVCache.for_model(model, memory=0.25)
-    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :200], chunk=64)
+    model, cache, ids = _prefilled()
     assert _a_kept_read(cache, model, ids).segment.native_args is not None
     twin = copy.deepcopy(cache)
     for layer in twin.layers:
@@ -86,6 +79,16 @@ def test_a_copied_cache_keeps_neither():
         a = model(ids[:, -1:], cache=cache).logits
         b = model(ids[:, -1:], cache=twin).logits
     assert torch.equal(a, b)
+
+
+def _prefilled():
+    """A tiny Llama, its cache at memory=0.25 prefilled with 200 of ``ids``' 260 tokens: (model, cache, ids)."""
+    model = tiny_model("llama")
+    cache = ConfKVCache.for_model(model, memory=0.25)
+    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        prefill(model, cache, ids[:, :200], chunk=64)
+    return model, cache, ids
 
 
 def _a_kept_read(cache, model, ids) -> cold_read.EveryPageRead:
@@ -102,11 +105,7 @@ def _a_kept_read(cache, model, ids) -> cold_read.EveryPageRead:
 
 
 def test_a_segment_copied_with_a_field_changed_is_worked_out_again():
-    model = tiny_model("llama")
-    cache = ConfKVCache.for_model(model, memory=0.25)
-    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :200], chunk=64)
+    model, cache, ids = _prefilled()
     segment = _a_kept_read(cache, model, ids).segment
     assert segment.native_args is not None
     fewer = copy.copy(segment)
@@ -119,12 +118,22 @@ def test_a_segment_copied_with_a_field_changed_is_worked_out_again():
 def test_new_page_tensors_let_the_kept_read_go():
     """A rung whose page tensors are replaced (a page dropped or added under the ladder's exact capacity) lets its
     kept segment go at once, so the old tensors are freed then, not at the next read (they are no longer counted)."""
-    model = tiny_model("llama")
-    cache = ConfKVCache.for_model(model, memory=0.25)
-    ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        prefill(model, cache, ids[:, :200], chunk=64)
+    model, cache, ids = _prefilled()
     kept = _a_kept_read(cache, model, ids)
     rung = next(rung for layer in cache.layers for rung in layer.store.cold.rungs if rung._every_page is kept)
     rung.drop_pages(torch.zeros(*kept.segment.index.shape[:2], 1, dtype=torch.int64))
     assert rung._every_page is None
+
+
+def test_a_page_tensor_replaced_in_the_dict_is_not_read_through_the_kept_segment():
+    """The setter of ``pages`` lets the kept segment go with a new dict; a tensor replaced inside the dict bypasses it,
+    and the kept segment (whose pointers are the old tensor's) must not serve the next read."""
+    model, cache, ids = _prefilled()
+    kept = _a_kept_read(cache, model, ids)
+    rung = next(rung for layer in cache.layers for rung in layer.store.cold.rungs if rung._every_page is kept)
+    index = kept.segment.index
+    assert rung._paged(index, torch.full(index.shape[:1], 10 ** 6), index.shape[2], kept.segment.rotation,
+                       every=True) is kept.segment  # nothing replaced: the kept segment
+    rung.pages["key_codes"] = rung.pages["key_codes"].clone()
+    fresh = rung._paged(index, torch.full(index.shape[:1], 10 ** 6), index.shape[2], kept.segment.rotation, every=True)
+    assert fresh is not kept.segment and fresh.key_codes is rung.pages["key_codes"]

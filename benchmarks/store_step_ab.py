@@ -9,9 +9,11 @@ The shortcuts, each of which leaves the store byte for byte as the path it short
 * ``every_page``: a cold tier reading every page hands over the same packed segment, with the native read's
   pointers, while its pages do not change (``EveryPageRead``); off, both are made at every read;
 * ``append_one``: a decode step's token appended and placed in fewer calls (``AttentionRead._append_one``); off,
-  ``append`` then ``attend``.
+  ``append`` then ``attend``;
+* ``read_updates`` (stop 60): the native page read updates the hot regions' EMA and the cold pages' heat in place
+  from its masses (``AttentionRead._updates_in_place``); off, ``policy.observe`` and ``cold.observe_read`` do.
 
-``--off`` names the shortcuts the "off" variant turns off (default: all three). The cache is the preset
+``--off`` names the shortcuts the "off" variant turns off (default: all four). The cache is the preset
 (``memory=0.25``) through the lean decoder with INT8 weights (W8A8), prefilled with ``N`` random tokens; both variants
 step the same cache in turn. Wall clock; the ratio is the figure (the machine's load moves both alike).
 
@@ -35,7 +37,7 @@ from confkv.store import hot_tier  # noqa: E402
 from confkv.store.read import AttentionRead  # noqa: E402
 from confkv.tiers.cold_read import EveryPageRead  # noqa: E402
 
-SHORTCUTS = ("age_evict", "every_page", "append_one")
+SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates")
 
 
 def _two_calls(self, keys, values, query, *, scaling):
@@ -50,9 +52,10 @@ def switch(off: set[str]) -> dict:
     """Turn the shortcuts ``off`` off (module attributes replaced); returns what to put back."""
     saved = {"age_evict": (hot_tier, "age_and_evict_at_once", hot_tier.age_and_evict_at_once),
              "every_page": (EveryPageRead, "serves", EveryPageRead.serves),
-             "append_one": (AttentionRead, "decode_step", AttentionRead.decode_step)}
+             "append_one": (AttentionRead, "decode_step", AttentionRead.decode_step),
+             "read_updates": (AttentionRead, "_updates_in_place", AttentionRead._updates_in_place)}
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
-                   "append_one": _two_calls}
+                   "append_one": _two_calls, "read_updates": lambda self, *args: None}
     for name in off:
         owner, attribute, _ = saved[name]
         setattr(owner, attribute, replacement[name])

@@ -16,18 +16,25 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
+from array import array
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from confkv.native import _sum_lanes
 from confkv.native.loader import library
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-_PTRS, _META = 13, 48  # kernels.c's PR_PTRS, PR_META
+_PTRS, _META = 13, 48  # a segment's own entries (kernels.c's PR_PTRS, PR_META less the update's)
+_UPDATE_META = 5  # kernels.c's PR_UPDATE_META: then the update's entries, and its target as the last pointer
+UPDATE_STATISTIC, UPDATE_PAGE_HEAT = 1, 2  # kernels.c's UPDATE_*
+_NO_UPDATE = [0] * _UPDATE_META
 _REFUSED = "confkv native page read: a page segment's bits, group size or outlier storage is not one it takes"
 #: bit widths of the packed pages the kernel reads
 BITS = (2, 3, 4, 8)
+_META_PADDING = [0] * _META
 
 
 def _is_paged(segment) -> bool:
@@ -220,36 +227,103 @@ class PageReader:
     def __init__(self, lib: ctypes.CDLL, rotation: Tensor | None) -> None:
         self.lib, self.rotation = lib, rotation
 
-    def __call__(self, query: Tensor, segments: Sequence, scaling: float,
-                 need_mass: bool = True) -> tuple[Tensor, list[Tensor] | None]:
-        """:func:`page_read`'s result for a read of the kind this reader was made for (not checked again)."""
-        return _read(self.lib, query, segments, scaling, need_mass, self.rotation)
+    def __call__(self, query: Tensor, segments: Sequence, scaling: float, need_mass: bool = True,
+                 updates: Sequence[InPlaceUpdate | None] | None = None) -> tuple[Tensor, list[Tensor] | None]:
+        """:func:`page_read`'s result for a read of the kind this reader was made for (not checked again), with
+        ``updates`` (per segment, or None) made in place from the masses (see :meth:`takes`)."""
+        return _read(self.lib, query, segments, scaling, need_mass, self.rotation, updates,
+                     _sum_lanes(self.lib) if updates is not None else 0)
+
+    def takes(self, updates: Sequence[InPlaceUpdate | None]) -> bool:
+        """Whether this reader makes ``updates`` bit for bit as torch would: page heat needs torch's float sum order
+        matched on this build and CPU (``confkv.native``'s calibration)."""
+        return all(u is None or u.fields[0] != UPDATE_PAGE_HEAT for u in updates) or _sum_lanes(self.lib) > 0
+
+
+class InPlaceUpdate:
+    """What a page read updates in place from one segment's masses, so that the store makes no call for it
+    (kernels.c's ``update_in_place``): a dense segment's linear statistic (:meth:`statistic`) or a page segment's
+    page heat (:meth:`page_heat`). ``target``: the float32 tensor written; ``fields``: the call's entries for it."""
+
+    __slots__ = ("target", "fields")
+
+    def __init__(self, target: Tensor, fields: list[int]) -> None:
+        if target.dtype != torch.float32 or target.dim() != 3 or target.device.type != "cpu" or (
+                target.stride(2) != 1 and target.shape[2] > 1):
+            raise ValueError(f"an in-place update's target must be a float32 [B, Hkv, N] CPU tensor with its last "
+                             f"dimension contiguous, got {target.dtype} {tuple(target.shape)} on {target.device}")
+        self.target, self.fields = target, fields
+
+    @classmethod
+    def statistic(cls, stat: Tensor, scale: float, gain: float) -> "InPlaceUpdate":
+        """``stat`` [B, Hkv, L] (the segment's slots) becomes ``stat * scale + mass * gain``, rounded as torch's
+        ``stat.mul_(scale).add_(mass, alpha=gain)`` (a policy's ``linear_observe``; scale and gain as float32)."""
+        return cls(stat, [UPDATE_STATISTIC, stat.stride(0), stat.stride(1), _float32_bits(scale), _float32_bits(gain)])
+
+    @classmethod
+    def page_heat(cls, heat: Tensor) -> "InPlaceUpdate":
+        """Each page the segment reads, ``heat[b, h, page]`` ([B, Hkv, N]) += its slots' masses summed in torch's
+        order: the cold tier's ``observe`` (``mass.reshape(B, H, K, P).sum(-1)``, then ``scatter_add_``)."""
+        return cls(heat, [UPDATE_PAGE_HEAT, heat.stride(0), heat.stride(1), 0, 0])  # [3]: the lanes, at the read
+
+
+def _float32_bits(x: float) -> int:
+    """``x`` rounded to float32 as torch rounds a Python scalar for a float32 tensor, as its bit pattern."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
 
 
 def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, need_mass: bool,
-          rotation: Tensor | None) -> tuple[Tensor, list[Tensor] | None]:
-    """The C call of :func:`page_read` (the read checked by the caller; ``rotation`` the pages' [D, D] float32)."""
+          rotation: Tensor | None, updates: Sequence[InPlaceUpdate | None] | None = None,
+          lanes: int = 0) -> tuple[Tensor, list[Tensor] | None]:
+    """The C call of :func:`page_read` (the read checked by the caller; ``rotation`` the pages' [D, D] float32).
+    ``updates``: per segment, what the call updates in place from its masses, or None; ``lanes``: the vector width
+    of torch's float sum order (``confkv.native.sum_lanes``), which a page heat update needs.
+
+    It runs in every layer of every decode step, so its arguments go over as ``array`` buffers (a ctypes array
+    built from a list costs a microsecond per few entries) and the masses are views of one float32 buffer."""
     batch, q_heads, queries, head_dim = query.shape
     kv_heads = segments[0].kv_heads if _is_paged(segments[0]) else segments[0].keys.shape[1]
     if q_heads % kv_heads:
         raise ValueError(f"Hq={q_heads} is not a multiple of Hkv={kv_heads}")
+    if updates is not None and (not need_mass or len(updates) != len(segments)):
+        raise ValueError("in-place updates: one entry per segment, and the masses they are made from (need_mass)")
     keep: list[Tensor] = []
-    pointers: list[int] = []
-    meta: list[int] = []
+    pointers, meta = array("Q"), array("q")
     lengths = []
-    for segment in segments:
+    for number, segment in enumerate(segments):
         ptrs, info = _paged(segment, keep) if _is_paged(segment) else _dense(segment, batch, kv_heads, queries, keep)
-        pointers += ptrs
-        meta += info + [0] * (_META - len(info))
+        pointers.extend(ptrs)
+        meta.extend(info)
+        meta.extend(_META_PADDING[:_META - len(info)])
         lengths.append(info[1])
+        update = updates[number] if updates is not None else None
+        if update is None:
+            pointers.append(0)
+            meta.extend(_NO_UPDATE)
+            continue
+        target = update.target
+        if target.shape[:2] != (batch, kv_heads) or (update.fields[0] == UPDATE_STATISTIC and target.shape[2] != info[1]):
+            raise ValueError(f"in-place update of segment {number}: target {tuple(target.shape)} does not match the "
+                             f"segment ([{batch}, {kv_heads}, {info[1]}] slots, or pages)")
+        if update.fields[0] == UPDATE_PAGE_HEAT and not lanes:
+            raise ValueError("in-place page heat needs the lanes of torch's sum order (lanes=0: not matched here)")
+        keep.append(target)
+        pointers.append(target.data_ptr())
+        meta.extend(update.fields if update.fields[0] != UPDATE_PAGE_HEAT else update.fields[:3] + [lanes, 0])
     q = query.to(torch.float32).contiguous()
     out = torch.empty(batch, q_heads, queries, head_dim, dtype=torch.float32)
-    mass = [torch.empty(batch, kv_heads, n, dtype=torch.float32) for n in lengths] if need_mass else None
-    count = len(segments)
-    mass_ptrs = (ctypes.c_void_p * count)(*[m.data_ptr() for m in mass]) if need_mass else None
-    status = lib.confkv_page_read(q.data_ptr(), batch, q_heads, queries, head_dim, kv_heads, count,
-                                  (ctypes.c_void_p * len(pointers))(*pointers), (ctypes.c_int64 * len(meta))(*meta),
-                                  float(scaling), out.data_ptr(), mass_ptrs,
+    mass, mass_ptrs = None, None
+    if need_mass:  # [B, Hkv, L_s] per segment, one after another in one buffer
+        rows = batch * kv_heads
+        flat = torch.empty(rows * sum(lengths), dtype=torch.float32)
+        mass, mass_ptrs, start, base = [], array("Q"), 0, flat.data_ptr()
+        for length in lengths:
+            mass.append(flat.narrow(0, start, rows * length).view(batch, kv_heads, length))
+            mass_ptrs.append(base + 4 * start)
+            start += rows * length
+    status = lib.confkv_page_read(q.data_ptr(), batch, q_heads, queries, head_dim, kv_heads, len(segments),
+                                  pointers.buffer_info()[0], meta.buffer_info()[0], float(scaling), out.data_ptr(),
+                                  mass_ptrs.buffer_info()[0] if need_mass else None,
                                   rotation.data_ptr() if rotation is not None else None, torch.get_num_threads())
     if status == 1:
         raise MemoryError("confkv native page read: out of memory for the scores")
@@ -272,7 +346,7 @@ def reader_of(query: Tensor, segment) -> str:
     kv_heads = segment.kv_heads
     rows = query.shape[1] // kv_heads * query.shape[2]
     _, info = _paged(segment, [])
-    meta = info + [0] * (_META - len(info))
+    meta = info + [0] * (_META - len(info)) + _NO_UPDATE
     reader = lib.confkv_page_reader((ctypes.c_int64 * len(meta))(*meta), rows, query.shape[-1])
     if reader < 0:
         raise ValueError(_REFUSED)

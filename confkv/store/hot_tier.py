@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import warnings
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -245,10 +246,9 @@ def split_by_rank(old: Region, scores: torch.Tensor, current: torch.Tensor, prot
         row_bytes.append(tensor.element_size() * (tensor.shape[3] if tensor.ndim == 4 else 1))
     scores = scores.to(torch.float32).contiguous()
     current = current.to(torch.int64).contiguous()
-    pointers = ctypes.c_void_p * count
+    tables = [array("Q", addresses) for addresses in (sources, kept_out, dropped_out)] + [array("q", row_bytes)]
     status = evict_rows(batch, heads, length, drop, scores.data_ptr(), old.positions.data_ptr(), current.data_ptr(),
-                        protect, sinks, count, pointers(*sources), pointers(*kept_out), pointers(*dropped_out),
-                        (ctypes.c_int64 * count)(*row_bytes))
+                        protect, sinks, count, *[table.buffer_info()[0] for table in tables])
     if status:
         return None
     names = list(old.stats)
@@ -355,13 +355,12 @@ def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores:
         dropped.append(source.new_empty((batch, heads, drop) + tail))
         left.append(source.new_empty((batch, heads, rest) + tail))
         row_bytes.append(source.element_size() * (tail[0] if tail else 1))
-    count = len(sources)
-    pointers = ctypes.c_void_p * count
+    # the tables as array buffers, their addresses passed (ctypes arrays built from lists cost more, every step)
+    tables = [array("Q", [t.data_ptr() for t in group]) for group in (sources, windows, kept, dropped, left)]
+    widths = array("q", row_bytes)
     status = evict(batch, heads, old.length, recent.length, aged, drop, scores.data_ptr(), positions.data_ptr(),
-                   current.data_ptr(), protect, sinks, count, pointers(*[t.data_ptr() for t in sources]),
-                   pointers(*[t.data_ptr() for t in windows]), pointers(*[t.data_ptr() for t in kept]),
-                   pointers(*[t.data_ptr() for t in dropped]), pointers(*[t.data_ptr() for t in left]),
-                   (ctypes.c_int64 * count)(*row_bytes))
+                   current.data_ptr(), protect, sinks, len(sources), *[table.buffer_info()[0] for table in tables],
+                   widths.buffer_info()[0])
     if status:
         return None
 

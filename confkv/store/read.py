@@ -248,23 +248,27 @@ class AttentionRead:
         read_query = query if rotation is None else rotation.forward(query)
         window = self.policy.observation_window() if need_mass and new > 1 else None  # (a decode step: all of one)
         observed = new if window is None or new <= window else window  # the queries whose attention is observed
+        updates = self._updates_in_place(regions, segments, observed) if need_mass and observed == new else None
         with profiling.section("attention read"):
-            out, masses = self._read(read_query, segments, scaling, softcap, need_mass and observed == new)
+            out, masses, updated = self._read(read_query, segments, scaling, softcap, need_mass and observed == new,
+                                              updates)
             if observed < new:  # the pass's last `observed` queries again, for their masses alone
                 hot = len(regions)
                 last = [replace(s, visible=s.visible[:, :, -observed:]) if s.visible is not None
                         and s.visible.shape[2] == new else s for s in segments[:hot]] + segments[hot:]
-                masses = self._read(read_query[:, :, -observed:], last, scaling, softcap, True)[1]
+                masses = self._read(read_query[:, :, -observed:], last, scaling, softcap, True, None)[1]
         if rotation is not None:
             out = rotation.inverse(out).to(query.dtype)
         if need_mass:
             with profiling.section("EMA / stats update"):
-                for region, mass in zip(regions, masses):
-                    self.policy.observe(region.stats, mass, observed)
-                if self.cold is not None and len(masses) > len(regions):
+                if not updated:  # else the read updated the statistics and the page heat itself
+                    for region, mass in zip(regions, masses):
+                        self.policy.observe(region.stats, mass, observed)
+                cold_read = self.cold is not None and len(masses) > len(regions)
+                if cold_read and not updated:
                     self.cold.observe_read(masses[len(regions):])
-                    if self.cold.config.promote is not None and new == 1:
-                        self._promote(masses[-1])
+                if cold_read and self.cold.config.promote is not None and new == 1:
+                    self._promote(masses[-1])
         return out
 
     def _page_handling(self, query: torch.Tensor) -> tuple[bool, bool]:
@@ -280,16 +284,39 @@ class AttentionRead:
             self.page_handling = (key, paged, paged and not triton_reads(query, self.config.read_backend))
         return self.page_handling[1], self.page_handling[2]
 
-    def _read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None,
-              need_mass: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """The read of ``query`` [B, Hq, q, D] over ``segments``: a tiered store's planned route, else ``attention_read``."""
+    def _updates_in_place(self, regions: list[Region], segments: list, observed: int) -> list | None:
+        """What a native page read may update in place from this read's masses, one entry per segment (the
+        regions' then the cold tier's): each region's statistic when the policy's update is linear and one
+        statistic (``linear_observe``), and the page heat the cold tier's ``observe_read`` would add; None when not
+        every one of them can be (then all stay with the Python below the read)."""
+        if self.cold is None:
+            return None
+        linear = self.policy.linear_observe(observed)
+        if linear is None or len(linear) != 1:
+            return None
+        (name, (scale, gain)), = linear.items()
+        updates: list = []
+        for region in regions:
+            stat = region.stats.get(name)
+            if len(region.stats) != 1 or stat is None or stat.dtype != torch.float32 or not stat.is_contiguous():
+                return None
+            updates.append(native_pages.InPlaceUpdate.statistic(stat, scale, gain))
+        heat = self.cold.heat_targets(segments[len(regions):])
+        if heat is None:
+            return None
+        return updates + [None if t is None else native_pages.InPlaceUpdate.page_heat(t) for t in heat]
+
+    def _read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None, need_mass: bool,
+              updates: list | None) -> tuple[torch.Tensor, list[torch.Tensor] | None, bool]:
+        """The read of ``query`` [B, Hq, q, D] over ``segments``: a tiered store's planned route, else
+        ``attention_read``. The third item: whether ``updates`` (:meth:`_updates_in_place`) were made."""
         if self.cold is not None:
-            return self._tiered_read(query, segments, scaling, softcap, need_mass)
-        return attention_read(query, segments, scaling, block_size=self.config.block_size, softcap=softcap,
-                              need_mass=need_mass, backend=self.config.read_backend)
+            return self._tiered_read(query, segments, scaling, softcap, need_mass, updates)
+        return (*attention_read(query, segments, scaling, block_size=self.config.block_size, softcap=softcap,
+                                need_mass=need_mass, backend=self.config.read_backend), False)
 
     def _tiered_read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None,
-                     need_mass: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+                     need_mass: bool, updates: list | None) -> tuple[torch.Tensor, list[torch.Tensor] | None, bool]:
         """``attention_read`` of a store with a cold tier, on the path planned for reads of this signature.
 
         The plan (:func:`confkv.attention.read_plan.plan`) depends only on what the signature holds: the library's
@@ -305,9 +332,11 @@ class AttentionRead:
             reader = page_reader(query, segments, softcap, need_mass, self.config.read_backend)
             route = self.read_route = ReadRoute(signature, reader, [getattr(s, "rotation", None) for s in segments])
         if route.reader is not None:
-            return route.reader(query, segments, scaling, need_mass)
-        return attention_read(query, segments, scaling, block_size=self.config.block_size, softcap=softcap,
-                              need_mass=need_mass, backend=self.config.read_backend)
+            if updates is not None and route.reader.takes(updates):
+                return (*route.reader(query, segments, scaling, need_mass, updates), True)
+            return (*route.reader(query, segments, scaling, need_mass), False)
+        return (*attention_read(query, segments, scaling, block_size=self.config.block_size, softcap=softcap,
+                                need_mass=need_mass, backend=self.config.read_backend), False)
 
     def _segment(self, region: Region, visible: torch.Tensor) -> KVSegment:
         if region.is_int8:

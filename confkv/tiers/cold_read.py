@@ -236,6 +236,18 @@ class PageRead:
         self._selected = None
         return taken
 
+    def heat_targets(self, segments: list) -> list[Tensor | None] | None:
+        """Per segment of this tier's last read (``segments``, what :meth:`segments` gave), the page heat
+        [B, H, N] a native read may add that segment's page masses to in place, as :meth:`observe_read` would
+        (:class:`confkv.native.pages.InPlaceUpdate`), or None (nothing to add: the open page). None for the whole
+        read when its pages were handed over otherwise than as the packed segment of the pages ``observe`` adds to."""
+        if self._selected is None or not segments:
+            return [None] * len(segments)
+        pages = segments[-1]
+        if not isinstance(pages, PagedSegment) or pages.index is not self._selected:
+            return None
+        return [None] * (len(segments) - 1) + [self.pages["heat"].narrow(2, 0, self.num_pages)]
+
     def observe_read(self, masses: list[Tensor]) -> None:
         """Page heat from the masses of this tier's last :meth:`segments` (open page first, pages last)."""
         if self._selected is not None and masses:

@@ -146,6 +146,19 @@ class LadderTier:
             out += parts
         return out
 
+    def heat_targets(self, segments: list) -> list[Tensor | None] | None:
+        """Each rung's :meth:`~confkv.tiers.cold.ColdTier.heat_targets` for its part of ``segments`` (the last
+        :meth:`segments`), in order; None when a rung's is."""
+        out: list[Tensor | None] = []
+        start = 0
+        for rung, count in zip(self.rungs, self._read_counts):
+            targets = rung.heat_targets(segments[start:start + count])
+            if targets is None:
+                return None
+            out += targets
+            start += count
+        return out if start == len(segments) else None
+
     def observe_read(self, masses: list[Tensor]) -> None:
         """Add each rung's page masses (the read's masses of :meth:`segments`, in order) to its heat."""
         start = 0

@@ -170,11 +170,11 @@ def test_a_read_of_the_same_kind_inside_disabled_takes_the_torch_read(monkeypatc
                         lambda self, *a: seen.append((self, a)) or real(self, *a))
     _decode(model, cache, ids, PROMPT, 1)
     store, args = seen[-1]
-    native_out, _ = real(store, *args)
+    native_out, _, _ = real(store, *args)
     _, reads = _counting(monkeypatch)
     timers = profiling.Timers()
     with loader.disabled(), profiling.enabled(timers):
-        torch_out, _ = real(store, *args)
+        torch_out, _, _ = real(store, *args)
     assert reads == [] and timers.fallbacks["native kernels unavailable"] == 1
     torch.testing.assert_close(torch_out, native_out, atol=1e-5, rtol=1e-4)
     real(store, *args)

@@ -163,6 +163,37 @@ static void task_values(const void *ctx, int64_t task) {
     }
 }
 
+static float torch_order_sum(const float *a, int64_t n, int lanes); /* rows.c */
+
+/* after a unit's masses (slot_mass, segment s's L slots of sequence b, KV head j): what the segment asks updated
+ * from them in place (meta[48]), so that the store's Python makes no call for it:
+ * UPDATE_STATISTIC, a dense segment's linear statistic (CONF-KV's EMA; policies' linear_observe):
+ *     stat = fmaf(mass, gain, stat * scale), which is torch's stat.mul_(scale).add_(mass, alpha=gain) bit for bit
+ *     (decode_step.c's update; scale and gain the float32 bits in meta[51], meta[52]);
+ * UPDATE_PAGE_HEAT, a page segment's heat [B, Hkv, N]: each read page's heat += its P slots' masses summed in
+ *     torch's order (torch_order_sum, lanes meta[51]), as the cold tier's observe (sum(-1), scatter_add_) adds them;
+ *     pages a sequence does not read (k >= its count) get nothing (their slots' masses are 0 there). */
+static void update_in_place(const page_args *a, int s, int64_t b, int64_t j, const float *slot_mass) {
+    const int64_t *m = a->meta + PR_META * s;
+    const void *const *p = a->ptrs + PR_PTRS * s;
+    const int64_t *u = m + PR_META - PR_UPDATE_META;
+    float *target = (float *)p[PR_PTRS - 1];
+    if (u[0] == UPDATE_NONE || !target) return;
+    target += b * u[1] + j * u[2];
+    if (u[0] == UPDATE_STATISTIC) {
+        uint32_t bits[2] = {(uint32_t)u[3], (uint32_t)u[4]};
+        float scale, gain;
+        memcpy(&scale, &bits[0], sizeof scale);
+        memcpy(&gain, &bits[1], sizeof gain);
+        for (int64_t l = 0; l < m[1]; l++) target[l] = fmaf(slot_mass[l], gain, target[l] * scale);
+    } else if (u[0] == UPDATE_PAGE_HEAT && m[0] == SEG_PAGES) {
+        for (int64_t k = 0; k < m[2]; k++) {
+            const int64_t page = page_of(p, m, b, j, k);
+            if (page >= 0) target[page] += torch_order_sum(slot_mass + k * m[3], m[3], (int)u[3]);
+        }
+    }
+}
+
 /* the unit's slices added (in slice order) and divided by the softmax denominators, the rotated pages' share
  * turned back, the masses, the output rows written */
 static void unit_finish(const void *ctx, int64_t unit) {
@@ -218,6 +249,7 @@ static void unit_finish(const void *ctx, int64_t unit) {
                         }
                         for (int64_t i = 0; i < n; i++) slot_mass[l0 + i] += group[i] / (float)G;
                     }
+                update_in_place(a, s, b, j, slot_mass);
             }
             offset += L;
         }
@@ -266,7 +298,9 @@ static int page_meta_taken(const int64_t *m, int64_t D) {
  *       strides, [10..13] mask strides (b, h, q, l); ptrs: keys, values, mask (NULL: all visible)
  *   paged meta and ptrs: see page_scores
  *   mass[s] [B, Hkv, L_s] float32 contiguous (mass NULL: none): the softmax probability of each slot averaged
- *       over the G query heads of its KV head, summed over the Q queries; 0 where hidden.
+ *       over the G query heads of its KV head, summed over the Q queries; 0 where hidden. With its mass, a
+ *       segment's statistic or page heat is updated in place when its last PR_UPDATE_META entries ask it
+ *       (update_in_place).
  *   rotation [D, D] float32 row-major, an orthogonal matrix (or NULL): the pages whose meta[32] is set hold
  *       keys and values coded as k @ rotation, v @ rotation (a Hadamard-rotated format, confkv.tiers.hadamard);
  *       their scores take (query @ rotation) and their weighted values are turned back by rotation^T.

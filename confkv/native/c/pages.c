@@ -11,7 +11,10 @@
  * and tensor, float16 values at int16 flat indices t * D + d): they are written over the dequantized rows (a
  * whole page at once, or row by row) before use, as outliers.restore writes them over the dequantized page. */
 
-enum { PR_META = 48, PR_PTRS = 13 };
+/* a segment's entries: PR_META int64 and PR_PTRS pointers, of which the last PR_UPDATE_META and the last pointer say
+ * what the read updates in place from the segment's masses (update_in_place, page_tasks.c) */
+enum { PR_META = 53, PR_PTRS = 14, PR_UPDATE_META = 5 };
+enum { UPDATE_NONE = 0, UPDATE_STATISTIC = 1, UPDATE_PAGE_HEAT = 2 };
 enum { SEG_DENSE = 0, SEG_PAGES = 1 };
 
 /* float16 -> float32, exactly (normals, subnormals, zeros, inf, NaN) */
@@ -132,7 +135,11 @@ static void dense_values(const page_args *a, const void *const *p, const int64_t
  * outlier value, [42..44] value outlier index, [45..47] value outlier value strides (b, h, n); within a page
  * every tensor is contiguous.
  * ptrs: index, counts, valid, key codes, key scale, key min, value codes, value scale, value min, key outlier
- * index, key outlier value, value outlier index, value outlier value (the last four NULL when O is 0). */
+ * index, key outlier value, value outlier index, value outlier value (the last four NULL when O is 0).
+ * Either kind, the update in place (update_in_place): [48] what (UPDATE_*), [49..50] the target's strides (b, h;
+ * its slots or pages contiguous), [51..52] a statistic's scale and gain as float32 bits, or [51] the lanes of
+ * torch's sum order for page heat; ptrs[13] the float32 target (a dense segment's statistic [B, Hkv, L], a page
+ * segment's heat [B, Hkv, N]). */
 static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k) {
     const int64_t page = ((const int64_t *)p[0])[b * m[8] + j * m[9] + k];
     const int64_t count = ((const int64_t *)p[1])[b * m[10]];

@@ -69,7 +69,7 @@ TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts
          "tests/native/test_native_w4a8.py", "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
          "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
          "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py",
-         "tests/native/test_native_evict.py", "tests/native/test_age_evict.py"]
+         "tests/native/test_native_evict.py", "tests/native/test_age_evict.py", "tests/store/test_read_updates.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
@@ -84,7 +84,7 @@ TESTS_FOR = {
     "c/pages.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_simd.c": ["test_native_pages", "test_native_page_formats"],
-    "c/page_tasks.c": ["test_native_pages", "test_native_page_formats"],
+    "c/page_tasks.c": ["test_native_pages", "test_native_page_formats", "test_read_updates"],
     "c/prefill.c": ["test_native_prefill"],
     "c/evict.c": ["test_native_evict", "test_age_evict"],
     "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_w4a8", "test_native_gemv",

@@ -222,22 +222,22 @@ class PageReader:
         rotation: the pages' rotation matrix as :func:`rotation_matrix` gives it, or None.
     """
 
-    __slots__ = ("lib", "rotation")
+    __slots__ = ("lib", "rotation", "lanes")
 
     def __init__(self, lib: ctypes.CDLL, rotation: Tensor | None) -> None:
         self.lib, self.rotation = lib, rotation
+        self.lanes = _sum_lanes(lib)  # torch's float sum order on this build and CPU (0: not matched)
 
     def __call__(self, query: Tensor, segments: Sequence, scaling: float, need_mass: bool = True,
                  updates: Sequence[InPlaceUpdate | None] | None = None) -> tuple[Tensor, list[Tensor] | None]:
         """:func:`page_read`'s result for a read of the kind this reader was made for (not checked again), with
         ``updates`` (per segment, or None) made in place from the masses (see :meth:`takes`)."""
-        return _read(self.lib, query, segments, scaling, need_mass, self.rotation, updates,
-                     _sum_lanes(self.lib) if updates is not None else 0)
+        return _read(self.lib, query, segments, scaling, need_mass, self.rotation, updates, self.lanes)
 
     def takes(self, updates: Sequence[InPlaceUpdate | None]) -> bool:
         """Whether this reader makes ``updates`` bit for bit as torch would: page heat needs torch's float sum order
         matched on this build and CPU (``confkv.native``'s calibration)."""
-        return all(u is None or u.fields[0] != UPDATE_PAGE_HEAT for u in updates) or _sum_lanes(self.lib) > 0
+        return self.lanes > 0 or all(u is None or u.fields[0] != UPDATE_PAGE_HEAT for u in updates)
 
 
 class InPlaceUpdate:

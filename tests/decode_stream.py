@@ -1,10 +1,12 @@
-"""A prefill then one ``model(...)`` step per token, as the cache tests stream a text (:func:`decode_logits`)."""
+"""A prefill then one ``model(...)`` step per token, as the cache tests stream a text (:func:`decode_logits`), and
+whether two caches hold the same state (:func:`same_cache_state`)."""
 
 from __future__ import annotations
 
 import torch
 
 from confkv.hf import prefill
+from confkv.tiers.ladder import LadderTier
 
 
 def decode_logits(model, cache, ids: torch.Tensor, prompt: int, chunk: int) -> torch.Tensor:
@@ -16,3 +18,32 @@ def decode_logits(model, cache, ids: torch.Tensor, prompt: int, chunk: int) -> t
         for t in range(prompt, ids.shape[1]):
             logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
     return torch.stack(logits)
+
+
+def _cold_tensors(cold) -> dict[str, torch.Tensor]:
+    rungs = cold.rungs if isinstance(cold, LadderTier) else [cold]
+    out = {}
+    for number, rung in enumerate(rungs):
+        for name, tensor in rung.pages.items():
+            out[f"{number}.{name}"] = tensor.narrow(2, 0, rung.num_pages)
+        for name, tensor in (rung.open or {}).items():
+            out[f"{number}.open.{name}"] = tensor
+    return out
+
+
+def same_cache_state(a, b) -> None:
+    """Every layer of caches ``a`` and ``b`` holds the same tokens, statistics (bit for bit), pages and bytes."""
+    for layer_a, layer_b in zip(a.layers, b.layers):
+        x, y = layer_a.store, layer_b.store
+        for region in ("old", "recent"):
+            ra, rb = getattr(x, region), getattr(y, region)
+            for name in ("keys", "values", "positions", "valid"):
+                assert torch.equal(getattr(ra, name), getattr(rb, name)), (region, name)
+            assert ra.stats.keys() == rb.stats.keys()
+            for name in ra.stats:  # bit for bit, NaN included
+                assert torch.equal(ra.stats[name].view(torch.int32), rb.stats[name].view(torch.int32)), (region, name)
+        ca, cb = _cold_tensors(x.cold), _cold_tensors(y.cold)
+        assert ca.keys() == cb.keys()
+        for name in ca:
+            assert ca[name].shape == cb[name].shape and torch.equal(ca[name], cb[name]), name
+        assert x.kv_bytes() == y.kv_bytes()

@@ -302,7 +302,8 @@ def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, n
             meta.extend(_NO_UPDATE)
             continue
         target = update.target
-        if target.shape[:2] != (batch, kv_heads) or (update.fields[0] == UPDATE_STATISTIC and target.shape[2] != info[1]):
+        statistic = update.fields[0] == UPDATE_STATISTIC
+        if target.shape[:2] != (batch, kv_heads) or (statistic and target.shape[2] != info[1]):
             raise ValueError(f"in-place update of segment {number}: target {tuple(target.shape)} does not match the "
                              f"segment ([{batch}, {kv_heads}, {info[1]}] slots, or pages)")
         if update.fields[0] == UPDATE_PAGE_HEAT and not lanes:
@@ -330,6 +331,33 @@ def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, n
     if status:
         raise ValueError(_REFUSED)
     return out.to(query.dtype), mass
+
+
+def keep_pages(tensors: Sequence[Tensor], dropped: Tensor, live: int, exact: bool) -> list[Tensor] | None:
+    """A cold tier's page tensors (each [B, H, capacity, ...], its first ``live`` pages per row live) without pages
+    ``dropped`` [B, H, M] (distinct per row), the others in order at the front, in one C call (``c/page_moves.c``):
+    new tensors of exactly ``live - M`` pages with ``exact``, else the same tensors, their pages moved down in place.
+    The bytes of the torch path's gather (``cold.py``'s ``_keep_pages``). None (nothing changed) without the library,
+    for tensors off the CPU or not contiguous, or an index out of range or repeated."""
+    lib = library()
+    if lib is None or dropped.device.type != "cpu" or dropped.dtype != torch.int64 or not tensors:
+        return None
+    if not all(t.device.type == "cpu" and t.is_contiguous() and t.dim() >= 3 for t in tensors):
+        return None
+    batch, heads, count = dropped.shape
+    if any(tuple(t.shape[:2]) != (batch, heads) for t in tensors):
+        return None
+    kept = live - count
+    out = [t.new_empty((batch, heads, kept) + tuple(t.shape[3:])) for t in tensors] if exact else list(tensors)
+    index = dropped.contiguous()
+    sources, targets = array("Q", [t.data_ptr() for t in tensors]), array("Q", [t.data_ptr() for t in out])
+    capacity, capacity_out = array("q", [t.shape[2] for t in tensors]), array("q", [t.shape[2] for t in out])
+    page_bytes = array("q", [t.element_size() * math.prod(t.shape[3:]) for t in tensors])
+    if lib.confkv_keep_pages(batch, heads, live, count, index.data_ptr(), len(tensors), sources.buffer_info()[0],
+                             capacity.buffer_info()[0], targets.buffer_info()[0], capacity_out.buffer_info()[0],
+                             page_bytes.buffer_info()[0]):
+        return None
+    return out
 
 
 READERS = ("row by row", "plane order", "avx512")  #: confkv_page_reader's answers, by number

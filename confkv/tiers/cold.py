@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from confkv.native import pages as native_pages
 from confkv.tiers import lowbit
 from confkv.attention.segments import gather_pages as _gather_pages
 from confkv.tiers.cold_read import PageRead
@@ -70,8 +71,7 @@ class ColdTier(PageRead):
         #: set by the bit ladder (a byte target); the default grows by doubling (fewer copies)
         self.exact_capacity = False
         self.step_confidence: Tensor | None = None  # [B] the model's confidence at this step (page metadata)
-        #: (bytes of one sealed page, of its digest), all KV heads: fixed once the tier holds tokens (its format,
-        #: config and head count never change after), asked at every kv_bytes() (every step), so worked out once
+        #: (bytes of a sealed page, of its digest, the format's per layer), all KV heads: fixed once it holds tokens
         self._page_sizes: tuple[int, int, int] | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -253,8 +253,7 @@ class ColdTier(PageRead):
             self.pages = {name: _gather_pages(t.narrow(2, 0, self.num_pages), index) for name, t in self.pages.items()}
         else:
             for tensor in self.pages.values():
-                picked = _gather_pages(tensor.narrow(2, 0, self.num_pages), index)
-                tensor.narrow(2, 0, kept).copy_(picked)
+                tensor.narrow(2, 0, kept).copy_(_gather_pages(tensor.narrow(2, 0, self.num_pages), index))
         self.num_pages = kept
 
     # -- moves between rungs of a ladder (confkv.tiers.ladder) ----------------------------------
@@ -291,11 +290,16 @@ class ColdTier(PageRead):
         return taken
 
     def drop_pages(self, index: Tensor) -> None:
-        """Delete sealed pages ``index`` [B, H, M] (distinct per head); the rest keep their order."""
+        """Delete sealed pages ``index`` [B, H, M] (distinct per head); the rest keep their order (in one C call where
+        it can, :func:`confkv.native.pages.keep_pages`: the bytes of :meth:`_keep_pages`' gather)."""
+        exact, left = self.exact_capacity and self.page_file is None, self.num_pages - index.shape[-1]
+        moved = native_pages.keep_pages(list(self.pages.values()), index, self.num_pages, exact)
+        if moved is not None:
+            self.pages, self.num_pages = (dict(zip(self.pages, moved)) if exact else self.pages), left
+            return
         gone = torch.zeros(self.pages["heat"].shape[:2] + (self.num_pages,), dtype=torch.bool,
                            device=index.device).scatter_(2, index, True)
-        rest = (gone.to(torch.int8)).argsort(dim=-1, stable=True)[..., :self.num_pages - index.shape[-1]]
-        self._keep_pages(rest.sort(-1).values)
+        self._keep_pages(gone.to(torch.int8).argsort(dim=-1, stable=True)[..., :left].sort(-1).values)
 
     def put_pages(self, taken: dict[str, Tensor], dtype: torch.dtype) -> None:
         """Encode pages from :meth:`take_pages` at this tier's bits and append them, metadata kept.
@@ -380,21 +384,17 @@ def _left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
     for name in ("positions", "attention"):
         out[name] = tokens[name].gather(2, head_order)
     for name in ("keys", "values"):
-        tensor = tokens[name]
-        out[name] = tensor.gather(2, head_order[..., None].expand(-1, -1, -1, tensor.shape[-1]))
+        out[name] = tokens[name].gather(2, head_order[..., None].expand(-1, -1, -1, tokens[name].shape[-1]))
     return out
 
 
 def _grow(old: Tensor | None, like: Tensor, capacity: int, page_file: PageFile | None) -> Tensor:
     """A tensor shaped like ``like`` with ``capacity`` pages (axis 2), holding ``old``'s pages first."""
-    axis, shape = 2, list(like.shape)
-    shape[axis] = capacity
-    if page_file is not None:
-        grown = page_file.allocate(shape, like.dtype)
-    else:
-        grown = torch.zeros(shape, dtype=like.dtype, device=like.device)
+    shape = [*like.shape[:2], capacity, *like.shape[3:]]
+    grown = page_file.allocate(shape, like.dtype) if page_file is not None else torch.zeros(shape, dtype=like.dtype,
+                                                                                              device=like.device)
     if old is not None:
-        grown.narrow(axis, 0, old.shape[axis]).copy_(old)
+        grown.narrow(2, 0, old.shape[2]).copy_(old)
         if page_file is not None:
             page_file.release(old)
     return grown

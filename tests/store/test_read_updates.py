@@ -13,39 +13,10 @@ from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from confkv.native import pages as native_pages
 from confkv.store import read as read_module
-from confkv.tiers.ladder import LadderTier
-from decode_stream import decode_logits
+from decode_stream import decode_logits, same_cache_state
 
 pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),
               pytest.mark.skipif(not native.available(), reason="native kernels unavailable")]
-
-
-def _cold_tensors(cold) -> dict[str, torch.Tensor]:
-    rungs = cold.rungs if isinstance(cold, LadderTier) else [cold]
-    out = {}
-    for number, rung in enumerate(rungs):
-        for name, tensor in rung.pages.items():
-            out[f"{number}.{name}"] = tensor.narrow(2, 0, rung.num_pages)
-        for name, tensor in (rung.open or {}).items():
-            out[f"{number}.open.{name}"] = tensor
-    return out
-
-
-def _same_state(a: ConfKVCache, b: ConfKVCache) -> None:
-    for layer_a, layer_b in zip(a.layers, b.layers):
-        x, y = layer_a.store, layer_b.store
-        for region in ("old", "recent"):
-            ra, rb = getattr(x, region), getattr(y, region)
-            for name in ("keys", "values", "positions", "valid"):
-                assert torch.equal(getattr(ra, name), getattr(rb, name)), (region, name)
-            assert ra.stats.keys() == rb.stats.keys()
-            for name in ra.stats:  # bit for bit, NaN included
-                assert torch.equal(ra.stats[name].view(torch.int32), rb.stats[name].view(torch.int32)), (region, name)
-        ca, cb = _cold_tensors(x.cold), _cold_tensors(y.cold)
-        assert ca.keys() == cb.keys()
-        for name in ca:
-            assert ca[name].shape == cb[name].shape and torch.equal(ca[name], cb[name]), name
-        assert x.kv_bytes() == y.kv_bytes()
 
 
 def _stream(monkeypatch, make_cache, ids, prompt, *, in_place: bool):
@@ -93,7 +64,7 @@ def test_the_read_updates_what_the_python_would(setting, batch, monkeypatch):
     assert none_made == 0
     assert made >= (length - prompt) * len(cache.layers) // 2  # most decode steps' reads update in place
     assert torch.equal(got, want)
-    _same_state(cache, reference)
+    same_cache_state(cache, reference)
 
 
 def test_without_torch_sum_order_the_python_updates(monkeypatch):
@@ -110,7 +81,7 @@ def test_without_torch_sum_order_the_python_updates(monkeypatch):
     got, cache, made = _stream(monkeypatch, make_cache, ids, 100, in_place=True)
     assert saved(None) == 0 and made == 0
     assert torch.equal(got, want)
-    _same_state(cache, reference)
+    same_cache_state(cache, reference)
 
 
 def test_an_update_that_does_not_fit_its_segment_is_refused():

@@ -11,9 +11,12 @@ The shortcuts, each of which leaves the store byte for byte as the path it short
 * ``append_one``: a decode step's token appended and placed in fewer calls (``AttentionRead._append_one``); off,
   ``append`` then ``attend``;
 * ``read_updates`` (stop 60): the native page read updates the hot regions' EMA and the cold pages' heat in place
-  from its masses (``AttentionRead._updates_in_place``); off, ``policy.observe`` and ``cold.observe_read`` do.
+  from its masses (``AttentionRead._updates_in_place``); off, ``policy.observe`` and ``cold.observe_read`` do;
+* ``append_slots`` (stop 60): ``_append_one``'s four cats and pad, and the cold tier's demotion into its open page
+  (four cats), each one C call (``native.pages.append_slots``); off, the cats;
+* ``keep_pages`` (stop 60): a cold tier's pages dropped in one C call (``native.pages.keep_pages``); off, the gather.
 
-``--off`` names the shortcuts the "off" variant turns off (default: all four). The cache is the preset
+``--off`` names the shortcuts the "off" variant turns off (default: all of them). The cache is the preset
 (``memory=0.25``) through the lean decoder with INT8 weights (W8A8), prefilled with ``N`` random tokens; both variants
 step the same cache in turn. Wall clock; the ratio is the figure (the machine's load moves both alike).
 
@@ -33,11 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from preset_step_profile import prefilled_preset  # noqa: E402
 
+from confkv.native import pages as native_pages  # noqa: E402
 from confkv.store import hot_tier  # noqa: E402
 from confkv.store.read import AttentionRead  # noqa: E402
 from confkv.tiers.cold_read import EveryPageRead  # noqa: E402
 
-SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates")
+SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "append_slots", "keep_pages")
 
 
 def _two_calls(self, keys, values, query, *, scaling):
@@ -53,9 +57,12 @@ def switch(off: set[str]) -> dict:
     saved = {"age_evict": (hot_tier, "age_and_evict_at_once", hot_tier.age_and_evict_at_once),
              "every_page": (EveryPageRead, "serves", EveryPageRead.serves),
              "append_one": (AttentionRead, "decode_step", AttentionRead.decode_step),
-             "read_updates": (AttentionRead, "_updates_in_place", AttentionRead._updates_in_place)}
+             "read_updates": (AttentionRead, "_updates_in_place", AttentionRead._updates_in_place),
+             "append_slots": (native_pages, "append_slots", native_pages.append_slots),
+             "keep_pages": (native_pages, "keep_pages", native_pages.keep_pages)}
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
-                   "append_one": _two_calls, "read_updates": lambda self, *args: None}
+                   "append_one": _two_calls, "read_updates": lambda self, *args: None,
+                   "append_slots": lambda *args: None, "keep_pages": lambda *args: None}
     for name in off:
         owner, attribute, _ = saved[name]
         setattr(owner, attribute, replacement[name])

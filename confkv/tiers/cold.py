@@ -67,9 +67,7 @@ class ColdTier(PageRead):
         self.bytes_read = 0  # cold bytes read by the last attention read
         self.reads = 0  # attention reads of this layer so far (the clock of a page's mean heat)
         self._selected: Tensor | None = None  # [B, H, K] pages read by the last read
-        #: hold exactly ``num_pages`` pages (no spare capacity), so that every allocated byte is counted:
-        #: set by the bit ladder (a byte target); the default grows by doubling (fewer copies)
-        self.exact_capacity = False
+        self.exact_capacity = False  # no spare page (a ladder counts every allocated byte), else grown by doubling
         self.step_confidence: Tensor | None = None  # [B] the model's confidence at this step (page metadata)
         #: (bytes of a sealed page, of its digest, the format's per layer), all KV heads: fixed once it holds tokens
         self._page_sizes: tuple[int, int, int] | None = None
@@ -153,9 +151,11 @@ class ColdTier(PageRead):
             attention = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
         incoming = {"keys": keys.to(self.dtype), "values": values.to(self.dtype), "positions": positions,
                     "valid": valid, "attention": attention.float()}
-        merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
-                  for name in self.open}
-        self.open = _left_align(merged)
+        slotted = ("keys", "values", "positions", "attention")  # [B, H, S, ...]: one C call where it can (same bytes)
+        made = native_pages.append_slots([self.open[name] for name in slotted], [incoming[name] for name in slotted])
+        merged = dict(zip(slotted, made)) if made is not None else {
+            name: torch.cat([self.open[name], incoming[name]], dim=2) for name in slotted}
+        self.open = _left_align({**merged, "valid": torch.cat([self.open["valid"], valid], dim=1)})
         page = self.config.page_size
         full = self.open_length // page
         if full:

@@ -23,7 +23,7 @@ import torch
 
 from confkv.attention.blockwise import blockwise_attention
 from confkv.attention.segments import KVSegment, PagedSegment, densify
-from confkv.native import pages as native_pages
+from confkv.native import page_entry
 from confkv.tiers import lowbit
 
 Q_HEADS, KV_HEADS, DIM, PAGE, GROUP = 9, 3, 64, 64, 64
@@ -49,7 +49,7 @@ def torch_read(query, segments, scaling):
 
 
 def native_read(query, segments, scaling):
-    return native_pages.page_read(query, segments, scaling)
+    return page_entry.page_read(query, segments, scaling)
 
 
 def measure(query, segments, repeats: int, clock) -> tuple[float, float, float]:

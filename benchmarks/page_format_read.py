@@ -21,7 +21,7 @@ import torch
 
 from confkv.attention.segments import KVSegment, PagedSegment
 from confkv.eval.bench.configs import kivi_rows
-from confkv.native import pages as native_pages
+from confkv.native import page_entry
 from confkv.tiers.formats import KiviFormat, parse_format
 
 Q_HEADS, KV_HEADS, DIM, PAGE, GROUP = 9, 3, 64, 64, 64
@@ -65,11 +65,11 @@ def main() -> None:
         torch.set_num_threads(threads)
         times: dict[str, list[float]] = {spec: [] for spec in args.specs}
         for spec, segments in reads.items():  # warm up (the library, the pool)
-            assert native_pages.page_read(query, segments, DIM ** -0.5) is not None, spec
+            assert page_entry.page_read(query, segments, DIM ** -0.5) is not None, spec
         for _ in range(args.repeats):
             for spec, segments in reads.items():
                 start = time.perf_counter()
-                native_pages.page_read(query, segments, DIM ** -0.5)
+                page_entry.page_read(query, segments, DIM ** -0.5)
                 times[spec].append(time.perf_counter() - start)
         first = times[args.specs[0]]
         print(f"{threads} thread(s), {args.tokens} tokens of pages + {args.hot} hot, {args.repeats} rounds")

@@ -29,7 +29,7 @@ from native_page_read import page_segment  # noqa: E402
 
 from confkv.attention.segments import KVSegment  # noqa: E402
 from confkv.native import loader  # noqa: E402
-from confkv.native import pages as native_pages  # noqa: E402
+from confkv.native import page_entry  # noqa: E402
 from confkv.tiers.hadamard import shared_rotation  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen": (12, 2, 128)}  #: query heads, KV heads, head dim
@@ -82,7 +82,7 @@ def main() -> None:
                 for label, lib in libs.items():
                     loader._state["lib"] = lib
                     began = time.perf_counter()
-                    outs[label] = native_pages.page_read(query, segments, dim ** -0.5)[0]
+                    outs[label] = page_entry.page_read(query, segments, dim ** -0.5)[0]
                     times[label].append(time.perf_counter() - began)
             before, after = (1e3 * statistics.median(times[k]) for k in ("before", "after"))
             diff = float((outs["before"] - outs["after"]).abs().max())

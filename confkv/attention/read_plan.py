@@ -9,7 +9,7 @@
 ``native_prefill``  :func:`confkv.native.prefill.prefill_read`: a prefill chunk's many rows over dense segments
                     (packed pages dequantized first), masks and the mass in one C call (AVX512-BF16 products)
 ``native_mass``     :func:`confkv.native.mass_read`: mass needed, every slot visible, no pages
-``native_pages``    :func:`confkv.native.pages.page_read`: masks and packed KIVI pages in one C call
+``native_pages``    :func:`confkv.native.page_entry.page_read`: masks and packed KIVI pages in one C call
 ``mass``            :func:`confkv.attention.mass_read.mass_read` (torch), the native library missing
 ``torch``           the block-wise torch read, packed pages gathered and dequantized first
 ==================  ===========================================================================
@@ -34,6 +34,7 @@ from confkv.attention.blockwise import DEFAULT_BLOCK_SIZE, blockwise_attention
 from confkv.attention.fused_cpu import fused_read_eligible
 from confkv.attention.mass_read import MAX_SCORES, mass_read, mass_read_eligible
 from confkv.attention.segments import KVSegment, PagedSegment, densify
+from confkv.native import page_entry
 from confkv.native import pages as native_pages
 from confkv.native import prefill as native_prefill
 
@@ -124,7 +125,7 @@ def plan(query: Tensor, segments: Sequence, softcap: float | None, need_mass: bo
         return ReadPlan("native_prefill")
     if softcap is not None:
         return ReadPlan("torch", "softcap")
-    why = native_pages.unsupported(query, segments)
+    why = page_entry.unsupported(query, segments)
     if why is not None:
         return ReadPlan("torch", why)
     if native_pages.score_entries(query, segments) > MAX_SCORES:
@@ -139,7 +140,7 @@ def page_reader(query: Tensor, segments: Sequence, softcap: float | None, need_m
     A store asks this when the kind of its read changes (:meth:`confkv.store.read.AttentionRead._tiered_read`)."""
     if plan(query, segments, softcap, need_mass, backend).path != "native_pages":
         return None
-    return native_pages.PageReader(native.library(), native_pages.rotation_matrix(segments))
+    return native_pages.PageReader(native.library(), page_entry.rotation_matrix(segments))
 
 
 def reads_pages(query: Tensor, backend: str) -> bool:
@@ -169,7 +170,7 @@ def attention_read(
             triton when the query is on CUDA and triton imports, else fused where
             eligible, else (the mass needed) :func:`mass_read` where eligible (in its native
             version, :func:`confkv.native.mass_read`, when available), else, with packed pages,
-            the native page read (:func:`confkv.native.pages.page_read`), else torch.
+            the native page read (:func:`confkv.native.page_entry.page_read`), else torch.
             ``block_size`` only applies to the torch backend.
             The torch paths read a :class:`PagedSegment` via its ``to_dense``.
     A plan that leaves the native path is counted with its reason (:func:`confkv.profiling.left_native`).
@@ -183,7 +184,7 @@ def attention_read(
 
         return triton_attention(query, segments, scaling, softcap=softcap, need_mass=need_mass)
     if path == "native_pages":
-        fast_pages = native_pages.page_read(query, segments, scaling, need_mass)
+        fast_pages = page_entry.page_read(query, segments, scaling, need_mass)
         if fast_pages is not None:
             return fast_pages
         profiling.left_native("native page read declined")

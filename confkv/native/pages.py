@@ -8,8 +8,10 @@ float32 softmax. Visibility masks (left padding, invalid slots, pages a sequence
 in the kernel. It returns the same per-slot attention mass ([B, Hkv, L_s] per segment, a page segment's
 slots in rank order), which the cold tier's page heat and the ranking take.
 
-:func:`unsupported` says why a read is not one it takes (None when it is); the read plan
-(:mod:`confkv.attention.read_plan`) asks it.
+The checked entry (:func:`page_read`, :func:`unsupported`, which the read plan asks, :func:`rotation_matrix`,
+:func:`reader_of`) is :mod:`confkv.native.page_entry`; this module is what a decode step
+runs: the call (:class:`PageReader`, with its in-place updates, :class:`InPlaceUpdate`) and the moves of a store's
+per-slot and page tensors in one C call each (:func:`append_slots`, :func:`keep_pages`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from confkv.native import _sum_lanes
+from confkv.native import loader
 from confkv.native.loader import library
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,45 +42,6 @@ _META_PADDING = [0] * _META
 
 def _is_paged(segment) -> bool:
     return hasattr(segment, "index") and hasattr(segment, "counts")
-
-
-def unsupported(query: Tensor, segments: Sequence) -> str | None:
-    """Why :func:`page_read` does not take this read, or None when it does (the library not checked)."""
-    if query.device.type != "cpu":
-        return "query not on CPU"
-    if not query.is_floating_point():
-        return "query dtype"
-    for segment in segments:
-        if _is_paged(segment):
-            widths = getattr(segment, "widths", (segment.bits, segment.bits))
-            if any(bits not in BITS for bits in widths):
-                return f"{'/'.join(map(str, sorted(set(widths))))}-bit pages"
-            if segment.valid.device.type != "cpu":
-                return "pages not on CPU"
-            if any(segment.head_dim % {2: 4, 3: 8, 4: 2, 8: 1}[bits] for bits in widths):
-                return "head_dim not packable"
-            if segment.rotation is not None and segment.rotation.matrix.shape != (query.shape[-1],) * 2:
-                return "rotation not [D, D]"
-        else:
-            if segment.keys_int8 or segment.values_int8:
-                return "INT8 segment"
-            if not (segment.keys.is_floating_point() and segment.values.is_floating_point()):
-                return "segment dtype"
-            if segment.keys.device.type != "cpu":
-                return "segment not on CPU"
-    if len(_rotations(segments)) > 1:
-        return "pages in different rotations"
-    return None
-
-
-def _rotations(segments: Sequence) -> list[Tensor]:
-    """The distinct rotation matrices ([D, D] float32) of the rotated page segments."""
-    found: list[Tensor] = []
-    for segment in segments:
-        rotation = getattr(segment, "rotation", None)
-        if rotation is not None and not any(m is rotation.matrix or torch.equal(m, rotation.matrix) for m in found):
-            found.append(rotation.matrix)
-    return found
 
 
 def _inner_contiguous(t: Tensor, lead: int) -> Tensor:
@@ -181,35 +145,6 @@ def _outliers(segment) -> list[Tensor]:
     if len({t.shape[-1] for t in tensors}) != 1:
         raise ValueError("packed pages: keys and values must keep as many outliers per page")
     return tensors if tensors[0].shape[-1] else []
-
-
-def page_read(query: Tensor, segments: Sequence, scaling: float,
-              need_mass: bool = True) -> tuple[Tensor, list[Tensor] | None] | None:
-    """Attention of ``query`` over ``segments`` (:class:`~confkv.attention.KVSegment` s, masks allowed, and
-    :class:`~confkv.attention.segments.PagedSegment` s of 2-8 bits), the contract of ``blockwise_attention``.
-
-    Args:
-        query: [B, Hq, Q, D] on CPU (converted to float32), Hq = Hkv * G.
-        segments: dense segments (float keys / values; float32 and bfloat16 read as they are, other float
-            dtypes converted to float32) and packed page segments (keys and values each at 2, 3, 4 or 8 bits,
-            outliers written over the dequantized rows); page segments with a ``rotation`` (codes
-            of ``k @ rotation.matrix``, ``v @ rotation.matrix``; one rotation per call) are scored with the
-            query turned into that basis and their share of the output turned back, in the kernel.
-        scaling: score multiplier.
-    Returns:
-        (out [B, Hq, Q, D] in ``query.dtype``, one mass [B, Hkv, L_s] float32 per segment or None), or None
-        when the library is unavailable or the read is not one it takes (:func:`unsupported`).
-    """
-    lib = library()
-    if lib is None or unsupported(query, segments) is not None or not segments:
-        return None
-    return _read(lib, query, segments, scaling, need_mass, rotation_matrix(segments))
-
-
-def rotation_matrix(segments: Sequence) -> Tensor | None:
-    """The one rotation of the page segments as the kernel takes it ([D, D] float32, contiguous), or None."""
-    rotations = _rotations(segments)
-    return rotations[0].to(torch.float32).contiguous() if rotations else None
 
 
 class PageReader:
@@ -333,13 +268,23 @@ def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, n
     return out.to(query.dtype), mass
 
 
+_library_now: list = [None, None]  # (loader.generation, the library then): the moves run in every decode step
+
+
+def _moves_library():
+    """The library, looked up again only when the loader's generation changes (no call into the loader a step)."""
+    if _library_now[0] != loader.generation:
+        _library_now[:] = [loader.generation, library()]
+    return _library_now[1]
+
+
 def keep_pages(tensors: Sequence[Tensor], dropped: Tensor, live: int, exact: bool) -> list[Tensor] | None:
     """A cold tier's page tensors (each [B, H, capacity, ...], its first ``live`` pages per row live) without pages
     ``dropped`` [B, H, M] (distinct per row), the others in order at the front, in one C call (``c/page_moves.c``):
     new tensors of exactly ``live - M`` pages with ``exact``, else the same tensors, their pages moved down in place.
     The bytes of the torch path's gather (``cold.py``'s ``_keep_pages``). None (nothing changed) without the library,
     for tensors off the CPU or not contiguous, or an index out of range or repeated."""
-    lib = library()
+    lib = _moves_library()
     if lib is None or dropped.device.type != "cpu" or dropped.dtype != torch.int64 or not tensors:
         return None
     if not all(t.device.type == "cpu" and t.is_contiguous() and t.dim() >= 3 for t in tensors):
@@ -364,7 +309,7 @@ def append_slots(sources: Sequence[Tensor], news: Sequence[Tensor | None]) -> li
     """``torch.cat([source, new], dim=2)`` of each pair, or ``M`` zero slots where ``new`` is None, in one C call
     (``c/append.c``, the same bytes): sources [B, H, L, ...] contiguous, news [B, H, M, ...] in the source's dtype,
     any strides but their rows' (0 repeats a row); all on the CPU. None (nothing made) for tensors it does not take."""
-    lib = library()
+    lib = _moves_library()
     first = next((new for new in news if new is not None), None)
     if lib is None or first is None or len(news) != len(sources):
         return None
@@ -393,27 +338,6 @@ def append_slots(sources: Sequence[Tensor], news: Sequence[Tensor | None]) -> li
                               row_bytes.buffer_info()[0]):
         return None
     return targets
-
-
-READERS = ("row by row", "plane order", "avx512")  #: confkv_page_reader's answers, by number
-
-
-def reader_of(query: Tensor, segment) -> str:
-    """Which of the kernel's readers reads the packed page ``segment`` for ``query`` [B, Hq, Q, D]: "avx512"
-    (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "plane order" (c/page_codes.c) or "row by
-    row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
-    Raises RuntimeError when the library is unavailable, ValueError for a segment the read refuses."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("confkv native kernels unavailable")
-    kv_heads = segment.kv_heads
-    rows = query.shape[1] // kv_heads * query.shape[2]
-    _, info = _paged(segment, [])
-    meta = info + [0] * (_META - len(info)) + _NO_UPDATE
-    reader = lib.confkv_page_reader((ctypes.c_int64 * len(meta))(*meta), rows, query.shape[-1])
-    if reader < 0:
-        raise ValueError(_REFUSED)
-    return READERS[reader]
 
 
 def score_entries(query: Tensor, segments: Sequence) -> int:

@@ -22,6 +22,7 @@ import torch
 from confkv.attention import KVSegment, read_plan
 from confkv.attention.blockwise import blockwise_attention
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, densify
+from confkv.native import page_entry
 from confkv.native import pages as native_pages
 from confkv.native.loader import available
 from confkv.tiers.formats import KiviFormat, parse_format
@@ -72,7 +73,7 @@ def _segment(fmt: KiviFormat, data: dict, valid: torch.Tensor, gen: torch.Genera
 
 
 def _compare(query, segments, scaling):
-    out, mass = native_pages.page_read(query, segments, scaling)
+    out, mass = page_entry.page_read(query, segments, scaling)
     ref, ref_mass = blockwise_attention(query, densify(list(segments)), scaling)
     torch.testing.assert_close(out, ref, **OUT_TOL)
     for got, want in zip(mass, ref_mass):
@@ -142,7 +143,7 @@ def test_outliers_change_the_read_and_are_written_where_their_index_says(page, d
     query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen) * 3.0
     out = _compare(query, [pages], dim ** -0.5)
     bare = PagedSegment(**{**pages.__dict__, **{name: None for name in OUTLIER_STORAGE}})
-    without, _ = native_pages.page_read(query, [bare], dim ** -0.5)
+    without, _ = page_entry.page_read(query, [bare], dim ** -0.5)
     assert (without - out).abs().max() > 1e-2
 
 
@@ -187,7 +188,7 @@ def test_an_outlier_index_outside_its_page_is_left_out(page, dim, group):
     pages = _segment(fmt, data, valid, torch.Generator().manual_seed(1), "all")
     same = _segment(fmt, reference, valid, torch.Generator().manual_seed(1), "all")
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-    out, _ = native_pages.page_read(query, [pages], dim ** -0.5)
+    out, _ = page_entry.page_read(query, [pages], dim ** -0.5)
     want = _compare(query, [same], dim ** -0.5)
     torch.testing.assert_close(out, want, atol=0, rtol=0)
 
@@ -282,7 +283,7 @@ def test_pages_with_outliers_give_the_same_bits_at_two_threads(page, dim, group)
         data, valid, _ = _encoded(gen, fmt, page, dim)
         segments.append(_segment(fmt, data, valid, gen, "all"))
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-    same_bits_at_one_and_two_threads(lambda: native_pages.page_read(query, segments, dim ** -0.5), repeats=10)
+    same_bits_at_one_and_two_threads(lambda: page_entry.page_read(query, segments, dim ** -0.5), repeats=10)
     _compare(query, segments, dim ** -0.5)
 
 
@@ -297,5 +298,5 @@ def test_segments_of_two_page_sizes_with_outliers_are_read_at_two_threads_as_at_
         data, valid, _ = _encoded(gen, fmt, page, dim)
         segments.append(_segment(fmt, data, valid, gen, "all"))
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-    same_bits_at_one_and_two_threads(lambda: native_pages.page_read(query, segments, dim ** -0.5))
+    same_bits_at_one_and_two_threads(lambda: page_entry.page_read(query, segments, dim ** -0.5))
     _compare(query, segments, dim ** -0.5)

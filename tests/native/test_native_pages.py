@@ -19,6 +19,7 @@ from confkv import profiling
 from confkv.attention import KVSegment, attention_read, read_plan
 from confkv.attention.blockwise import blockwise_attention
 from confkv.attention.segments import PagedSegment, densify
+from confkv.native import page_entry
 from confkv.native import pages as native_pages
 from confkv.native.loader import available, disabled
 from confkv.tiers import lowbit
@@ -71,7 +72,7 @@ def _hot(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> list[KVSeg
 
 
 def _compare(query, segments, scaling=DIM ** -0.5, out_tol=OUT_TOL, mass_tol=MASS_TOL):
-    out, mass = native_pages.page_read(query, segments, scaling)
+    out, mass = page_entry.page_read(query, segments, scaling)
     ref, ref_mass = blockwise_attention(query, densify(list(segments)), scaling)
     torch.testing.assert_close(out, ref, **out_tol)
     assert len(mass) == len(ref_mass)
@@ -114,7 +115,7 @@ def test_pages_alone_several_bit_widths_and_a_bfloat16_hot_tier():
     gen = torch.Generator().manual_seed(7)
     segments = [*_hot(gen, torch.bfloat16), _pages(gen, 8, "all"), _pages(gen, 4, "some"), _pages(gen, 3, "all")]
     query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen).to(torch.bfloat16)
-    out, mass = native_pages.page_read(query, segments, DIM ** -0.5)
+    out, mass = page_entry.page_read(query, segments, DIM ** -0.5)
     ref, ref_mass = blockwise_attention(query, densify(segments), DIM ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=0)  # one bfloat16 rounding apart
@@ -148,12 +149,12 @@ def test_pages_in_a_rotation_are_read_packed_in_their_basis(bits, group, reads):
     segments = [*_hot(gen), _pages(gen, 4, "some"), _rotated_pages(gen, bits, reads, rotation),
                 _rotated_pages(gen, 3, "all", HadamardRotation(DIM, seed=3))]  # another rung: an equal rotation
     query = torch.randn(BATCH, KV_HEADS * group, 2, DIM, generator=gen)
-    assert native_pages.unsupported(query, segments) is None
+    assert page_entry.unsupported(query, segments) is None
     assert read_plan.plan(query, segments, None, True, "triton") == read_plan.ReadPlan(
         "torch", "rotated pages (the Triton read takes none)")
     out, _ = _compare(query, segments)
     unturned = [*segments[:3], *(PagedSegment(**{**s.__dict__, "rotation": None}) for s in segments[3:])]
-    wrong, _ = native_pages.page_read(query, unturned, DIM ** -0.5)  # the same codes read in the model's basis
+    wrong, _ = page_entry.page_read(query, unturned, DIM ** -0.5)  # the same codes read in the model's basis
     assert (wrong - out).abs().max() > 1e-2
 
 
@@ -164,7 +165,7 @@ def test_pages_in_two_different_rotations_are_not_read_natively():
     segments = [*_hot(gen), _rotated_pages(gen, 4, "all", HadamardRotation(DIM, seed=1)),
                 _rotated_pages(gen, 4, "all", HadamardRotation(DIM, seed=2))]
     query = torch.randn(BATCH, KV_HEADS, 1, DIM, generator=gen)
-    assert native_pages.unsupported(query, segments) == "pages in different rotations"
+    assert page_entry.unsupported(query, segments) == "pages in different rotations"
     assert read_plan.plan(query, segments, None, True, "auto") == read_plan.ReadPlan("torch", "pages in different rotations")
     out, _ = attention_read(query, segments, DIM ** -0.5)  # the torch read decodes each page back
     ref, _ = blockwise_attention(query, densify(segments), DIM ** -0.5)
@@ -289,7 +290,7 @@ def test_the_fast_path_gives_the_same_bits_at_two_threads_in_every_read():
     gen = torch.Generator().manual_seed(7)
     segments = [_pages_of(gen, 3, 64, 64, 64), _pages_of(gen, 4, 64, 64, 64)]
     query = torch.randn(BATCH, KV_HEADS * 3, 1, 64, generator=gen)
-    same_bits_at_one_and_two_threads(lambda: native_pages.page_read(query, segments, 64 ** -0.5), repeats=20)
+    same_bits_at_one_and_two_threads(lambda: page_entry.page_read(query, segments, 64 ** -0.5), repeats=20)
 
 
 def test_a_mask_that_differs_per_kv_head_and_per_query_is_read_as_given():
@@ -370,9 +371,9 @@ def test_a_group_the_kernel_does_not_take_is_refused_before_any_read(page, dim, 
     pages.group_size = group
     query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen)
     with pytest.raises(ValueError, match="group size or outlier storage is not one it takes"):
-        native_pages.page_read(query, [pages], dim ** -0.5)
+        page_entry.page_read(query, [pages], dim ** -0.5)
     with pytest.raises(ValueError, match="group size or outlier storage is not one it takes"):
-        native_pages.reader_of(query, pages)  # asked which reader: none (and no division by a group of 0)
+        page_entry.reader_of(query, pages)  # asked which reader: none (and no division by a group of 0)
 
 
 # The fast path (confkv/native/c/page_codes.c) reads segments whose value group is a multiple of 8: codes
@@ -441,7 +442,7 @@ def test_each_page_shape_goes_to_the_reader_meant_for_it(page, dim, group, heads
     gen = torch.Generator().manual_seed(dim + group)
     query = torch.randn(BATCH, KV_HEADS * heads, queries, dim, generator=gen)
     want = "plane order" if reader == "avx512" and not _cpu_has_vbmi() else reader
-    assert native_pages.reader_of(query, _pages_of(gen, 3, page, dim, group)) == want
+    assert page_entry.reader_of(query, _pages_of(gen, 3, page, dim, group)) == want
 
 
 @pytest.mark.parametrize("page, dim, group", [(8, 32, 8), (64, 64, 64)])
@@ -531,7 +532,7 @@ def test_a_few_units_pages_are_read_in_slices_as_the_torch_read(pages_per_segmen
     with torch_threads(1):
         one, one_mass = _compare(query, segments, dim ** -0.5)
         torch.set_num_threads(2)
-        two, two_mass = native_pages.page_read(query, segments, dim ** -0.5)
+        two, two_mass = page_entry.page_read(query, segments, dim ** -0.5)
     assert torch.equal(one, two) and all(torch.equal(a, b) for a, b in zip(one_mass, two_mass))
 
 
@@ -564,7 +565,7 @@ def test_the_kernel_itself_refuses_pages_it_does_not_take(monkeypatch, change):
 
     monkeypatch.setattr(native_pages, "_paged", altered)
     with pytest.raises(ValueError, match="bits, group size or outlier storage"):
-        native_pages.page_read(query, segments, DIM ** -0.5)
+        page_entry.page_read(query, segments, DIM ** -0.5)
 
 
 def test_a_read_too_big_for_memory_is_refused_not_attempted(monkeypatch):
@@ -582,7 +583,7 @@ def test_a_read_too_big_for_memory_is_refused_not_attempted(monkeypatch):
 
     monkeypatch.setattr(native_pages, "_dense", huge)
     with pytest.raises(MemoryError, match="out of memory"):
-        native_pages.page_read(query, segments, DIM ** -0.5, need_mass=False)
+        page_entry.page_read(query, segments, DIM ** -0.5, need_mass=False)
 
 
 @pytest.mark.parametrize("large_row", [0, 2])
@@ -594,7 +595,7 @@ def test_each_row_is_softmaxed_at_its_own_maximum(large_row):
     segments = [*_hot(gen), _pages(gen, 4, "all")]
     query = torch.randn(BATCH, KV_HEADS * 3, 1, DIM, generator=gen)
     query[:, large_row::3] *= 80.0  # the first (or last) query head of each KV head
-    out, mass = native_pages.page_read(query, segments, DIM ** -0.5)
+    out, mass = page_entry.page_read(query, segments, DIM ** -0.5)
     ref, ref_mass = blockwise_attention(query, densify(list(segments)), DIM ** -0.5)
     assert out.isfinite().all()
     torch.testing.assert_close(out, ref, **TENS_TOL)

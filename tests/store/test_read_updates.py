@@ -98,3 +98,19 @@ def test_an_update_that_does_not_fit_its_segment_is_refused():
                            [native_pages.InPlaceUpdate.statistic(stat, 0.9, 0.1)], 16)
     with pytest.raises(ValueError, match="need_mass"):
         native_pages._read(native.library(), query, [segment], 1.0, False, None, [None], 16)
+
+
+def test_a_pages_mass_sum_is_torchs_bit_for_bit():
+    """The page heat's sum (kernels.c's page_mass_sum: a short row's sum with its vector width fixed) against
+    ``torch.sum`` over rows of every length up to 160 and a few beyond, as the cold tier's ``observe`` sums a page."""
+    lib = native.library()
+    lanes = native._sum_lanes(lib)
+    if not lanes:
+        pytest.skip("torch's float sum order is not matched on this build")
+    gen = torch.Generator().manual_seed(11)
+    for n in list(range(1, 161)) + [255, 256, 511, 512, 1000, 1024, 1030]:
+        rows = torch.rand(4, n, generator=gen) * torch.rand(4, 1, generator=gen) * 1e-2
+        want = rows.sum(-1)
+        for row, total in zip(rows, want):
+            got = lib.confkv_page_mass_sum(row.data_ptr(), n, lanes)
+            assert torch.tensor(got, dtype=torch.float32).view(torch.int32) == total.view(torch.int32), n

@@ -165,6 +165,39 @@ static void task_values(const void *ctx, int64_t task) {
 
 static float torch_order_sum(const float *a, int64_t n, int lanes); /* rows.c */
 
+/* torch_order_sum of a[0..n) with `lanes` (8 or 16) a compile-time constant, for rows of fewer than 64 vectors (a page's
+ * slots): there torch's cascade never reaches its second level (its first step is 16 vectors a sum, rows.c), so the
+ * sum is four vector accumulators taken round-robin, the vectors left over into the first, the four added in order,
+ * the scalar tail, then the lanes one by one; the same adds in the same order as torch_order_sum (its levels' adds
+ * of zeros change no sum that starts from +0), in loops the compiler vectorises. */
+static inline __attribute__((always_inline)) float short_torch_order_sum(const float *a, int64_t n, const int lanes) {
+    const int64_t vectors = n / lanes, size = vectors / 4;
+    float acc[4][16] = {{0}};
+    for (int64_t i = 0; i < size; i++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < lanes; l++) acc[k][l] += a[(i * 4 + k) * lanes + l];
+    for (int64_t v = size * 4; v < vectors; v++)
+        for (int l = 0; l < lanes; l++) acc[0][l] += a[v * lanes + l];
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < lanes; l++) acc[0][l] += acc[k][l];
+    float total = 0.0f;
+    for (int64_t t = vectors * lanes; t < n; t++) total += a[t];
+    for (int l = 0; l < lanes; l++) total += acc[0][l];
+    return total;
+}
+
+/* a page's slots' masses summed in torch's order (torch_order_sum, faster for short rows) */
+static float page_mass_sum(const float *a, int64_t n, int lanes) {
+    if (n >= lanes && n < 64 * lanes) {
+        if (lanes == 8) return short_torch_order_sum(a, n, 8);
+        if (lanes == 16) return short_torch_order_sum(a, n, 16);
+    }
+    return torch_order_sum(a, n, lanes);
+}
+
+/* page_mass_sum, exported for its test against torch.sum */
+float confkv_page_mass_sum(const float *a, int64_t n, int lanes) { return page_mass_sum(a, n, lanes); }
+
 /* after a unit's masses (slot_mass, segment s's L slots of sequence b, KV head j): what the segment asks updated
  * from them in place (meta[48]), so that the store's Python makes no call for it:
  * UPDATE_STATISTIC, a dense segment's linear statistic (CONF-KV's EMA; policies' linear_observe):
@@ -189,7 +222,7 @@ static void update_in_place(const page_args *a, int s, int64_t b, int64_t j, con
     } else if (u[0] == UPDATE_PAGE_HEAT && m[0] == SEG_PAGES) {
         for (int64_t k = 0; k < m[2]; k++) {
             const int64_t page = page_of(p, m, b, j, k);
-            if (page >= 0) target[page] += torch_order_sum(slot_mass + k * m[3], m[3], (int)u[3]);
+            if (page >= 0) target[page] += page_mass_sum(slot_mass + k * m[3], m[3], (int)u[3]);
         }
     }
 }

@@ -193,7 +193,15 @@ class InPlaceUpdate:
     def statistic(cls, stat: Tensor, scale: float, gain: float) -> "InPlaceUpdate":
         """``stat`` [B, Hkv, L] (the segment's slots) becomes ``stat * scale + mass * gain``, rounded as torch's
         ``stat.mul_(scale).add_(mass, alpha=gain)`` (a policy's ``linear_observe``; scale and gain as float32)."""
-        return cls(stat, [UPDATE_STATISTIC, stat.stride(0), stat.stride(1), _float32_bits(scale), _float32_bits(gain)])
+        return cls(stat, [UPDATE_STATISTIC, stat.stride(0), stat.stride(1), float32_bits(scale), float32_bits(gain)])
+
+    @classmethod
+    def of_contiguous_statistic(cls, stat: Tensor, scale_and_gain_bits: tuple[int, int]) -> "InPlaceUpdate":
+        """:meth:`statistic` of a float32 CPU tensor the caller knows contiguous, the float32 bits of scale and gain
+        given (:func:`float32_bits`): no check, as a decode step builds one a region and layer."""
+        update = cls.__new__(cls)
+        update.target, update.fields = stat, [UPDATE_STATISTIC, stat.stride(0), stat.stride(1), *scale_and_gain_bits]
+        return update
 
     @classmethod
     def page_heat(cls, heat: Tensor) -> "InPlaceUpdate":
@@ -202,7 +210,7 @@ class InPlaceUpdate:
         return cls(heat, [UPDATE_PAGE_HEAT, heat.stride(0), heat.stride(1), 0, 0])  # [3]: the lanes, at the read
 
 
-def _float32_bits(x: float) -> int:
+def float32_bits(x: float) -> int:
     """``x`` rounded to float32 as torch rounds a Python scalar for a float32 tensor, as its bit pattern."""
     return struct.unpack("<I", struct.pack("<f", x))[0]
 

@@ -291,23 +291,26 @@ class AttentionRead:
         """What a native page read may update in place from this read's masses, one entry per segment (the
         regions' then the cold tier's): each region's statistic when the policy's update is linear and one
         statistic (``linear_observe``), and the page heat the cold tier's ``observe_read`` would add; None when not
-        every one of them can be (then all stay with the Python below the read)."""
+        every one of them can be (then all stay with the Python below the read). It runs in every layer of every
+        decode step, so the float32 bits of the update's scale and gain are worked out once per policy update."""
         if self.cold is None:
             return None
         linear = self.policy.linear_observe(observed)
         if linear is None or len(linear) != 1:
             return None
-        (name, (scale, gain)), = linear.items()
+        (name, pair), = linear.items()
+        bits = _LINEAR_BITS.get(pair)
+        if bits is None:
+            bits = _LINEAR_BITS[pair] = (native_pages.float32_bits(pair[0]), native_pages.float32_bits(pair[1]))
         updates: list = []
         for region in regions:
             stat = region.stats.get(name)
-            if len(region.stats) != 1 or stat is None or stat.dtype != torch.float32 or not stat.is_contiguous():
+            if len(region.stats) != 1 or stat is None or stat.dtype != torch.float32 or not stat.is_contiguous() or \
+                    stat.device.type != "cpu":
                 return None
-            updates.append(native_pages.InPlaceUpdate.statistic(stat, scale, gain))
-        heat = self.cold.heat_targets(segments[len(regions):])
-        if heat is None:
-            return None
-        return updates + [None if t is None else native_pages.InPlaceUpdate.page_heat(t) for t in heat]
+            updates.append(native_pages.InPlaceUpdate.of_contiguous_statistic(stat, bits))
+        heat = self.cold.heat_updates(segments[len(regions):])
+        return None if heat is None else updates + heat
 
     def _read(self, query: torch.Tensor, segments: list, scaling: float, softcap: float | None, need_mass: bool,
               updates: list | None) -> tuple[torch.Tensor, list[torch.Tensor] | None, bool]:
@@ -354,6 +357,10 @@ class AttentionRead:
         if isinstance(self.cold, LadderTier):
             return torch.full_like(self.seen_real, ALL_PAGES)
         return torch.full_like(self.seen_real, self.policy.first_read_pages())  # type: ignore[attr-defined]
+
+
+#: (scale, gain) of a policy's linear update -> their float32 bits (a few policies' constants)
+_LINEAR_BITS: dict[tuple[float, float], tuple[int, int]] = {}
 
 
 def _appended_natively(recent: Region, keys: torch.Tensor, values: torch.Tensor,

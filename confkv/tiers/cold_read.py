@@ -20,6 +20,7 @@ from torch import Tensor
 from confkv import profiling
 from confkv.attention import KVSegment
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
+from confkv.native.pages import InPlaceUpdate
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig
@@ -55,7 +56,7 @@ class PageRead:
     def pages(self, tensors: dict[str, Tensor]) -> None:
         # new page tensors: the kept every-page segment, which holds the old ones, goes with them (else they would
         # stay allocated, uncounted, until the next read)
-        self._pages, self._every_page = tensors, None
+        self._pages, self._every_page, self._heat_update = tensors, None, None
 
     def read_rotation(self, turns_pages: bool = False):
         """The format's rotation when this read can fold it into the query and output (pages to read,
@@ -236,17 +237,22 @@ class PageRead:
         self._selected = None
         return taken
 
-    def heat_targets(self, segments: list) -> list[Tensor | None] | None:
-        """Per segment of this tier's last read (``segments``, what :meth:`segments` gave), the page heat
-        [B, H, N] a native read may add that segment's page masses to in place, as :meth:`observe_read` would
-        (:class:`confkv.native.pages.InPlaceUpdate`), or None (nothing to add: the open page). None for the whole
-        read when its pages were handed over otherwise than as the packed segment of the pages ``observe`` adds to."""
+    def heat_updates(self, segments: list) -> list[InPlaceUpdate | None] | None:
+        """Per segment of this tier's last read (``segments``, what :meth:`segments` gave), the page heat update a
+        native read may make in place from that segment's masses, as :meth:`observe_read` would
+        (:meth:`confkv.native.pages.InPlaceUpdate.page_heat`: ``pages["heat"]`` [B, H, N]), or None (nothing to add:
+        the open page). None for the whole read when its pages were handed over otherwise than as the packed segment
+        of the pages ``observe`` adds to. The update is kept while the heat tensor and the page count are the same."""
         if self._selected is None or not segments:
             return [None] * len(segments)
         pages = segments[-1]
         if not isinstance(pages, PagedSegment) or pages.index is not self._selected:
             return None
-        return [None] * (len(segments) - 1) + [self.pages["heat"].narrow(2, 0, self.num_pages)]
+        heat, kept, count = self.pages["heat"], self._heat_update, self.num_pages
+        # (the last check: in a copied tier, a view of its own heat, not of the original's)
+        if kept is None or kept[0] is not heat or kept[1] != count or kept[2].target.data_ptr() != heat.data_ptr():
+            kept = self._heat_update = (heat, count, InPlaceUpdate.page_heat(heat.narrow(2, 0, count)))
+        return [None] * (len(segments) - 1) + [kept[2]]
 
     def observe_read(self, masses: list[Tensor]) -> None:
         """Page heat from the masses of this tier's last :meth:`segments` (open page first, pages last)."""

@@ -146,16 +146,16 @@ class LadderTier:
             out += parts
         return out
 
-    def heat_targets(self, segments: list) -> list[Tensor | None] | None:
-        """Each rung's :meth:`~confkv.tiers.cold.ColdTier.heat_targets` for its part of ``segments`` (the last
+    def heat_updates(self, segments: list) -> list | None:
+        """Each rung's :meth:`~confkv.tiers.cold.ColdTier.heat_updates` for its part of ``segments`` (the last
         :meth:`segments`), in order; None when a rung's is."""
-        out: list[Tensor | None] = []
+        out: list = []
         start = 0
         for rung, count in zip(self.rungs, self._read_counts):
-            targets = rung.heat_targets(segments[start:start + count])
-            if targets is None:
+            updates = rung.heat_updates(segments[start:start + count]) if count else []
+            if updates is None:
                 return None
-            out += targets
+            out += updates
             start += count
         return out if start == len(segments) else None
 

@@ -12,8 +12,6 @@ The shortcuts, each of which leaves the store byte for byte as the path it short
   ``append`` then ``attend``;
 * ``read_updates`` (stop 60): the native page read updates the hot regions' EMA and the cold pages' heat in place
   from its masses (``AttentionRead._updates_in_place``); off, ``policy.observe`` and ``cold.observe_read`` do;
-* ``append_slots`` (stop 60): ``_append_one``'s four cats and pad, and the cold tier's demotion into its open page
-  (four cats), each one C call (``native.pages.append_slots``); off, the cats;
 * ``keep_pages`` (stop 60): a cold tier's pages dropped in one C call (``native.pages.keep_pages``); off, the gather.
 
 ``--off`` names the shortcuts the "off" variant turns off (default: all of them). The cache is the preset
@@ -41,7 +39,7 @@ from confkv.store import hot_tier  # noqa: E402
 from confkv.store.read import AttentionRead  # noqa: E402
 from confkv.tiers.cold_read import EveryPageRead  # noqa: E402
 
-SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "append_slots", "keep_pages")
+SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages")
 
 
 def _two_calls(self, keys, values, query, *, scaling):
@@ -58,11 +56,10 @@ def switch(off: set[str]) -> dict:
              "every_page": (EveryPageRead, "serves", EveryPageRead.serves),
              "append_one": (AttentionRead, "decode_step", AttentionRead.decode_step),
              "read_updates": (AttentionRead, "_updates_in_place", AttentionRead._updates_in_place),
-             "append_slots": (native_pages, "append_slots", native_pages.append_slots),
              "keep_pages": (native_pages, "keep_pages", native_pages.keep_pages)}
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
                    "append_one": _two_calls, "read_updates": lambda self, *args: None,
-                   "append_slots": lambda *args: None, "keep_pages": lambda *args: None}
+                   "keep_pages": lambda *args: None}
     for name in off:
         owner, attribute, _ = saved[name]
         setattr(owner, attribute, replacement[name])

@@ -27,4 +27,3 @@
 #include "c/layer.c"      /* one Llama-family layer around its attention, in two calls */
 #include "c/evict.c"      /* a hot region's eviction: which slots leave, and every row split in one call */
 #include "c/page_moves.c" /* a cold tier's pages dropped, the rest kept in order, in one call */
-#include "c/append.c"     /* a decode step's token appended to every per-slot tensor of a region in one call */

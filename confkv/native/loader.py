@@ -168,8 +168,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_rms_norm.argtypes = [ptr, i32, i64, ptr, i32, ptr, i32, i64, i64, f32, i32]
     lib.confkv_torch_order_sum.restype = f32
     lib.confkv_torch_order_sum.argtypes = [ptr, i64, i32]
-    lib.confkv_append_rows.restype = i32
-    lib.confkv_append_rows.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.confkv_page_mass_sum.restype = f32
     lib.confkv_page_mass_sum.argtypes = [ptr, i64, i32]
     lib.confkv_keep_pages.restype = i32

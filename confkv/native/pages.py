@@ -10,8 +10,8 @@ slots in rank order), which the cold tier's page heat and the ranking take.
 
 The checked entry (:func:`page_read`, :func:`unsupported`, which the read plan asks, :func:`rotation_matrix`,
 :func:`reader_of`) is :mod:`confkv.native.page_entry`; this module is what a decode step
-runs: the call (:class:`PageReader`, with its in-place updates, :class:`InPlaceUpdate`) and the moves of a store's
-per-slot and page tensors in one C call each (:func:`append_slots`, :func:`keep_pages`).
+runs: the call (:class:`PageReader`, with its in-place updates, :class:`InPlaceUpdate`) and a cold tier's pages
+dropped in one C call (:func:`keep_pages`).
 """
 
 from __future__ import annotations
@@ -311,41 +311,6 @@ def keep_pages(tensors: Sequence[Tensor], dropped: Tensor, live: int, exact: boo
                              page_bytes.buffer_info()[0]):
         return None
     return out
-
-
-def append_slots(sources: Sequence[Tensor], news: Sequence[Tensor | None]) -> list[Tensor] | None:
-    """``torch.cat([source, new], dim=2)`` of each pair, or ``M`` zero slots where ``new`` is None, in one C call
-    (``c/append.c``, the same bytes): sources [B, H, L, ...] contiguous, news [B, H, M, ...] in the source's dtype,
-    any strides but their rows' (0 repeats a row); all on the CPU. None (nothing made) for tensors it does not take."""
-    lib = _moves_library()
-    first = next((new for new in news if new is not None), None)
-    if lib is None or first is None or len(news) != len(sources):
-        return None
-    batch, heads, length = sources[0].shape[:3]
-    slots = first.shape[2]
-    pointers, strides, row_bytes = array("Q"), array("q"), array("q")
-    for source, new in zip(sources, news):
-        tail = tuple(source.shape[3:])
-        if source.device.type != "cpu" or not source.is_contiguous() or source.shape[:3] != (batch, heads, length):
-            return None
-        if new is None:
-            pointers.append(0)
-            strides.extend((0, 0, 0))
-        elif (new.dtype != source.dtype or new.device.type != "cpu" or tuple(new.shape) != (batch, heads, slots) + tail
-              or len(tail) > 1 or (tail and new.stride(3) != 1 and tail[0] > 1)):
-            return None
-        else:
-            size = new.element_size()
-            pointers.append(new.data_ptr())
-            strides.extend((new.stride(0) * size, new.stride(1) * size, new.stride(2) * size))
-        row_bytes.append(source.element_size() * math.prod(tail))
-    targets = [source.new_empty((batch, heads, length + slots) + tuple(source.shape[3:])) for source in sources]
-    tables = [array("Q", [t.data_ptr() for t in group]) for group in (sources, targets)]
-    if lib.confkv_append_rows(batch, heads, length, slots, len(sources), tables[0].buffer_info()[0],
-                              tables[1].buffer_info()[0], pointers.buffer_info()[0], strides.buffer_info()[0],
-                              row_bytes.buffer_info()[0]):
-        return None
-    return targets
 
 
 def score_entries(query: Tensor, segments: Sequence) -> int:

@@ -100,15 +100,12 @@ class AttentionRead:
         memory target: the same region, every slot valid); returns the query positions [B, 1]."""
         with profiling.section("append (FP window)"):
             recent, (batch, kv_heads) = self.recent, keys.shape[:2]
-            appended = _appended_natively(recent, keys, values, self.seen_real)
-            if appended is None:
-                position = self.seen_real.view(batch, 1, 1).expand(batch, kv_heads, 1)
-                appended = Region(keys=torch.cat([recent.keys, keys], dim=2),
-                                  values=torch.cat([recent.values, values], dim=2),
-                                  positions=torch.cat([recent.positions, position], dim=2),
-                                  valid=recent.valid.new_ones(batch, recent.length + 1), all_valid=True,
-                                  stats={name: pad(t, (0, 1)) for name, t in recent.stats.items()})  # zero statistics
-            self.recent = appended
+            position = self.seen_real.view(batch, 1, 1).expand(batch, kv_heads, 1)
+            self.recent = Region(keys=torch.cat([recent.keys, keys], dim=2),
+                                 values=torch.cat([recent.values, values], dim=2),
+                                 positions=torch.cat([recent.positions, position], dim=2),
+                                 valid=recent.valid.new_ones(batch, recent.length + 1), all_valid=True,
+                                 stats={name: pad(t, (0, 1)) for name, t in recent.stats.items()})  # zero statistics
             self.window = None  # the recent region is a fresh copy now
             query_positions, self.seen_real = self.seen_real[:, None], self.seen_real + 1
             self.seen_tokens += 1
@@ -361,21 +358,3 @@ class AttentionRead:
 
 #: (scale, gain) of a policy's linear update -> their float32 bits (a few policies' constants)
 _LINEAR_BITS: dict[tuple[float, float], tuple[int, int]] = {}
-
-
-def _appended_natively(recent: Region, keys: torch.Tensor, values: torch.Tensor,
-                       position: torch.Tensor) -> Region | None:
-    """``recent`` (every slot valid) with one slot more: ``keys`` / ``values`` [B, Hkv, 1, D] in its dtype (any strides
-    but the last), ``position`` [B] int64, zero statistics, in one C call (:func:`confkv.native.pages.append_slots`):
-    the bytes of :meth:`AttentionRead._append_one`'s four cats and pad. None (nothing made) where it does not take
-    the tensors."""
-    batch, kv_heads, length = recent.positions.shape
-    if position.shape != (batch,) or keys.shape[:3] != (batch, kv_heads, 1):
-        return None
-    made = native_pages.append_slots([recent.keys, recent.values, recent.positions, *recent.stats.values()],
-                                     [keys, values, position.view(batch, 1, 1).expand(batch, kv_heads, 1)]
-                                     + [None] * len(recent.stats))
-    if made is None:
-        return None
-    return Region(keys=made[0], values=made[1], positions=made[2], valid=recent.valid.new_ones(batch, length + 1),
-                  stats=dict(zip(recent.stats, made[3:])), all_valid=True)

@@ -151,11 +151,9 @@ class ColdTier(PageRead):
             attention = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
         incoming = {"keys": keys.to(self.dtype), "values": values.to(self.dtype), "positions": positions,
                     "valid": valid, "attention": attention.float()}
-        slotted = ("keys", "values", "positions", "attention")  # [B, H, S, ...]: one C call where it can (same bytes)
-        made = native_pages.append_slots([self.open[name] for name in slotted], [incoming[name] for name in slotted])
-        merged = dict(zip(slotted, made)) if made is not None else {
-            name: torch.cat([self.open[name], incoming[name]], dim=2) for name in slotted}
-        self.open = _left_align({**merged, "valid": torch.cat([self.open["valid"], valid], dim=1)})
+        merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
+                  for name in self.open}
+        self.open = _left_align(merged)
         page = self.config.page_size
         full = self.open_length // page
         if full:

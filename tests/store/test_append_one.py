@@ -13,7 +13,6 @@ from confkv.config import StoreConfig
 from confkv.hf import ConfKVCache, prefill
 from confkv.models import tiny_model
 from confkv.store import read as read_module
-from confkv.store.hot_tier import Region
 
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
@@ -78,43 +77,3 @@ def test_a_decode_step_with_more_queries_than_keys_gets_the_clear_error():
     keys = torch.zeros(1, kv_heads, 1, dim, dtype=dtype)
     with pytest.raises(RuntimeError, match="2 queries but 1 new keys in this layer"):
         store.decode_step(keys, keys, torch.zeros(1, 2 * kv_heads, 2, dim, dtype=dtype), scaling=1.0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch, kv_heads, length, stats", [(1, 3, 33, 1), (3, 2, 1, 2), (2, 1, 0, 0)])
-def test_the_one_call_append_writes_the_cats_bytes(dtype, batch, kv_heads, length, stats):
-    """``_appended_natively`` (c/append.c) against the four cats and the pad it stands for: strided new rows (a
-    query-projection's transpose), every statistic started at zero, a fresh region whose every slot is valid."""
-    gen = torch.Generator().manual_seed(batch * 10 + length)
-    dim = 16
-    recent = Region(keys=torch.randn(batch, kv_heads, length, dim, generator=gen).to(dtype),
-                    values=torch.randn(batch, kv_heads, length, dim, generator=gen).to(dtype),
-                    positions=torch.randint(0, 1000, (batch, kv_heads, length), generator=gen),
-                    valid=torch.ones(batch, length, dtype=torch.bool), all_valid=True,
-                    stats={f"s{i}": torch.rand(batch, kv_heads, length, generator=gen) for i in range(stats)})
-    keys = torch.randn(batch, 1, kv_heads, dim, generator=gen).to(dtype).transpose(1, 2)  # [B, Hkv, 1, D], strided
-    values = torch.randn(batch, 1, kv_heads, dim, generator=gen).to(dtype).transpose(1, 2)
-    position = torch.randint(0, 1000, (batch,), generator=gen)
-    got = read_module._appended_natively(recent, keys, values, position)
-    assert got is not None
-    want_positions = torch.cat([recent.positions, position.view(batch, 1, 1).expand(batch, kv_heads, 1)], dim=2)
-    assert torch.equal(got.keys, torch.cat([recent.keys, keys], dim=2)) and got.keys.dtype == dtype
-    assert torch.equal(got.values, torch.cat([recent.values, values], dim=2))
-    assert torch.equal(got.positions, want_positions) and got.positions.dtype == torch.int64
-    assert got.valid.shape == (batch, length + 1) and bool(got.valid.all()) and got.all_valid
-    assert got.stats.keys() == recent.stats.keys()
-    for name, stat in recent.stats.items():
-        assert torch.equal(got.stats[name], torch.nn.functional.pad(stat, (0, 1)))
-
-
-def test_the_one_call_append_declines_what_it_does_not_take():
-    recent = Region(keys=torch.zeros(1, 2, 4, 8), values=torch.zeros(1, 2, 4, 8), positions=torch.zeros(1, 2, 4,
-                    dtype=torch.int64), valid=torch.ones(1, 4, dtype=torch.bool), all_valid=True, stats={})
-    keys = torch.zeros(1, 2, 1, 8)
-    position = torch.zeros(1, dtype=torch.int64)
-    assert read_module._appended_natively(recent, torch.zeros(1, 2, 1, 4), keys, position) is None  # another D
-    assert read_module._appended_natively(recent, keys, keys.double(), position) is None  # another dtype
-    assert read_module._appended_natively(recent, keys, torch.zeros(1, 2, 1, 16)[..., ::2], position) is None
-    strided = Region(**{**recent.__dict__, "keys": torch.zeros(1, 4, 2, 8).transpose(1, 2)})
-    assert read_module._appended_natively(strided, keys, keys, position) is None
-    assert read_module._appended_natively(recent, keys, keys, torch.zeros(2, dtype=torch.int64)) is None

@@ -25,8 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from confkv.native import _sum_lanes
-from confkv.native import loader
+from confkv.native import _sum_lanes, loader
 from confkv.native.loader import library
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -148,13 +147,13 @@ def _outliers(segment) -> list[Tensor]:
 
 
 class PageReader:
-    """:func:`page_read` for the reads of one store that the read plan sent here, checked once (issue 32: the
+    """``page_entry.page_read`` for the reads of one store that the read plan sent here, checked once (issue 32: the
     path is decided when the kind of read changes, :meth:`confkv.store.read.AttentionRead._tiered_read`, and the
     steps between call the kernel without asking again).
 
     Args:
         lib: the loaded library.
-        rotation: the pages' rotation matrix as :func:`rotation_matrix` gives it, or None.
+        rotation: the pages' rotation matrix as :func:`~confkv.native.page_entry.rotation_matrix` gives it, or None.
     """
 
     __slots__ = ("lib", "rotation", "lanes")
@@ -165,7 +164,7 @@ class PageReader:
 
     def __call__(self, query: Tensor, segments: Sequence, scaling: float, need_mass: bool = True,
                  updates: Sequence[InPlaceUpdate | None] | None = None) -> tuple[Tensor, list[Tensor] | None]:
-        """:func:`page_read`'s result for a read of the kind this reader was made for (not checked again), with
+        """``page_read``'s result for a read of the kind this reader was made for (not checked again), with
         ``updates`` (per segment, or None) made in place from the masses (see :meth:`takes`)."""
         return _read(self.lib, query, segments, scaling, need_mass, self.rotation, updates, self.lanes)
 
@@ -218,9 +217,10 @@ def float32_bits(x: float) -> int:
 def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, need_mass: bool,
           rotation: Tensor | None, updates: Sequence[InPlaceUpdate | None] | None = None,
           lanes: int = 0) -> tuple[Tensor, list[Tensor] | None]:
-    """The C call of :func:`page_read` (the read checked by the caller; ``rotation`` the pages' [D, D] float32).
+    """The C call of :func:`~confkv.native.page_entry.page_read` (the read checked by the caller; ``rotation``: the
+    pages' [D, D] float32).
     ``updates``: per segment, what the call updates in place from its masses, or None; ``lanes``: the vector width
-    of torch's float sum order (``confkv.native.sum_lanes``), which a page heat update needs.
+    of torch's float sum order (``confkv.native._sum_lanes``, the library's calibration), which page heat needs.
 
     It runs in every layer of every decode step, so its arguments go over as ``array`` buffers (a ctypes array
     built from a list costs a microsecond per few entries) and the masses are views of one float32 buffer."""

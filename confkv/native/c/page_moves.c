@@ -6,8 +6,7 @@
  * [B, H, capacity[t], page_bytes[t] bytes] contiguous, whose first N pages per row are live; dst[t]
  * [B, H, capacity_out[t], page_bytes[t]] contiguous receives the N - M kept pages of each row at its front (dst[t]
  * may be src[t], with the same capacity: the pages move down in place; the pages past N - M are then left as they
- * were). dropped [B, H, M]
- * int64 contiguous: per row, M distinct page numbers in [0, N).
+ * were). dropped [B, H, M] int64 contiguous: per row, M distinct page numbers in [0, N).
  * Returns 0; 1 when an index is out of range or repeated in a row, or a destination cannot hold the kept pages
  * (nothing written); 2 out of memory (nothing written). */
 int confkv_keep_pages(int64_t B, int64_t H, int64_t N, int64_t M, const int64_t *dropped, int count,

@@ -98,14 +98,13 @@ def test_a_cache_that_drops_pages_in_one_call_decodes_as_one_that_gathers(monkey
         return out
 
     def stream(native_drop: bool):
-        monkeypatch.setattr(native_pages, "keep_pages", counted if native_drop else lambda *a: None)
-        torch.manual_seed(0)
-        model = tiny_model("llama")
-        cache = ConfKVCache.for_model(model, memory=0.125, page_size=16, group_size=16)
-        ids = torch.randint(0, 250, (2, 460), generator=torch.Generator().manual_seed(4))
-        logits = decode_logits(model, cache, ids, 400, chunk=32)
-        monkeypatch.undo()
-        return logits, cache
+        with monkeypatch.context() as patch:
+            patch.setattr(native_pages, "keep_pages", counted if native_drop else lambda *a: None)
+            torch.manual_seed(0)
+            model = tiny_model("llama")
+            cache = ConfKVCache.for_model(model, memory=0.125, page_size=16, group_size=16)
+            ids = torch.randint(0, 250, (2, 460), generator=torch.Generator().manual_seed(4))
+            return decode_logits(model, cache, ids, 400, chunk=32), cache
 
     want, reference = stream(native_drop=False)
     got, cache = stream(native_drop=True)

@@ -1,7 +1,7 @@
 """Timing probe: one layer's read of packed KIVI cold pages, native (one C call) against the torch path it replaces.
 
 The torch path is what the memory preset ran before issue 32: ``PagedSegment.to_dense`` (gather and dequantize
-every selected page) and the block-wise read; the native path is ``confkv.native.pages.page_read`` (the pages
+every selected page) and the block-wise read; the native path is ``confkv.native.page_entry.page_read`` (the pages
 read still packed). Shape: SmolLM2-135M's layer (9 query heads, 3 KV heads, head dim 64), batch 1, one query,
 a hot tier of ``--hot`` tokens in float32 plus ``--tokens`` tokens of sealed pages (64 tokens a page, group 64),
 for each bit width alone and for the ladder's mix (a third each at 8, 4 and 3 bits). Both reads run interleaved,

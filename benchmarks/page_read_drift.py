@@ -1,6 +1,6 @@
 """How far the native page read's output and masses drift from the torch block-wise read, inside a real run.
 
-Wraps the native page read's C call (``confkv.native.pages._read``, under :func:`~confkv.native.pages.page_read` and
+Wraps the native page read's C call (``confkv.native.pages._read``, under :func:`~confkv.native.page_entry.page_read` and
 the stores' ``PageReader`` alike) so that every read it serves is also run by
 :func:`confkv.attention.blockwise_attention` on the densified segments, then runs a ``confkv`` command
 unchanged and prints the number of reads and the largest absolute differences (output, masses).

@@ -111,3 +111,13 @@ def test_a_cache_that_drops_pages_in_one_call_decodes_as_one_that_gathers(monkey
     assert sum(calls) >= 20 and all(calls)
     assert torch.equal(got, want)
     same_cache_state(cache, reference)
+
+
+@pytest.mark.parametrize("batch, heads, live", [(0, 3, 4), (2, 0, 4), (2, 3, 0)])
+def test_an_empty_drop_is_taken(batch, heads, live):
+    """Nothing to move (no sequence, no KV head, no live page): the call still answers, with tensors of no kept page,
+    rather than declining to the gather."""
+    tensors = [torch.zeros(batch, heads, 6, 4), torch.zeros(batch, heads, 6, dtype=torch.int64)]
+    out = native_pages.keep_pages(tensors, torch.zeros(batch, heads, 0, dtype=torch.int64), live, exact=True)
+    assert out is not None
+    assert [tuple(t.shape) for t in out] == [(batch, heads, live, 4), (batch, heads, live)]

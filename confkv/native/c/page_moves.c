@@ -15,7 +15,7 @@ int confkv_keep_pages(int64_t B, int64_t H, int64_t N, int64_t M, const int64_t 
     if (B < 0 || H < 0 || N < 0 || M < 0 || M > N || count < 0) return 1;
     for (int t = 0; t < count; t++)
         if (capacity[t] < N || capacity_out[t] < N - M || page_bytes[t] < 0 ||
-            (dst[t] == src[t] && capacity_out[t] != capacity[t]))
+            (B * H > 0 && dst[t] == src[t] && capacity_out[t] != capacity[t])) /* (no row: no storage, both NULL) */
             return 1;
     unsigned char *gone = calloc((size_t)(B * H * N > 0 ? B * H * N : 1), 1);
     if (!gone) return 2;

@@ -177,7 +177,8 @@ class PageReader:
 class InPlaceUpdate:
     """What a page read updates in place from one segment's masses, so that the store makes no call for it
     (kernels.c's ``update_in_place``): a dense segment's linear statistic (:meth:`statistic`) or a page segment's
-    page heat (:meth:`page_heat`). ``target``: the float32 tensor written; ``fields``: the call's entries for it."""
+    page heat (:meth:`page_heat`). ``target``: the float32 tensor written; ``fields``: the call's entries for it.
+    The constructor checks the target (:meth:`statistic`, on the decode step's path, leaves that to its caller)."""
 
     __slots__ = ("target", "fields")
 
@@ -189,15 +190,11 @@ class InPlaceUpdate:
         self.target, self.fields = target, fields
 
     @classmethod
-    def statistic(cls, stat: Tensor, scale: float, gain: float) -> "InPlaceUpdate":
+    def statistic(cls, stat: Tensor, scale_and_gain_bits: tuple[int, int]) -> "InPlaceUpdate":
         """``stat`` [B, Hkv, L] (the segment's slots) becomes ``stat * scale + mass * gain``, rounded as torch's
-        ``stat.mul_(scale).add_(mass, alpha=gain)`` (a policy's ``linear_observe``; scale and gain as float32)."""
-        return cls(stat, [UPDATE_STATISTIC, stat.stride(0), stat.stride(1), float32_bits(scale), float32_bits(gain)])
-
-    @classmethod
-    def of_contiguous_statistic(cls, stat: Tensor, scale_and_gain_bits: tuple[int, int]) -> "InPlaceUpdate":
-        """:meth:`statistic` of a float32 CPU tensor the caller knows contiguous, the float32 bits of scale and gain
-        given (:func:`float32_bits`): no check, as a decode step builds one a region and layer."""
+        ``stat.mul_(scale).add_(mass, alpha=gain)`` (a policy's ``linear_observe``), scale and gain given as their
+        float32 bits (:func:`float32_bits`). Not checked: the caller (a decode step, once a region and layer) holds a
+        float32 contiguous CPU tensor."""
         update = cls.__new__(cls)
         update.target, update.fields = stat, [UPDATE_STATISTIC, stat.stride(0), stat.stride(1), *scale_and_gain_bits]
         return update

@@ -305,7 +305,7 @@ class AttentionRead:
             if len(region.stats) != 1 or stat is None or stat.dtype != torch.float32 or not stat.is_contiguous() or \
                     stat.device.type != "cpu":
                 return None
-            updates.append(native_pages.InPlaceUpdate.of_contiguous_statistic(stat, bits))
+            updates.append(native_pages.InPlaceUpdate.statistic(stat, bits))
         heat = self.cold.heat_updates(segments[len(regions):])
         return None if heat is None else updates + heat
 

@@ -69,17 +69,21 @@ def test_the_read_updates_what_the_python_would(setting, batch, monkeypatch):
 
 def test_without_torch_sum_order_the_python_updates(monkeypatch):
     """Where kernels.c's sum order is not matched against torch (lanes 0), page heat cannot be made bit for bit in
-    C: the reader declines the updates and the Python makes them all (the same stream, the same state)."""
-    def make_cache():
-        model = tiny_model("llama")
-        return model, ConfKVCache.for_model(model, memory=0.25)
+    C: the reader declines the updates and the Python makes them all (the same stream, the same state as the
+    stream whose reads update in place, which do)."""
+    make, prompt, length = SETTINGS["preset 25%"]
 
-    ids = torch.randint(0, 250, (1, 160), generator=torch.Generator().manual_seed(5))
-    want, reference, _ = _stream(monkeypatch, make_cache, ids, 100, in_place=False)
+    def make_cache():
+        torch.manual_seed(0)
+        model = tiny_model("llama")
+        return model, make(model)
+
+    ids = torch.randint(0, 250, (1, length), generator=torch.Generator().manual_seed(5))
+    want, reference, made_in_place = _stream(monkeypatch, make_cache, ids, prompt, in_place=True)
     with monkeypatch.context() as patch:
         patch.setattr(native_pages, "_sum_lanes", lambda lib: 0)
-        got, cache, made = _stream(monkeypatch, make_cache, ids, 100, in_place=True)
-    assert made == 0
+        got, cache, made = _stream(monkeypatch, make_cache, ids, prompt, in_place=True)
+    assert made_in_place > 0 and made == 0
     assert torch.equal(got, want)
     same_cache_state(cache, reference)
 
@@ -87,7 +91,7 @@ def test_without_torch_sum_order_the_python_updates(monkeypatch):
 def test_an_update_that_does_not_fit_its_segment_is_refused():
     stat = torch.zeros(1, 2, 5)
     with pytest.raises(ValueError, match="float32 \\[B, Hkv, N\\]"):
-        native_pages.InPlaceUpdate.statistic(stat.double(), 0.9, 0.1)
+        native_pages.InPlaceUpdate.page_heat(stat.double())
     with pytest.raises(ValueError, match="last dimension contiguous"):
         native_pages.InPlaceUpdate.page_heat(torch.zeros(1, 4, 2).transpose(1, 2))
     keys = torch.randn(1, 2, 6, 8)
@@ -95,7 +99,7 @@ def test_an_update_that_does_not_fit_its_segment_is_refused():
     query = torch.randn(1, 2, 1, 8)
     with pytest.raises(ValueError, match="does not match the segment"):
         native_pages._read(native.library(), query, [segment], 1.0, True, None,
-                           [native_pages.InPlaceUpdate.statistic(stat, 0.9, 0.1)], 16)
+                           [native_pages.InPlaceUpdate.statistic(stat, (0, 0))], 16)
     with pytest.raises(ValueError, match="need_mass"):
         native_pages._read(native.library(), query, [segment], 1.0, False, None, [None], 16)
 

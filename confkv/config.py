@@ -192,6 +192,8 @@ class ColdConfig:
       2-bit values cost what 3 bits each cost and lose less (results/lowbit/README.md, "Keys at 4 bits,
       values at 2"). The native page read takes pages of two widths packed; the Triton read leaves them to
       the torch read.
+    - ``open_bits``: the open page's storage: 16 = the model's dtype (exact), 8 = INT8 codes per token and KV
+      head (:mod:`confkv.tiers.open_page`; about half the bytes, under a memory target).
     """
 
     bits: int = 2
@@ -206,9 +208,11 @@ class ColdConfig:
     format: str = "kivi"
     outlier_fraction: float = 0.01
     value_bits: int | None = None
+    open_bits: int = 16
 
     def __post_init__(self) -> None:
         from confkv.tiers.formats import parse_format  # noqa: PLC0415
+        from confkv.tiers.open_page import OPEN_BITS  # noqa: PLC0415
 
         try:
             parse_format(self.format)
@@ -219,6 +223,8 @@ class ColdConfig:
                  f"must be a share of a page's entries in [0, 0.25], got {self.outlier_fraction!r}")
         _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
                  f"must be one of 2, 3, 4, 8 (KIVI-style) or 16 (unquantized), got {self.bits!r}")
+        _require(self.open_bits in OPEN_BITS and not isinstance(self.open_bits, bool), "open_bits",
+                 f"must be 16 (the model's dtype) or 8 (INT8 per token), got {self.open_bits!r}")
         if self.value_bits is not None:
             _require(self.value_bits in (2, 3, 4, 8) and not isinstance(self.value_bits, bool), "value_bits",
                      f"must be None (values at bits) or one of 2, 3, 4, 8, got {self.value_bits!r}")

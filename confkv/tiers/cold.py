@@ -2,7 +2,7 @@
 
 Layout (per layer; ``B`` sequences, ``H`` KV heads, ``P`` tokens per page, ``N`` pages)::
 
-    open page : keys/values [B, H, S, D] model dtype, S < P   read in full every step
+    open page : keys/values [B, H, S, D] model dtype (or INT8 per token), S < P   read in full every step
     pages     : codes + float16 scales/minima (KIVI, :mod:`confkv.tiers.lowbit`) [B, H, N, P, ...]
     digest    : per-channel key min / max [B, H, N, D] float16 (Quest)
     positions : [B, H, N, P] int64 original positions;  valid: [B, H, N, P] bool
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from confkv.native import pages as native_pages
-from confkv.tiers import lowbit
+from confkv.tiers import lowbit, open_page
 from confkv.attention.segments import gather_pages as _gather_pages
 from confkv.tiers.cold_read import PageRead
 from confkv.config import ColdConfig
@@ -107,7 +107,7 @@ class ColdTier(PageRead):
             return 0
         batch = self.open["keys"].shape[0]
         page, _, layer = self._sizes()
-        return self.open["keys"].nbytes + self.open["values"].nbytes + batch * self.num_pages * page + layer
+        return open_page.nbytes(self.open) + batch * self.num_pages * page + layer
 
     def offloaded_bytes(self) -> int:
         """Bytes of sealed page data kept in the page file (0 in RAM); digests stay resident."""
@@ -146,14 +146,14 @@ class ColdTier(PageRead):
         if self.open is None:
             batch, heads, _, head_dim = keys.shape
             self._start(head_dim, keys.dtype)
-            self.open = _empty_open(batch, heads, head_dim, keys.dtype, keys.device)
+            self.open = open_page.empty(batch, heads, head_dim, keys.dtype, keys.device, self.config.open_bits)
         if attention is None:
             attention = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-        incoming = {"keys": keys.to(self.dtype), "values": values.to(self.dtype), "positions": positions,
+        incoming = {**open_page.encode(keys, values, self.dtype, self.config.open_bits), "positions": positions,
                     "valid": valid, "attention": attention.float()}
         merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
                   for name in self.open}
-        self.open = _left_align(merged)
+        self.open = open_page.left_align(merged)
         page = self.config.page_size
         full = self.open_length // page
         if full:
@@ -168,8 +168,7 @@ class ColdTier(PageRead):
         """Quantize ``count`` pages from ``tokens`` (``count * P`` slots) and append them."""
         batch, heads, _, head_dim = tokens["keys"].shape
         page = self.config.page_size
-        keys = tokens["keys"].reshape(batch, heads, count, page, head_dim)
-        values = tokens["values"].reshape(batch, heads, count, page, head_dim)
+        keys, values = (t.reshape(batch, heads, count, page, head_dim) for t in open_page.decoded(tokens, self.dtype))
         valid = tokens["valid"].reshape(batch, count, page)
         head_valid = valid[:, None].expand(batch, heads, count, page)
         meta = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
@@ -309,7 +308,7 @@ class ColdTier(PageRead):
             raise ValueError(f"page_size: pages of {page} tokens cannot join a tier of {self.config.page_size}")
         if self.open is None:
             self._start(head_dim, dtype)
-            self.open = _empty_open(batch, heads, head_dim, dtype, taken["keys"].device)
+            self.open = open_page.empty(batch, heads, head_dim, dtype, taken["keys"].device, self.config.open_bits)
         meta = {name: taken[name] for name in _METADATA}
         encoded = self._encode(taken["keys"], taken["values"], taken["valid"], taken["positions"])
         self._append_pages({**meta, **encoded}, count)
@@ -319,7 +318,7 @@ class ColdTier(PageRead):
         room for them."""
         if self.open is not None:
             start = self.open_length if count is None else min(count, self.open_length)
-            self.open = _left_align({name: (t[..., start:] if name == "valid" else t[:, :, start:]).clone()
+            self.open = open_page.left_align({name: (t[..., start:] if name == "valid" else t[:, :, start:]).clone()
                                      for name, t in self.open.items()})
 
     def seal_open(self) -> None:
@@ -359,31 +358,6 @@ class ColdTier(PageRead):
             for name, t in self.pages.items():
                 twin.pages[name].copy_(t)
         return twin
-
-
-def _empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
-    return {"keys": torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device),
-            "values": torch.empty(batch, heads, 0, head_dim, dtype=dtype, device=device),
-            "positions": torch.empty(batch, heads, 0, dtype=torch.int64, device=device),
-            "attention": torch.empty(batch, heads, 0, dtype=torch.float32, device=device),
-            "valid": torch.empty(batch, 0, dtype=torch.bool, device=device)}
-
-
-def _left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Move each sequence's valid slots to the front (in order) and drop all-invalid trailing slots."""
-    valid = tokens["valid"]
-    if bool(valid.all()):
-        return tokens
-    width = int(valid.sum(-1).max()) if valid.numel() else 0
-    order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)[:, :width]  # [B, W]
-    out = {"valid": valid.gather(1, order)}
-    heads = tokens["keys"].shape[1]
-    head_order = order[:, None, :].expand(-1, heads, -1)
-    for name in ("positions", "attention"):
-        out[name] = tokens[name].gather(2, head_order)
-    for name in ("keys", "values"):
-        out[name] = tokens[name].gather(2, head_order[..., None].expand(-1, -1, -1, tokens[name].shape[-1]))
-    return out
 
 
 def _grow(old: Tensor | None, like: Tensor, capacity: int, page_file: PageFile | None) -> Tensor:

@@ -21,6 +21,7 @@ from confkv import profiling
 from confkv.attention import KVSegment
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
 from confkv.native.pages import InPlaceUpdate
+from confkv.tiers import open_page
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig
@@ -41,6 +42,7 @@ class PageRead:
     open: dict[str, Tensor] | None
     num_pages: int
     head_dim: int
+    dtype: torch.dtype | None
     bytes_read: int
     reads: int
     _selected: Tensor | None
@@ -105,11 +107,11 @@ class PageRead:
             raise ValueError("cold tier: a rotated read needs a page format with a rotation")
         if self.open_length:
             valid = self.open["valid"]
-            keys, values = self.open["keys"], self.open["values"]
+            keys, values = open_page.decoded(self.open, self.dtype)
             if rotation is not None:
                 keys, values = rotation.forward(keys), rotation.forward(values)
             segments.append(KVSegment(keys, values, None if bool(valid.all()) else valid[:, None, None, :]))
-            self.bytes_read += self.open["keys"].nbytes + self.open["values"].nbytes
+            self.bytes_read += open_page.nbytes(self.open)
         want = int(read_pages.max()) if read_pages.numel() else 0
         if self.num_pages and want:
             segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated))

@@ -28,8 +28,7 @@ import torch
 from torch import Tensor
 
 from confkv import profiling
-from confkv.tiers import lowbit
-from confkv.tiers.byte_model import fp_token_bytes
+from confkv.tiers import lowbit, open_page
 from confkv.tiers.cold import ColdTier
 from confkv.config import ALL_PAGES, ColdConfig
 from confkv.tiers.page_file import PageFile
@@ -48,7 +47,8 @@ class LadderTier:
         self.page_file = page_file if storage.offload else None
         self.rungs = [ColdTier(ColdConfig(bits=bits, page_size=storage.page_size, group_size=storage.group_size,
                                           k_high=ALL_PAGES, k_low=ALL_PAGES, format=storage.format,
-                                          outlier_fraction=storage.outlier_fraction), self.page_file)
+                                          outlier_fraction=storage.outlier_fraction, open_bits=storage.open_bits),
+                               self.page_file)
                       for bits in storage.ladder]
         for rung in self.rungs:
             rung.exact_capacity = True  # every allocated page counted: the target is on bytes held
@@ -198,19 +198,22 @@ class LadderTier:
         """No sealed page is left and the open page is over: seal it as a partial page when its tokens
         cost more than a bottom-rung page (the loop then steps it down), else drop its oldest slots."""
         top = self.top
-        batch, heads, _, head_dim = top.open["keys"].shape
         if self.storage.seal_early and self._open_outweighs_a_bottom_page():
             top.seal_open()
         else:
-            top.drop_open(math.ceil(excess / (batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size()))))
+            top.drop_open(math.ceil(excess / self._open_slot_bytes()))
 
     def _open_outweighs_a_bottom_page(self) -> bool:
         """Whether the open page's tokens, in full precision, cost more than one bottom-rung page (all sequences).
         Asked only while the open page holds tokens (both callers check ``open_length`` first)."""
+        return self.top.open_length * self._open_slot_bytes() > self._batch_page_bytes(len(self.rungs) - 1)
+
+    def _open_slot_bytes(self) -> int:
+        """Bytes of one open-page slot for every sequence of the batch (the model's dtype, or INT8 and scales)."""
         top = self.top
-        batch, heads, length, head_dim = top.open["keys"].shape
-        slot_bytes = batch * fp_token_bytes(heads, head_dim, top.open["keys"].element_size())
-        return length * slot_bytes > self._batch_page_bytes(len(self.rungs) - 1)
+        batch, heads, _, head_dim = top.open["keys"].shape
+        size = torch.empty((), dtype=top.dtype).element_size()
+        return batch * open_page.slot_bytes(heads, head_dim, size, self.storage.open_bits)
 
     def _step_cost(self, rung: int, signal: str) -> float:
         """The price of stepping rung ``rung``'s least valuable page one rung down (the lowest goes first).

@@ -87,6 +87,10 @@ class Storage:
             many steps instead of running at every step; 0: evict to the budget. The bytes stay under the target
             (the hot tier only runs below its share, and the ladder takes what it leaves). It is the store's
             ``evict_slack`` as a share (:func:`store_for`): give one of the two (results/memory/slack/).
+        open_bits: the top rung's open page (the tokens the hot tier let go, waiting for a page to fill): 16 in
+            the model's dtype; 8 in INT8 per token and KV head (:mod:`confkv.tiers.open_page`), about half the
+            bytes, so that early in a run, where the open page is most of the target, fewer sealed pages are
+            dropped (results/memory/README.md, "The open page in INT8").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -106,6 +110,7 @@ class Storage:
     seal_before_drop: bool = False
     hot_int8_window: int | None = None
     hot_slack: float = 0.0
+    open_bits: int = 16
     offload: bool = False
     offload_dir: str | None = None
 
@@ -134,7 +139,7 @@ class Storage:
                  f"must be one of {', '.join(UNREAD_ORDERS)}, got {self.unread_by!r}")
         from confkv.config import ColdConfig  # noqa: PLC0415 - one place checks a page format
 
-        ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction)
+        ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction, open_bits=self.open_bits)
         for name in ("seal_early", "seal_before_drop"):
             _require(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
         window = self.hot_int8_window

@@ -52,7 +52,8 @@ def encode(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> dict[
     for name, tensor in (("keys", keys), ("values", values)):
         x = tensor.float()
         scale = (x.abs().amax(-1) / 127.0).to(torch.float16)  # [B, H, M]
-        divisor = scale.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]  # an all-zero token: codes 0
+        divisor = scale.float()
+        divisor = torch.where(divisor > 0, divisor, 1.0)[..., None]  # an all-zero token (or one below float16): codes 0
         out[name] = (x / divisor).round_().clamp_(-127, 127).to(torch.int8)
         out[_SCALES[name]] = scale
     return out

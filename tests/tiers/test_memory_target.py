@@ -79,12 +79,17 @@ def _tensor_bytes(store) -> int:
         for rung in store.cold.rungs:
             if rung.open is None:
                 continue
-            total += rung.open["keys"].nbytes + rung.open["values"].nbytes + rung.format.layer_nbytes()
+            total += _open_bytes(rung.open) + rung.format.layer_nbytes()
             for name, tensor in rung.pages.items():
                 if name not in ("positions", "valid", "heat", "sealed_at", "confidence", "attention"):
                     assert tensor.shape[2] == rung.num_pages, "pages allocated beyond those held (bytes not counted)"
                     total += tensor.nbytes
     return total
+
+
+def _open_bytes(open_slots: dict[str, torch.Tensor]) -> int:
+    """KV bytes of an open page from its tensors: keys and values, and their scales when in INT8."""
+    return sum(t.nbytes for name, t in open_slots.items() if name in ("keys", "values", "key_scale", "value_scale"))
 
 
 @contextmanager
@@ -100,7 +105,7 @@ def _drops_only_at_the_bottom():
                 assert not any(above), f"a bottom page dropped while rungs above hold {above} pages"
                 if self.storage.seal_before_drop and 2 * self.top.open_length >= self.storage.page_size:
                     keys = self.top.open["keys"]
-                    open_bytes = keys.nbytes + self.top.open["values"].nbytes
+                    open_bytes = _open_bytes(self.top.open)
                     bottom = (self.rungs[-1].page_nbytes() - self.rungs[-1]._digest_nbytes()) * keys.shape[0]
                     assert open_bytes <= bottom, f"a bottom page dropped before the open page ({open_bytes} bytes)"
             return _orig(rung_self, index)
@@ -110,7 +115,7 @@ def _drops_only_at_the_bottom():
                 keys = rung_self.open["keys"]
                 bottom = (self.rungs[-1].page_nbytes() - self.rungs[-1]._digest_nbytes()) * keys.shape[0]
                 assert self.storage.seal_before_drop and 2 * rung_self.open_length >= self.storage.page_size
-                assert keys.nbytes + rung_self.open["values"].nbytes > bottom
+                assert _open_bytes(rung_self.open) > bottom
             return _orig(rung_self)
 
         with mock.patch.object(ColdTier, "drop_pages", drop), mock.patch.object(ColdTier, "seal_open", seal):
@@ -137,7 +142,8 @@ def scenarios(draw):
                       group_size=page, step_down_by=draw(st.sampled_from(["heat", "confidence", "age"])),
                       unread_by=draw(st.sampled_from(["age", "attention"])),
                       hot_split=draw(st.sampled_from(["share", "keep_all"])), seal_before_drop=draw(st.booleans()),
-                      hot_int8_window=draw(st.sampled_from([None, None, 0, 4])))
+                      hot_int8_window=draw(st.sampled_from([None, None, 0, 4])),
+                      open_bits=draw(st.sampled_from([16, 16, 8])))
     if draw(st.booleans()):
         target = {"memory": draw(st.sampled_from([0.1, 0.25, 0.5, 0.9, 1.0]))}
     else:
@@ -406,6 +412,7 @@ BAD_STORAGE = [  # (field, value, the whole message after "field: ")
     ("offload_dir", "/nonexistent/confkv",
      "'/nonexistent/confkv' is not a writable directory; create it or pass another"),
     ("outlier_fraction", -0.1, "must be a share of a page's entries in [0, 0.25], got -0.1"),
+    ("open_bits", 4, "must be 16 (the model's dtype) or 8 (INT8 per token), got 4"),
 ]
 
 
@@ -425,6 +432,7 @@ def test_the_edges_of_each_storage_range_are_accepted(tmp_path):
     assert Storage(offload=True, offload_dir=str(tmp_path)).offload_dir == str(tmp_path)
     assert Storage(format="kivi+outliers", outlier_fraction=0.25).outlier_fraction == 0.25
     assert Storage(ladder=(16, 8, 4, 3, 2)).ladder == (16, 8, 4, 3, 2)
+    assert Storage(open_bits=8).open_bits == 8 and Storage(open_bits=16).open_bits == 16
     assert MemoryTarget(memory=1.0).memory == 1.0 and MemoryTarget(max_kv_bytes=1).max_kv_bytes == 1
     with pytest.raises(ConfigError, match=r"^offload: needs a cold tier: give a non-empty ladder$"):
         Storage(ladder=(), offload=True)

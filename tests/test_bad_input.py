@@ -66,6 +66,8 @@ ROWS = [
      ConfigError, r"^hot_int8_window: must be None .* or a number of tokens >= 0"),
     ("storage-hot-slack", "Storage(hot_slack=1.0)", lambda: Storage(hot_slack=1.0),
      ConfigError, r"^hot_slack: must be a share of the hot tier's tokens kept by rank"),
+    ("storage-open-bits", "Storage(open_bits=4)", lambda: Storage(open_bits=4),
+     ConfigError, r"^open_bits: must be 16 \(the model's dtype\) or 8 \(INT8 per token\), got 4$"),
     ("store-evict-slack", "StoreConfig(evict_slack=1.5)", lambda: StoreConfig(evict_slack=1.5),
      ConfigError, r"^evict_slack: must be a number of tokens \(an integer >= 0\) or a share"),
     ("store-move-block", "StoreConfig(move_block=0)", lambda: StoreConfig(move_block=0),

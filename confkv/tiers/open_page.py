@@ -48,22 +48,19 @@ def encode(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> dict[
     codes and float16 scales [B, H, M] at ``bits=8`` (see the module docstring)."""
     if bits == 16:
         return {"keys": keys.to(dtype), "values": values.to(dtype)}
-    out = {}
-    for name, tensor in (("keys", keys), ("values", values)):
-        x = tensor.float()
-        scale = (x.abs().amax(-1) / 127.0).to(torch.float16)  # [B, H, M]
-        divisor = scale.float()
-        divisor = torch.where(divisor > 0, divisor, 1.0)[..., None]  # an all-zero token (or one below float16): codes 0
-        out[name] = (x / divisor).round_().clamp_(-127, 127).to(torch.int8)
-        out[_SCALES[name]] = scale
-    return out
+    x = torch.stack([keys, values]).float()  # [2, B, H, M, D]: keys and values in one pass
+    scale = x.abs().amax(-1).div_(127.0).to(torch.float16)  # [2, B, H, M]
+    # a scale of 0 (an all-zero token, or one too small for float16) divides by 1e-30: its codes are clamped, and
+    # decode to 0 all the same
+    codes = x.div_(scale.float().clamp_min_(1e-30)[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return {"keys": codes[0], "values": codes[1], "key_scale": scale[0], "value_scale": scale[1]}
 
 
 def decoded(open_page: dict[str, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(keys, values) [B, H, S, D] of an open page (or of slots cut from one) in ``dtype``."""
     if "key_scale" not in open_page:
         return open_page["keys"], open_page["values"]
-    return tuple(open_page[name].float().mul_(open_page[_SCALES[name]].float()[..., None]).to(dtype)  # type: ignore
+    return tuple(torch.mul(open_page[name], open_page[_SCALES[name]].float()[..., None]).to(dtype)  # type: ignore
                  for name in ("keys", "values"))
 
 

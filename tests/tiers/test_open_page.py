@@ -47,6 +47,7 @@ def test_int8_slots_decode_within_their_bound(dtype):
     for name, original, back in (("key_scale", keys, out[0]), ("value_scale", values, out[1])):
         assert back.dtype == dtype and back.shape == original.shape
         x = original.float()
+        assert torch.equal(stored[name], (x.abs().amax(-1) / 127).to(torch.float16))  # the largest entry maps to 127
         scale = stored[name].float()[..., None]
         amax = x.abs().amax(-1, keepdim=True)
         bound = scale / 2 + (amax - 127 * scale).abs() + x.abs() * torch.finfo(dtype).eps + 1e-12

@@ -30,13 +30,14 @@ def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack:
     """The names of the memory preset's rows: ``tiered@<percent>`` per target, ``tiered@<percent>-lean`` (the
     same through the lean decoder), ``tiered@<percent>+slack<s>-lean`` (that with eviction slack ``s``, for
     ``slack`` when not 0 and each of ``preset_slacks``: a count of tokens or a share of the tokens kept by rank),
-    ``tiered@<percent>+int8-lean`` (an INT8 hot tier), then ``tiered[<format>]@<percent>`` per target and page
-    format of ``formats``."""
+    ``tiered@<percent>+int8-lean`` (an INT8 hot tier), ``tiered@<percent>+open8-lean`` (the ladder's open page in
+    INT8), then ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]
             + [f"tiered@{fraction * 100:g}-lean" for fraction in memory]
             + [f"tiered@{fraction * 100:g}+slack{s}-lean" for s in _preset_slacks(slack, preset_slacks)
                for fraction in memory]
             + [f"tiered@{fraction * 100:g}+int8-lean" for fraction in memory]
+            + [f"tiered@{fraction * 100:g}+open8-lean" for fraction in memory]
             + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
 
 
@@ -87,6 +88,9 @@ def default_configs(budget: int, slack: int | float, memory: tuple[float, ...] =
                             "hot_int8_window": 8}, lean=True, note=f"the lean preset row with an INT8 hot tier "
                             "(hot_int8_window=8: INT8 past 8 recent tokens once over the target)")
                 for fraction in memory]
+    configs += [BenchConfig(f"tiered@{fraction * 100:g}+open8-lean", "confkv", "tiered", {"memory": fraction,
+                            "open_bits": 8}, lean=True, note="the lean preset row with the ladder's open page in INT8 "
+                            "(open_bits=8)") for fraction in memory]
     configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
                             note=f"the memory preset at {fraction:g}, page format {name}")
                 for name in formats for fraction in memory]

@@ -39,11 +39,13 @@ def test_format_rows_run_the_preset_with_that_page_format():
 
     assert preset_rows((0.25, 0.125), ("kivi+hadamard",)) == [
         "tiered@25", "tiered@12.5", "tiered@25-lean", "tiered@12.5-lean", "tiered@25+int8-lean",
-        "tiered@12.5+int8-lean", "tiered[kivi+hadamard]@25", "tiered[kivi+hadamard]@12.5"]
+        "tiered@12.5+int8-lean", "tiered@25+open8-lean", "tiered@12.5+open8-lean", "tiered[kivi+hadamard]@25",
+        "tiered[kivi+hadamard]@12.5"]
     assert preset_rows((0.25,), (), 64) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
-                                             "tiered@25+int8-lean"]
+                                             "tiered@25+int8-lean", "tiered@25+open8-lean"]
     assert preset_rows((0.25,), (), 64, (0.125, 64)) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
-                                                         "tiered@25+slack0.125-lean", "tiered@25+int8-lean"]
+                                                         "tiered@25+slack0.125-lean", "tiered@25+int8-lean",
+                                                         "tiered@25+open8-lean"]
     share = next(c for c in default_configs(128, 64, (0.25,), preset_slacks=(0.125,))
                  if c.name == "tiered@25+slack0.125-lean")
     assert share.store == {"evict_slack": 0.125} and share.lean and share.params == {"memory": 0.25}
@@ -162,5 +164,29 @@ def test_the_preset_with_an_int8_hot_tier_through_the_lean_decoder_holds_what_th
             runner.next_step(ids)
         stores = [layer.store for layer in runner.cache.layers]
         assert all(store.old.keys.dtype == torch.int8 for store in stores)
+        held[config.lean] = (runner.kv_bytes(), runner.kept_tokens())
+    assert held[True] == held[False]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_the_preset_with_an_int8_open_page_through_the_lean_decoder_holds_what_the_model_row_holds():
+    """``tiered@<percent>+open8-lean``: the preset with ``open_bits=8`` through the lean decoder holds what the same
+    cache stepped by ``model(...)`` holds after the same text (bytes, tokens), its open pages in INT8."""
+    import dataclasses
+
+    from confkv.eval.bench.run import _Runner, default_configs
+
+    lean = {c.name: c for c in default_configs(128, 0, (0.5,))}["tiered@50+open8-lean"]
+    assert lean.lean and lean.params == {"memory": 0.5, "open_bits": 8}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    ids = torch.randint(3, 200, (1, 700), generator=torch.Generator().manual_seed(0))
+    held = {}
+    for config in (lean, dataclasses.replace(lean, name="tiered@50+open8", lean=False)):
+        runner = _Runner(config, model)
+        runner.feed_to(ids, 640, 128)
+        for _ in range(12):
+            runner.next_step(ids)
+        tops = [layer.store.cold.top for layer in runner.cache.layers if layer.store.cold is not None]
+        assert tops and all(top.open["keys"].dtype == torch.int8 for top in tops)
         held[config.lean] = (runner.kv_bytes(), runner.kept_tokens())
     assert held[True] == held[False]

@@ -157,6 +157,10 @@ def check_pages(page_size: int, group_size: int) -> None:
 ALL_PAGES = 2**31
 
 
+#: widths a cold tier's open page may have: 16 = the model's dtype (exact), 8 = INT8 codes per token and KV head
+OPEN_BITS = (16, 8)
+
+
 @dataclass(frozen=True)
 class ColdConfig:
     """The cold tier of a tiered store (issue "keep every token"): evicted tokens are demoted, not deleted.
@@ -193,7 +197,7 @@ class ColdConfig:
       values at 2"). The native page read takes pages of two widths packed; the Triton read leaves them to
       the torch read.
     - ``open_bits``: the open page's storage: 16 = the model's dtype (exact), 8 = INT8 codes per token and KV
-      head (:mod:`confkv.tiers.open_page`; about half the bytes, under a memory target).
+      head (:mod:`confkv.tiers.cold_read`, the open page's storage; about half the bytes, under a memory target).
     """
 
     bits: int = 2
@@ -212,7 +216,6 @@ class ColdConfig:
 
     def __post_init__(self) -> None:
         from confkv.tiers.formats import parse_format  # noqa: PLC0415
-        from confkv.tiers.open_page import OPEN_BITS  # noqa: PLC0415
 
         try:
             parse_format(self.format)

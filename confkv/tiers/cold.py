@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from confkv.native import pages as native_pages
-from confkv.tiers import lowbit, open_page
+from confkv.tiers import lowbit
 from confkv.attention.segments import gather_pages as _gather_pages
-from confkv.tiers.cold_read import PageRead
+from confkv.tiers.cold_read import PageRead, decoded_open, empty_open, encode_open, left_align, open_nbytes
 from confkv.config import ColdConfig
 from confkv.tiers.page_file import PageFile
 from confkv.tiers.formats import PageFormat, format_for
@@ -107,7 +107,7 @@ class ColdTier(PageRead):
             return 0
         batch = self.open["keys"].shape[0]
         page, _, layer = self._sizes()
-        return open_page.nbytes(self.open) + batch * self.num_pages * page + layer
+        return open_nbytes(self.open) + batch * self.num_pages * page + layer
 
     def offloaded_bytes(self) -> int:
         """Bytes of sealed page data kept in the page file (0 in RAM); digests stay resident."""
@@ -146,14 +146,14 @@ class ColdTier(PageRead):
         if self.open is None:
             batch, heads, _, head_dim = keys.shape
             self._start(head_dim, keys.dtype)
-            self.open = open_page.empty(batch, heads, head_dim, keys.dtype, keys.device, self.config.open_bits)
+            self.open = empty_open(batch, heads, head_dim, keys.dtype, keys.device, self.config.open_bits)
         if attention is None:
             attention = torch.zeros(positions.shape, dtype=torch.float32, device=positions.device)
-        incoming = {**open_page.encode(keys, values, self.dtype, self.config.open_bits), "positions": positions,
+        incoming = {**encode_open(keys, values, self.dtype, self.config.open_bits), "positions": positions,
                     "valid": valid, "attention": attention.float()}
         merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
                   for name in self.open}
-        self.open = open_page.left_align(merged)
+        self.open = left_align(merged)
         page = self.config.page_size
         full = self.open_length // page
         if full:
@@ -168,7 +168,7 @@ class ColdTier(PageRead):
         """Quantize ``count`` pages from ``tokens`` (``count * P`` slots) and append them."""
         batch, heads, _, head_dim = tokens["keys"].shape
         page = self.config.page_size
-        keys, values = (t.reshape(batch, heads, count, page, head_dim) for t in open_page.decoded(tokens, self.dtype))
+        keys, values = (t.reshape(batch, heads, count, page, head_dim) for t in decoded_open(tokens, self.dtype))
         valid = tokens["valid"].reshape(batch, count, page)
         head_valid = valid[:, None].expand(batch, heads, count, page)
         meta = {"positions": tokens["positions"].reshape(batch, heads, count, page), "valid": head_valid,
@@ -308,7 +308,7 @@ class ColdTier(PageRead):
             raise ValueError(f"page_size: pages of {page} tokens cannot join a tier of {self.config.page_size}")
         if self.open is None:
             self._start(head_dim, dtype)
-            self.open = open_page.empty(batch, heads, head_dim, dtype, taken["keys"].device, self.config.open_bits)
+            self.open = empty_open(batch, heads, head_dim, dtype, taken["keys"].device, self.config.open_bits)
         meta = {name: taken[name] for name in _METADATA}
         encoded = self._encode(taken["keys"], taken["values"], taken["valid"], taken["positions"])
         self._append_pages({**meta, **encoded}, count)
@@ -318,7 +318,7 @@ class ColdTier(PageRead):
         room for them."""
         if self.open is not None:
             start = self.open_length if count is None else min(count, self.open_length)
-            self.open = open_page.left_align({name: (t[..., start:] if name == "valid" else t[:, :, start:]).clone()
+            self.open = left_align({name: (t[..., start:] if name == "valid" else t[:, :, start:]).clone()
                                      for name, t in self.open.items()})
 
     def seal_open(self) -> None:

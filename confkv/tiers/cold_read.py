@@ -7,7 +7,8 @@ they received to each page's heat. The page a read liked best can go back to the
 (:meth:`~PageRead.take_best_read_page`, promotion).
 
 The pages themselves (their layout, demotion, budget and the moves between rungs of a ladder) are
-:mod:`confkv.tiers.cold`'s; :class:`~confkv.tiers.cold.ColdTier` is this class plus that one, split by job.
+:mod:`confkv.tiers.cold`'s; :class:`~confkv.tiers.cold.ColdTier` is this class plus that one, split by job. The open
+page's storage (in the model's dtype, or INT8 per token: ``open_bits``), which every read decodes, is at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from confkv import profiling
 from confkv.attention import KVSegment
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
 from confkv.native.pages import InPlaceUpdate
-from confkv.tiers import open_page
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig
@@ -107,11 +107,11 @@ class PageRead:
             raise ValueError("cold tier: a rotated read needs a page format with a rotation")
         if self.open_length:
             valid = self.open["valid"]
-            keys, values = open_page.decoded(self.open, self.dtype)
+            keys, values = decoded_open(self.open, self.dtype)
             if rotation is not None:
                 keys, values = rotation.forward(keys), rotation.forward(values)
             segments.append(KVSegment(keys, values, None if bool(valid.all()) else valid[:, None, None, :]))
-            self.bytes_read += open_page.nbytes(self.open)
+            self.bytes_read += open_nbytes(self.open)
         want = int(read_pages.max()) if read_pages.numel() else 0
         if self.num_pages and want:
             segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated))
@@ -296,3 +296,89 @@ class EveryPageRead:
     def __reduce__(self) -> tuple:
         return (type(None), ())  # pickled as None, for the same reason
 
+
+# -- the open page's storage ---------------------------------------------------------------------------------------
+# The open page: the tokens the hot tier let go, waiting until a page fills. Its codec sits beside its reader (every
+# read decodes it); the tier's demotion and sealing call it too. Layout (one layer; B sequences, H KV heads,
+# S < P slots, D channels):
+#
+#     keys, values             [B, H, S, D]  the model's dtype (open_bits=16), or int8 codes (open_bits=8)
+#     key_scale, value_scale   [B, H, S]     float16, open_bits=8 only: a slot's channels are code * scale
+#     positions, attention     [B, H, S]     int64 original positions; float32 attention received while hot
+#     valid                    [B, S]        bool
+#
+# With open_bits=8 each token is quantized on its own, per KV head, symmetric: scale = max_d |x_d| / 127 rounded to
+# float16, code = round(x / scale) in [-127, 127] (LMDeploy's INT8 KV cache also quantizes per token and head): a
+# token costs 2 * (D + 2) bytes per head where a 16-bit dtype costs 4 * D, so under a memory target the open page
+# takes about half the bytes it did (early in a run it was most of the target: results/memory/README.md, "The open
+# page in INT8"). A channel's error is at most scale / 2, plus what the float16 rounding of scale moves the largest
+# entry (worked out in tests/tiers/test_open_page.py). A page that fills is decoded to the model's dtype and sealed
+# at its rung's bits as before. Every tensor but valid has the slot axis at dim 2, so slicing, joining and
+# gathering slots treat them alike.
+
+_OPEN_SCALES = {"keys": "key_scale", "values": "value_scale"}
+
+
+def empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+          bits: int = 16) -> dict[str, Tensor]:
+    """An open page with no slot (``dtype``: the model's; int8 codes and float16 scales with ``bits=8``)."""
+    code_dtype = dtype if bits == 16 else torch.int8
+    out = {"keys": torch.empty(batch, heads, 0, head_dim, dtype=code_dtype, device=device),
+           "values": torch.empty(batch, heads, 0, head_dim, dtype=code_dtype, device=device),
+           "positions": torch.empty(batch, heads, 0, dtype=torch.int64, device=device),
+           "attention": torch.empty(batch, heads, 0, dtype=torch.float32, device=device),
+           "valid": torch.empty(batch, 0, dtype=torch.bool, device=device)}
+    if bits == 8:
+        for scale in _OPEN_SCALES.values():
+            out[scale] = torch.empty(batch, heads, 0, dtype=torch.float16, device=device)
+    return out
+
+
+def encode_open(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> dict[str, Tensor]:
+    """Open-page storage of keys / values [B, H, M, D] (any float dtype): cast to ``dtype`` at ``bits=16``; INT8
+    codes and float16 scales [B, H, M] at ``bits=8`` (see the module docstring)."""
+    if bits == 16:
+        return {"keys": keys.to(dtype), "values": values.to(dtype)}
+    x = torch.stack([keys, values]).float()  # [2, B, H, M, D]: keys and values in one pass
+    scale = x.abs().amax(-1).div_(127.0).to(torch.float16)  # [2, B, H, M]
+    # a scale of 0 (an all-zero token, or one too small for float16) divides by 1e-30: its codes are clamped, and
+    # decode to 0 all the same
+    codes = x.div_(scale.float().clamp_min_(1e-30)[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return {"keys": codes[0], "values": codes[1], "key_scale": scale[0], "value_scale": scale[1]}
+
+
+def decoded_open(open_page: dict[str, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(keys, values) [B, H, S, D] of an open page (or of slots cut from one) in ``dtype``."""
+    if "key_scale" not in open_page:
+        return open_page["keys"], open_page["values"]
+    return tuple(torch.mul(open_page[name], open_page[_OPEN_SCALES[name]].float()[..., None]).to(dtype)  # type: ignore
+                 for name in ("keys", "values"))
+
+
+def open_nbytes(open_page: dict[str, Tensor]) -> int:
+    """KV bytes of an open page: keys and values (codes or the model's dtype) and, at 8 bits, their scales."""
+    return sum(open_page[name].nbytes for name in ("keys", "values", *_OPEN_SCALES.values()) if name in open_page)
+
+
+def open_slot_bytes(heads: int, head_dim: int, element_size: int, bits: int) -> int:
+    """KV bytes of one slot of one sequence (all KV heads): ``2 * H * D * element_size`` at 16 bits
+    (``element_size``: the model dtype's), ``2 * H * (D + 2)`` at 8 bits."""
+    return 2 * heads * head_dim * element_size if bits == 16 else 2 * heads * (head_dim + 2)
+
+
+def left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Move each sequence's valid slots to the front (in order) and drop all-invalid trailing slots."""
+    valid = tokens["valid"]
+    if bool(valid.all()):
+        return tokens
+    width = int(valid.sum(-1).max()) if valid.numel() else 0
+    order = (~valid).to(torch.int8).argsort(dim=-1, stable=True)[:, :width]  # [B, W]
+    heads = tokens["keys"].shape[1]
+    head_order = order[:, None, :].expand(-1, heads, -1)
+    out = {"valid": valid.gather(1, order)}
+    for name, tensor in tokens.items():
+        if name == "valid":
+            continue
+        index = head_order if tensor.dim() == 3 else head_order[..., None].expand(-1, -1, -1, tensor.shape[-1])
+        out[name] = tensor.gather(2, index)
+    return out

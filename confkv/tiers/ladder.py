@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from confkv import profiling
-from confkv.tiers import lowbit, open_page
+from confkv.tiers import lowbit
 from confkv.tiers.cold import ColdTier
+from confkv.tiers.cold_read import open_slot_bytes
 from confkv.config import ALL_PAGES, ColdConfig
 from confkv.tiers.page_file import PageFile
 from confkv.tiers.storage import Storage
@@ -213,7 +214,7 @@ class LadderTier:
         top = self.top
         batch, heads, _, head_dim = top.open["keys"].shape
         size = torch.empty((), dtype=top.dtype).element_size()
-        return batch * open_page.slot_bytes(heads, head_dim, size, self.storage.open_bits)
+        return batch * open_slot_bytes(heads, head_dim, size, self.storage.open_bits)
 
     def _step_cost(self, rung: int, signal: str) -> float:
         """The price of stepping rung ``rung``'s least valuable page one rung down (the lowest goes first).

@@ -88,7 +88,7 @@ class Storage:
             (the hot tier only runs below its share, and the ladder takes what it leaves). It is the store's
             ``evict_slack`` as a share (:func:`store_for`): give one of the two (results/memory/slack/).
         open_bits: the top rung's open page (the tokens the hot tier let go, waiting for a page to fill): 16 in
-            the model's dtype; 8 in INT8 per token and KV head (:mod:`confkv.tiers.open_page`), about half the
+            the model's dtype; 8 in INT8 per token and KV head (:mod:`confkv.tiers.cold_read`), about half the
             bytes, so that early in a run, where the open page is most of the target, fewer sealed pages are
             dropped (results/memory/README.md, "The open page in INT8").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);

@@ -1,4 +1,4 @@
-"""The ladder's open page in INT8 per token and KV head (``Storage(open_bits=8)``, :mod:`confkv.tiers.open_page`):
+"""The ladder's open page in INT8 per token and KV head (``Storage(open_bits=8)``, :mod:`confkv.tiers.cold_read`):
 its error bound, its bytes, the pages it seals, the read, and what it buys under a memory target."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from confkv.config import ColdConfig, StoreConfig
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
-from confkv.tiers import open_page
+from confkv.tiers import cold_read as open_page
 from confkv.tiers.cold import ColdTier
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import Storage
@@ -40,10 +40,10 @@ def test_int8_slots_decode_within_their_bound(dtype):
     """Each channel comes back within ``scale / 2`` (the rounding) plus what the float16 rounding of ``scale`` moves
     the largest entry (``|max|x| - 127 scale|``, where the clamp may cut), plus the output dtype's own rounding."""
     keys, values = _tokens(2, 3, 40, 16, seed=1, dtype=dtype), _tokens(2, 3, 40, 16, seed=2, dtype=dtype)
-    stored = open_page.encode(keys, values, dtype, 8)
+    stored = open_page.encode_open(keys, values, dtype, 8)
     assert stored["keys"].dtype == stored["values"].dtype == torch.int8
     assert stored["key_scale"].shape == (2, 3, 40) and stored["key_scale"].dtype == torch.float16
-    out = open_page.decoded(stored, dtype)
+    out = open_page.decoded_open(stored, dtype)
     for name, original, back in (("key_scale", keys, out[0]), ("value_scale", values, out[1])):
         assert back.dtype == dtype and back.shape == original.shape
         x = original.float()
@@ -59,9 +59,9 @@ def test_int8_slots_decode_within_their_bound(dtype):
 
 def test_a_16_bit_open_page_is_the_model_dtype_untouched():
     keys, values = _tokens(1, 2, 5, 8, dtype=torch.bfloat16), _tokens(1, 2, 5, 8, seed=4, dtype=torch.bfloat16)
-    stored = open_page.encode(keys, values, torch.bfloat16, 16)
+    stored = open_page.encode_open(keys, values, torch.bfloat16, 16)
     assert set(stored) == {"keys", "values"} and torch.equal(stored["keys"], keys)
-    assert open_page.decoded(stored, torch.bfloat16)[1] is stored["values"]
+    assert open_page.decoded_open(stored, torch.bfloat16)[1] is stored["values"]
 
 
 def _tier(open_bits: int, page: int = 8) -> ColdTier:
@@ -85,7 +85,7 @@ def test_an_int8_open_page_costs_its_codes_and_scales():
         _demote(tier, _tokens(batch, heads, length, dim, dtype=torch.bfloat16),
                 _tokens(batch, heads, length, dim, seed=5, dtype=torch.bfloat16))
         held = sum(t.nbytes for name, t in tier.open.items() if name in ("keys", "values", "key_scale", "value_scale"))
-        assert tier.kv_bytes() == held == batch * length * open_page.slot_bytes(heads, dim, 2, bits)
+        assert tier.kv_bytes() == held == batch * length * open_page.open_slot_bytes(heads, dim, 2, bits)
         counted[bits] = held
     assert counted[16] == batch * length * 4 * heads * dim and counted[8] == batch * length * 2 * heads * (dim + 2)
 
@@ -97,7 +97,7 @@ def test_a_page_sealed_from_int8_slots_is_the_page_of_their_decoded_tokens():
     int8 = _tier(8)
     _demote(int8, keys[:, :, :3], values[:, :, :3])
     _demote(int8, keys[:, :, 3:], values[:, :, 3:], start=3)
-    decoded = open_page.decoded(open_page.encode(keys, values, torch.float32, 8), torch.float32)
+    decoded = open_page.decoded_open(open_page.encode_open(keys, values, torch.float32, 8), torch.float32)
     plain = _tier(16)
     _demote(plain, *decoded)
     assert int8.num_pages == plain.num_pages == 1 and int8.open_length == plain.open_length == 0
@@ -114,8 +114,8 @@ def test_left_aligned_slots_keep_their_own_scales():
     tier = _tier(8)
     _demote(tier, keys, values, valid=valid)
     assert tier.open_length == 6 and tier.open["valid"][1].tolist() == [True, True, True, False, False, False]
-    kept_keys, _ = open_page.decoded(tier.open, torch.float32)
-    expected = open_page.decoded(open_page.encode(keys, values, torch.float32, 8), torch.float32)[0]
+    kept_keys, _ = open_page.decoded_open(tier.open, torch.float32)
+    expected = open_page.decoded_open(open_page.encode_open(keys, values, torch.float32, 8), torch.float32)[0]
     torch.testing.assert_close(kept_keys[1, :, :3], expected[1, :, [1, 3, 4]], rtol=0, atol=0)
     assert tier.open["positions"][1, 0, :3].tolist() == [1, 3, 4]
 
@@ -127,7 +127,7 @@ def test_the_read_takes_the_open_page_decoded():
     tier = _tier(8)
     _demote(tier, keys, values)
     (segment,) = tier.segments(torch.zeros(1, 2, 1, 16), torch.tensor([0]))
-    expected = open_page.decoded(tier.open, torch.float32)
+    expected = open_page.decoded_open(tier.open, torch.float32)
     assert torch.equal(segment.keys, expected[0]) and torch.equal(segment.values, expected[1])
     assert tier.bytes_read == tier.kv_bytes()
 
@@ -142,7 +142,7 @@ def test_an_int8_open_page_loses_slots_where_a_16_bit_one_would_be_sealed():
         ladder.demote(_tokens(1, 3, 5, 16, dtype=torch.bfloat16), _tokens(1, 3, 5, 16, seed=3, dtype=torch.bfloat16),
                       torch.arange(5).expand(1, 3, 5), torch.ones(1, 5, dtype=torch.bool))
         bottom = ladder._batch_page_bytes(1)
-        assert (5 * open_page.slot_bytes(3, 16, 2, bits) > bottom) == (bits == 16)
+        assert (5 * open_page.open_slot_bytes(3, 16, 2, bits) > bottom) == (bits == 16)
         ladder.fit(ladder.kv_bytes() - 1, torch.bfloat16)
         sealed[bits] = (ladder.rungs[-1].num_pages, ladder.top.open_length)
     assert sealed[16] == (1, 0)  # sealed, then stepped down to the bottom

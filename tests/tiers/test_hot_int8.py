@@ -161,13 +161,15 @@ def test_an_int8_hot_tier_beside_packed_pages_stays_on_the_native_read():
     torch.testing.assert_close(logits["auto"], logits["torch"], rtol=1e-4, atol=1e-4)
 
 
-def test_the_tiered_int8_preset_is_the_tiered_preset_with_an_int8_hot_tier():
+def test_the_tiered_int8_preset_is_the_tiered_preset_with_an_int8_hot_tier_and_open_page():
     from confkv.presets import PRESETS, preset_signature, resolve
 
     spec, base = resolve("tiered-int8", memory=0.25), resolve("tiered", memory=0.25)
-    assert spec.storage == dataclasses.replace(base.storage, hot_int8_window=8) and spec.policy == base.policy
-    assert "hot_int8_window=8" in preset_signature("tiered-int8")
-    assert "hot_int8_window" not in preset_signature("tiered")  # the default's records still resume
+    assert spec.storage == dataclasses.replace(base.storage, hot_int8_window=8, open_bits=8)
+    assert spec.policy == base.policy
+    assert "hot_int8_window=8" in preset_signature("tiered-int8") and "open_bits=8" in preset_signature("tiered-int8")
+    # the default's records still resume: fields added later are left out of its signature at their old value
+    assert "hot_int8_window" not in preset_signature("tiered") and "open_bits" not in preset_signature("tiered")
     cache = ConfKVCache.for_model(_model("llama"), "tiered-int8")
     assert cache.store_config.kv_int8 and cache.store_config.int8_from == "over_budget"
     assert cache.store_config.fp_window == 8 and PRESETS["tiered-int8"].storage.hot_int8_window == 8

@@ -31,13 +31,15 @@ def preset_rows(memory: tuple[float, ...], formats: tuple[str, ...] = (), slack:
     same through the lean decoder), ``tiered@<percent>+slack<s>-lean`` (that with eviction slack ``s``, for
     ``slack`` when not 0 and each of ``preset_slacks``: a count of tokens or a share of the tokens kept by rank),
     ``tiered@<percent>+int8-lean`` (an INT8 hot tier), ``tiered@<percent>+open8-lean`` (the ladder's open page in
-    INT8), then ``tiered[<format>]@<percent>`` per target and page format of ``formats``."""
+    INT8), ``tiered-int8@<percent>-lean`` (the preset ``tiered-int8``), then ``tiered[<format>]@<percent>`` per
+    target and page format of ``formats``."""
     return ([f"tiered@{fraction * 100:g}" for fraction in memory]
             + [f"tiered@{fraction * 100:g}-lean" for fraction in memory]
             + [f"tiered@{fraction * 100:g}+slack{s}-lean" for s in _preset_slacks(slack, preset_slacks)
                for fraction in memory]
             + [f"tiered@{fraction * 100:g}+int8-lean" for fraction in memory]
             + [f"tiered@{fraction * 100:g}+open8-lean" for fraction in memory]
+            + [f"tiered-int8@{fraction * 100:g}-lean" for fraction in memory]
             + [f"tiered[{name}]@{fraction * 100:g}" for name in formats for fraction in memory])
 
 
@@ -91,6 +93,9 @@ def default_configs(budget: int, slack: int | float, memory: tuple[float, ...] =
     configs += [BenchConfig(f"tiered@{fraction * 100:g}+open8-lean", "confkv", "tiered", {"memory": fraction,
                             "open_bits": 8}, lean=True, note="the lean preset row with the ladder's open page in INT8 "
                             "(open_bits=8)") for fraction in memory]
+    configs += [BenchConfig(f"tiered-int8@{fraction * 100:g}-lean", "confkv", "tiered-int8", {"memory": fraction},
+                            lean=True, note="the preset tiered-int8 (the quality setting: INT8 hot tier and open page) "
+                            "through the lean decoder") for fraction in memory]
     configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
                             note=f"the memory preset at {fraction:g}, page format {name}")
                 for name in formats for fraction in memory]

@@ -39,13 +39,13 @@ def test_format_rows_run_the_preset_with_that_page_format():
 
     assert preset_rows((0.25, 0.125), ("kivi+hadamard",)) == [
         "tiered@25", "tiered@12.5", "tiered@25-lean", "tiered@12.5-lean", "tiered@25+int8-lean",
-        "tiered@12.5+int8-lean", "tiered@25+open8-lean", "tiered@12.5+open8-lean", "tiered[kivi+hadamard]@25",
-        "tiered[kivi+hadamard]@12.5"]
+        "tiered@12.5+int8-lean", "tiered@25+open8-lean", "tiered@12.5+open8-lean", "tiered-int8@25-lean",
+        "tiered-int8@12.5-lean", "tiered[kivi+hadamard]@25", "tiered[kivi+hadamard]@12.5"]
     assert preset_rows((0.25,), (), 64) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
-                                             "tiered@25+int8-lean", "tiered@25+open8-lean"]
+                                             "tiered@25+int8-lean", "tiered@25+open8-lean", "tiered-int8@25-lean"]
     assert preset_rows((0.25,), (), 64, (0.125, 64)) == ["tiered@25", "tiered@25-lean", "tiered@25+slack64-lean",
                                                          "tiered@25+slack0.125-lean", "tiered@25+int8-lean",
-                                                         "tiered@25+open8-lean"]
+                                                         "tiered@25+open8-lean", "tiered-int8@25-lean"]
     share = next(c for c in default_configs(128, 64, (0.25,), preset_slacks=(0.125,))
                  if c.name == "tiered@25+slack0.125-lean")
     assert share.store == {"evict_slack": 0.125} and share.lean and share.params == {"memory": 0.25}

@@ -320,7 +320,7 @@ _OPEN_SCALES = {"keys": "key_scale", "values": "value_scale"}
 
 
 def empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-          bits: int = 16) -> dict[str, Tensor]:
+               bits: int = 16) -> dict[str, Tensor]:
     """An open page with no slot (``dtype``: the model's; int8 codes and float16 scales with ``bits=8``)."""
     code_dtype = dtype if bits == 16 else torch.int8
     out = {"keys": torch.empty(batch, heads, 0, head_dim, dtype=code_dtype, device=device),
@@ -336,7 +336,7 @@ def empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device
 
 def encode_open(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> dict[str, Tensor]:
     """Open-page storage of keys / values [B, H, M, D] (any float dtype): cast to ``dtype`` at ``bits=16``; INT8
-    codes and float16 scales [B, H, M] at ``bits=8`` (see the module docstring)."""
+    codes and float16 scales [B, H, M] at ``bits=8`` (the section's comment above)."""
     if bits == 16:
         return {"keys": keys.to(dtype), "values": values.to(dtype)}
     x = torch.stack([keys, values]).float()  # [2, B, H, M, D]: keys and values in one pass

@@ -205,7 +205,7 @@ class LadderTier:
             top.drop_open(math.ceil(excess / self._open_slot_bytes()))
 
     def _open_outweighs_a_bottom_page(self) -> bool:
-        """Whether the open page's tokens, in full precision, cost more than one bottom-rung page (all sequences).
+        """Whether the open page's tokens, as it stores them, cost more than one bottom-rung page (all sequences).
         Asked only while the open page holds tokens (both callers check ``open_length`` first)."""
         return self.top.open_length * self._open_slot_bytes() > self._batch_page_bytes(len(self.rungs) - 1)
 

@@ -1,11 +1,14 @@
-"""A prefill then one ``model(...)`` step per token, as the cache tests stream a text (:func:`decode_logits`), and
-whether two caches hold the same state (:func:`same_cache_state`)."""
+"""A prefill then one ``model(...)`` step per token, as the cache tests stream a text (:func:`decode_logits`), the
+same stream read natively and by torch (:func:`native_and_torch_reads`), and whether two caches hold the same state
+(:func:`same_cache_state`)."""
 
 from __future__ import annotations
 
 import torch
 
-from confkv.hf import prefill
+from confkv import profiling
+from confkv.config import StoreConfig
+from confkv.hf import ConfKVCache, prefill
 from confkv.tiers.ladder import LadderTier
 
 
@@ -18,6 +21,24 @@ def decode_logits(model, cache, ids: torch.Tensor, prompt: int, chunk: int) -> t
         for t in range(prompt, ids.shape[1]):
             logits.append(model(ids[:, t:t + 1], cache=cache).logits[:, -1])
     return torch.stack(logits)
+
+
+def native_and_torch_reads(model, ids: torch.Tensor, prompt: int, **cache_args) -> tuple[dict, dict, dict]:
+    """Stream ``ids`` [1, T] through two caches ``ConfKVCache.for_model(model, **cache_args)`` whose reads are the
+    default (``"auto"``: the native read where it applies) and ``"torch"``: a forward pass over ``ids[:, :prompt]``,
+    then one step a token, the steps profiled. Returns, by backend, the steps' last logits [T - prompt, V], the
+    reads that left the native path (:attr:`confkv.profiling.Timers.fallbacks`) and the cache."""
+    logits, fallbacks, caches = {}, {}, {}
+    for backend in ("auto", "torch"):
+        cache = ConfKVCache.for_model(model, store=StoreConfig(read_backend=backend), **cache_args)
+        timers = profiling.Timers()
+        with torch.no_grad():
+            model(ids[:, :prompt], cache=cache, use_cache=True)
+            with profiling.enabled(timers):
+                logits[backend] = torch.stack([model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
+                                               for t in range(prompt, ids.shape[1])])
+        fallbacks[backend], caches[backend] = dict(timers.fallbacks), cache
+    return logits, fallbacks, caches
 
 
 def _cold_tensors(cold) -> dict[str, torch.Tensor]:

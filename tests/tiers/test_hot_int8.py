@@ -10,12 +10,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from confkv import native, profiling
+from confkv import native
 from confkv.config import StoreConfig
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
 from confkv.tiers.storage import Storage
+from decode_stream import native_and_torch_reads
 
 PAD = 258
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -143,19 +144,10 @@ def test_bad_int8_settings_name_their_field(make, field):
 def test_an_int8_hot_tier_beside_packed_pages_stays_on_the_native_read():
     """The INT8 hot region is read dequantized beside the packed pages (the native page read takes no INT8
     segment): no decode step leaves the native path, and the logits are the block-wise torch read's."""
-    model = _model("llama")
     ids = torch.randint(0, 250, (1, 300), generator=torch.Generator().manual_seed(0))
-    logits, fallbacks = {}, {}
-    for backend in ("auto", "torch"):
-        cache = ConfKVCache.for_model(model, "tiered", memory=0.25, hot_int8_window=8, page_size=16, group_size=16,
-                                      store=StoreConfig(read_backend=backend))
-        timers = profiling.Timers()
-        with torch.no_grad():
-            model(ids[:, :128], cache=cache, use_cache=True)
-            with profiling.enabled(timers):
-                logits[backend] = torch.stack([model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
-                                               for t in range(128, 300)])
-        fallbacks[backend] = dict(timers.fallbacks)
+    logits, fallbacks, caches = native_and_torch_reads(_model("llama"), ids, 128, policy="tiered", memory=0.25,
+                                                       hot_int8_window=8, page_size=16, group_size=16)
+    for cache in caches.values():
         assert cache.layers[0].store.old.keys.dtype == torch.int8 and sum(cache.trace.steps[-1].rung_tokens) > 0
     assert fallbacks["auto"] == {} and fallbacks["torch"]
     torch.testing.assert_close(logits["auto"], logits["torch"], rtol=1e-4, atol=1e-4)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv import profiling
-from confkv.config import ColdConfig, StoreConfig
+from confkv.config import ColdConfig
 from confkv.errors import ConfigError
 from confkv.hf import ConfKVCache
 from confkv.models import tiny_model
@@ -15,6 +14,7 @@ from confkv.tiers import cold_read as open_page
 from confkv.tiers.cold import ColdTier
 from confkv.tiers.ladder import LadderTier
 from confkv.tiers.storage import Storage
+from decode_stream import native_and_torch_reads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -173,20 +173,10 @@ def test_under_a_target_an_int8_open_page_holds_more_tokens():
 def test_an_int8_open_page_stays_on_the_native_read():
     """The open page is handed to the read decoded, beside the packed pages: no decode step leaves the native
     path, and the logits are the block-wise torch read's."""
-    model = _model()
     ids = torch.randint(0, 250, (1, 260), generator=torch.Generator().manual_seed(0))
-    logits, fallbacks = {}, {}
-    for backend in ("auto", "torch"):
-        cache = ConfKVCache.for_model(model, "tiered", memory=0.25, open_bits=8, page_size=16, group_size=16,
-                                      store=StoreConfig(read_backend=backend))
-        timers = profiling.Timers()
-        with torch.no_grad():
-            model(ids[:, :128], cache=cache, use_cache=True)
-            with profiling.enabled(timers):
-                logits[backend] = torch.stack([model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
-                                               for t in range(128, 260)])
-        fallbacks[backend] = dict(timers.fallbacks)
-        assert sum(cache.trace.steps[-1].rung_tokens) > 0
+    logits, fallbacks, caches = native_and_torch_reads(_model(), ids, 128, policy="tiered", memory=0.25, open_bits=8,
+                                                       page_size=16, group_size=16)
+    assert all(sum(cache.trace.steps[-1].rung_tokens) > 0 for cache in caches.values())
     assert fallbacks["auto"] == {} and fallbacks["torch"]
     torch.testing.assert_close(logits["auto"], logits["torch"], rtol=1e-4, atol=1e-4)
 

@@ -142,51 +142,37 @@ def test_the_preset_with_eviction_slack_stays_under_its_target_and_ranks_less_of
     assert kept["tiered@50+slack8-lean"] < kept["tiered@50-lean"]  # the hot tier runs below its share
 
 
+def _int8_hot_tokens(cache) -> bool:
+    return all(layer.store.old.keys.dtype == torch.int8 for layer in cache.layers)
+
+
+def _int8_open_pages(cache) -> bool:
+    tops = [layer.store.cold.top for layer in cache.layers if layer.store.cold is not None]
+    return bool(tops) and all(top.open["keys"].dtype == torch.int8 for top in tops)
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_the_preset_with_an_int8_hot_tier_through_the_lean_decoder_holds_what_the_model_row_holds():
-    """``tiered@<percent>+int8-lean``: the preset with ``hot_int8_window=8`` through the lean decoder. After the
-    same text its cache holds what the same cache stepped by ``model(...)`` holds (bytes, tokens), its older hot
-    tokens in INT8."""
+@pytest.mark.parametrize("row, setting, in_int8", [("tiered@50+int8-lean", {"hot_int8_window": 8}, _int8_hot_tokens),
+                                                   ("tiered@50+open8-lean", {"open_bits": 8}, _int8_open_pages)])
+def test_the_preset_with_an_int8_setting_through_the_lean_decoder_holds_what_the_model_row_holds(row, setting,
+                                                                                                  in_int8):
+    """``tiered@<percent>+int8-lean`` (``hot_int8_window=8``) and ``tiered@<percent>+open8-lean`` (``open_bits=8``):
+    the preset with that setting through the lean decoder. After the same text its cache holds what the same cache
+    stepped by ``model(...)`` holds (bytes, tokens), in INT8 where the setting says (older hot tokens, open pages)."""
     import dataclasses
 
     from confkv.eval.bench.run import _Runner, default_configs
 
-    configs = {c.name: c for c in default_configs(128, 0, (0.5,))}
-    lean = configs["tiered@50+int8-lean"]
-    assert lean.lean and lean.params == {"memory": 0.5, "hot_int8_window": 8}
-    model, tok = tiny_model("llama"), tiny_tokenizer()
+    lean = {c.name: c for c in default_configs(128, 0, (0.5,))}[row]
+    assert lean.lean and lean.params == {"memory": 0.5, **setting}
+    model = tiny_model("llama")
     ids = torch.randint(3, 200, (1, 700), generator=torch.Generator().manual_seed(0))
     held = {}
-    for config in (lean, dataclasses.replace(lean, name="tiered@50+int8", lean=False)):
+    for config in (lean, dataclasses.replace(lean, name=row.removesuffix("-lean"), lean=False)):
         runner = _Runner(config, model)
         runner.feed_to(ids, 640, 128)
         for _ in range(12):
             runner.next_step(ids)
-        stores = [layer.store for layer in runner.cache.layers]
-        assert all(store.old.keys.dtype == torch.int8 for store in stores)
-        held[config.lean] = (runner.kv_bytes(), runner.kept_tokens())
-    assert held[True] == held[False]
-
-
-@pytest.mark.filterwarnings("ignore")
-def test_the_preset_with_an_int8_open_page_through_the_lean_decoder_holds_what_the_model_row_holds():
-    """``tiered@<percent>+open8-lean``: the preset with ``open_bits=8`` through the lean decoder holds what the same
-    cache stepped by ``model(...)`` holds after the same text (bytes, tokens), its open pages in INT8."""
-    import dataclasses
-
-    from confkv.eval.bench.run import _Runner, default_configs
-
-    lean = {c.name: c for c in default_configs(128, 0, (0.5,))}["tiered@50+open8-lean"]
-    assert lean.lean and lean.params == {"memory": 0.5, "open_bits": 8}
-    model, tok = tiny_model("llama"), tiny_tokenizer()
-    ids = torch.randint(3, 200, (1, 700), generator=torch.Generator().manual_seed(0))
-    held = {}
-    for config in (lean, dataclasses.replace(lean, name="tiered@50+open8", lean=False)):
-        runner = _Runner(config, model)
-        runner.feed_to(ids, 640, 128)
-        for _ in range(12):
-            runner.next_step(ids)
-        tops = [layer.store.cold.top for layer in runner.cache.layers if layer.store.cold is not None]
-        assert tops and all(top.open["keys"].dtype == torch.int8 for top in tops)
+        assert in_int8(runner.cache)
         held[config.lean] = (runner.kv_bytes(), runner.kept_tokens())
     assert held[True] == held[False]

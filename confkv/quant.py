@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from confkv.native import int8_rows
 from confkv.tiers import byte_model
 from confkv.tiers.byte_model import SCALE_BYTES
 
@@ -106,7 +107,11 @@ def quantize_keys(keys: Tensor, channel_scale: Tensor) -> tuple[Tensor, Tensor]:
         (q int8 [B, Hkv, L, D], token_scale float32 [B, Hkv, L]) with
         ``keys ~= q * token_scale[..., None] * channel_scale[..., None, :]``.
     """
-    smoothed = keys.detach().to(torch.float32) / channel_scale.to(torch.float32).unsqueeze(-2)
+    channel_scale = channel_scale.to(torch.float32)
+    native = int8_rows.quantize(keys.detach(), channel_scale)  # the same codes and scales in one C call
+    if native is not None:
+        return native
+    smoothed = keys.detach().to(torch.float32) / channel_scale.unsqueeze(-2)
     return _quantize_per_token(smoothed)
 
 
@@ -120,11 +125,12 @@ def quantize_values(values: Tensor) -> tuple[Tensor, Tensor]:
         (q int8 [B, Hkv, L, D], token_scale float32 [B, Hkv, L]) with
         ``values ~= q * token_scale[..., None]``.
     """
-    return _quantize_per_token(values.detach().to(torch.float32))
+    native = int8_rows.quantize(values.detach())  # the same codes and scales in one C call
+    return native if native is not None else _quantize_per_token(values.detach().to(torch.float32))
 
 
 def dequantize_keys(q: Tensor, token_scale: Tensor, channel_scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Reference dequantization of keys (tests / reference paths only).
+    """Dequantization of keys (one C call where the library takes it: the same values).
 
     Args:
         q: [B, Hkv, L, D] int8; token_scale: [B, Hkv, L] float32;
@@ -133,12 +139,15 @@ def dequantize_keys(q: Tensor, token_scale: Tensor, channel_scale: Tensor, dtype
     Returns:
         [B, Hkv, L, D] in ``dtype``.
     """
+    native = int8_rows.decode(q, token_scale, dtype, channel_scale)
+    if native is not None:
+        return native
     k = q.to(torch.float32) * token_scale.unsqueeze(-1) * channel_scale.unsqueeze(-2)
     return k.to(dtype)
 
 
 def dequantize_values(q: Tensor, token_scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Reference dequantization of values (tests / reference paths only).
+    """Dequantization of values (one C call where the library takes it: the same values).
 
     Args:
         q: [B, Hkv, L, D] int8; token_scale: [B, Hkv, L] float32.
@@ -146,7 +155,8 @@ def dequantize_values(q: Tensor, token_scale: Tensor, dtype: torch.dtype = torch
     Returns:
         [B, Hkv, L, D] in ``dtype``.
     """
-    return (q.to(torch.float32) * token_scale.unsqueeze(-1)).to(dtype)
+    native = int8_rows.decode(q, token_scale, dtype)
+    return native if native is not None else (q.to(torch.float32) * token_scale.unsqueeze(-1)).to(dtype)
 
 
 def int8_key_bytes_per_token(num_kv_heads: int, head_dim: int) -> int:

@@ -185,6 +185,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_lean_mlp.argtypes = [ptr, ptr, i32, i64, i64, i64, ptr, ptr, f32, i32, ptr, ptr, ptr, ptr, i32]
     lib.confkv_confidence_terms.restype = i32
     lib.confkv_confidence_terms.argtypes = [ptr, i32, i64, i64, i64, ptr]
+    lib.confkv_int8_rows.restype = i32
+    lib.confkv_int8_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr]
+    lib.confkv_int8_rows_decode.restype = None
+    lib.confkv_int8_rows_decode.argtypes = [ptr, ptr, i32, i64, i64, ptr, i64, i32, ptr]
     lib.confkv_gemv_configure.restype = i32
     lib.confkv_gemv_configure.argtypes = [i64, i64]
     spin = os.environ.get("CONFKV_GEMV_SPIN_US")

@@ -4,11 +4,9 @@
 layer, in full precision or INT8. All tensors share the slot axis and are gathered together, so a kept
 token keeps its bytes, its scales, its position and its policy statistics bit for bit.
 
-**Eviction** (until 5 Dec ``confkv/store/eviction.py``; before 3 Dec ``confkv/eviction.py`` and
-``confkv/store/tier_moves.py``; every old path still imports this module):
+**Eviction** (once ``confkv/store/eviction.py``, ``confkv/eviction.py``, ``confkv/store/tier_moves.py``):
 
-* Which slots are kept, one rule for every policy (:mod:`confkv.store.selection`, here until stop 59 and still
-  imported from here: :func:`protected_mask`, :func:`select_kept`).
+* Which slots are kept, one rule for every policy (:mod:`confkv.store.selection`, still imported from here).
 * Where the others go: :func:`dropped_slots` names them and :func:`demote_dropped` hands them to the
   layer's cold tier (dequantized first when INT8) instead of dropping them.
 * And back: a page the cold tier gives back becomes hot slots again (:func:`promoted_region`), merged
@@ -19,7 +17,8 @@ token keeps its bytes, its scales, its position and its policy statistics bit fo
   choice could differ from the torch path's (a tie at the boundary, a NaN, a protected slot in the way).
 * A decode step's ageing with it (:func:`age_and_evict_at_once`, ``confkv_age_evict_rows``): in the steady state
   the window's oldest slots join the older region and the lowest ranked leave in the same call, the older region
-  rewritten in place, where the store's ``_age`` and ``_evict`` copy it three times (stop 59, issue 32).
+  rewritten in place, where the store's ``_age`` and ``_evict`` copy it three times (stop 59, issue 32); an INT8
+  older region too, its aged slots quantized on the way in (stop 62).
 """
 
 from __future__ import annotations
@@ -115,11 +114,8 @@ class Region:
         return Region(stats={name: take(t) for name, t in self.stats.items()}, valid=valid, all_valid=all_valid, **parts)
 
     def slice(self, start: int, end: int, copy: bool = False) -> "Region":
-        """Slots ``start:end`` (same for every head).
-
-        With ``copy`` the result owns fresh tensors, so the parent's storage can be
-        freed (a view would keep all of it alive and the byte accounting would miss it).
-        """
+        """Slots ``start:end`` (same for every head); with ``copy`` in fresh tensors, so that the parent's storage
+        can be freed (a view would keep all of it alive and the byte accounting would miss it)."""
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t[:, :, start:end].clone() if copy else t[:, :, start:end]
         parts = {name: cut(t) for name, t in self._per_slot().items()}
@@ -294,15 +290,16 @@ def _native_evict_rows():
 
 def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> bool:
     """Age ``store``'s FP window and evict its older region down to ``budget`` [B] in one C call, as
-    ``store._age(force=True)`` then ``store._evict(budget)`` would, byte for byte (the dropped slots demoted to the
-    cold tier the same way). True when done; False, with nothing changed, when this step is not one it takes:
-    it takes a step over its budget with every slot valid, one budget for every sequence, no eviction slack and
-    full precision, on CPU; the policy scores the same concatenation the two steps would (built from the statistics
-    and positions alone), and the C call declines where its choice could differ from the torch path's (a tie at
-    the boundary, a NaN score, a protected slot among the lowest)."""
+    ``store._age(force=True)`` then ``store._evict(budget)`` would, byte for byte (the dropped slots demoted
+    alike). True when done; False, with nothing changed, when this step is not one it takes:
+    it takes a step over its budget with every slot valid, one budget for every sequence and no eviction slack, on
+    CPU; the policy scores the same concatenation the two steps would (built from the statistics and positions
+    alone), and the C call declines where its choice could differ from the torch path's (a tie at the boundary, a
+    NaN score, a protected slot among the lowest). INT8: the aged slots are quantized first, as ``_age`` does."""
     old, recent = store.old, store.recent
-    if (budget is None or store.sliding_window is not None or store.int8 or store.config.evict_slack
-            or not (old.all_valid and recent.all_valid) or old.is_int8 or old.keys.device.type != "cpu"):
+    if (budget is None or store.sliding_window is not None or store.config.evict_slack or store.int8 != old.is_int8
+            or not (old.all_valid and recent.all_valid) or old.keys.device.type != "cpu"
+            or (store.int8 and store.channel_scale is None)):
         return False
     aged = recent.length - store.recent_len
     keeps = set(budget.tolist())
@@ -314,6 +311,10 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
     evict = _native("confkv_age_evict_rows")
     if evict is None or not 0 < drop < length or old.positions.dtype != torch.int64:
         return False
+    window = recent
+    if store.int8:  # the window quantized (codes per token: its oldest `aged` join the INT8 region as _age's would)
+        with profiling.section("quantization"):
+            window = store._quantize(recent)
     with profiling.section("ageing + eviction (one call)"):
         current = store.seen_real - 1
         # the scores of the concatenation the two steps would rank (elementwise ops may round a value differently
@@ -321,11 +322,14 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
         positions = torch.cat([old.positions, recent.positions[:, :, :aged]], dim=2)
         stats = {name: torch.cat([old.stats[name], recent.stats[name][:, :, :aged]], dim=2) for name in old.stats}
         scores = store.policy.scores(stats, positions, current).to(torch.float32).contiguous()
-        split = _age_split(evict, old, recent, aged, drop, scores, positions, current.to(torch.int64).contiguous(),
+        split = _age_split(evict, old, window, aged, drop, scores, positions, current.to(torch.int64).contiguous(),
                            store.policy.protect, store.policy.sinks)
         if split is None:
             return False
         store.old, dropped, store.recent = split
+        if store.int8:  # the window's other slots stay in full precision
+            store.recent.keys, store.recent.values = recent.keys[:, :, aged:].clone(), recent.values[:, :, aged:].clone()
+            store.recent.key_scale = store.recent.value_scale = None
         store.window = None  # as ageing does: the next decode step makes a buffer around the new window
         if store.cold is not None:
             ranked_by_attention = store.storage is not None and store.storage.unread_by == "attention"
@@ -341,9 +345,12 @@ def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores:
     the concatenation of ``old`` [B, Hkv, L_old] and ``recent``'s first ``aged`` slots (L = L_old + aged), or None
     when it declines or a tensor is not contiguous. In the steady state (``aged == drop``) the kept slots are
     written over ``old``'s own tensors, and ``old`` itself is returned as the kept region."""
-    names = list(old.stats)
-    sources = [old.keys, old.values, old.positions] + [old.stats[name] for name in names]
-    windows = [recent.keys, recent.values, recent.positions] + [recent.stats[name] for name in names]
+    names, int8 = list(old.stats), old.is_int8
+    scales = ["key_scale", "value_scale"] if int8 else []  # INT8: each slot's scales move with its codes
+    sources = [old.keys, old.values, old.positions] + [getattr(old, name) for name in scales] + [
+        old.stats[name] for name in names]
+    windows = [recent.keys, recent.values, recent.positions] + [getattr(recent, name) for name in scales] + [
+        recent.stats[name] for name in names]
     batch, heads, length, rest = old.positions.shape[0], old.positions.shape[1], old.length + aged, recent.length - aged
     in_place = aged == drop
     kept, dropped, left, row_bytes = [], [], [], []
@@ -365,8 +372,7 @@ def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores:
         return None
 
     def region(tensors: list[torch.Tensor], slots: int) -> Region:
-        return Region(keys=tensors[0], values=tensors[1], positions=tensors[2], valid=old.valid.new_ones(batch, slots),
-                      stats=dict(zip(names, tensors[3:])), all_valid=True)
+        return _region_of(tensors, names, int8, old.valid.new_ones(batch, slots))
     return old if in_place else region(kept, length - drop), region(dropped, drop), region(left, rest)
 
 

@@ -60,6 +60,9 @@ def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
 def _assert_same_region(a: Region, b: Region) -> None:
     for name in ("keys", "values", "positions", "valid"):
         assert _same(getattr(a, name), getattr(b, name)), name
+    for name in ("key_scale", "value_scale"):  # INT8 regions: each slot's scales
+        assert (getattr(a, name) is None) == (getattr(b, name) is None), name
+        assert getattr(a, name) is None or _same(getattr(a, name), getattr(b, name)), name
     assert a.stats.keys() == b.stats.keys() and all(_same(a.stats[k], b.stats[k]) for k in a.stats)
     assert a.all_valid == b.all_valid
 
@@ -90,6 +93,45 @@ def test_the_one_call_leaves_the_store_the_two_steps_leave(batch, heads, old, re
     if in_place:
         assert [t.data_ptr() for t in (store.old.keys, store.old.values, store.old.positions,
                                        store.old.stats["ema"])] == pointers
+
+
+def _int8_store(batch: int, heads: int, old: int, recent: int, seed: int) -> LayerStore:
+    """:func:`_store` with its older region in INT8 (codes, per-slot scales, a channel scale from its keys)."""
+    store = _store(batch, heads, old, recent, seed, dtype=torch.bfloat16)
+    store.config = StoreConfig(kv_int8=True)
+    store.int8 = True
+    store.old = store._quantize(store.old)
+    return store
+
+
+@pytest.mark.parametrize("batch,heads,old,recent,budget", [(1, 1, 9, 5, 12), (3, 2, 40, 6, 44), (2, 3, 60, 9, 40),
+                                                             (1, 3, 40, 5, 44)])
+def test_an_int8_older_region_is_split_as_the_two_steps_split_it(batch, heads, old, recent, budget):
+    """The aged slots quantized on the way in, every slot's scales moving with its codes: the store the two steps
+    leave (INT8 codes and scales, window, statistics), and the dropped slots demoted as they demote them."""
+    seen = []
+
+    class Cold:
+        def demote(self, keys, values, positions, valid, attention):
+            seen.append((keys.clone(), values.clone(), positions.clone(), valid.clone()))
+
+        def kv_bytes(self):
+            return 0
+
+    store = _int8_store(batch, heads, old, recent, seed=old + budget)
+    store.cold = Cold()
+    want = _two_steps(store, torch.full((batch,), budget))
+    assert age_and_evict_at_once(store, torch.full((batch,), budget))
+    assert store.old.is_int8 and store.old.key_scale.shape == store.old.positions.shape
+    _assert_same_region(store.old, want.old)
+    _assert_same_region(store.recent, want.recent)
+    assert len(seen) == 2 and all(_same(a, b) for a, b in zip(seen[0], seen[1]))  # [0]: the two steps' demotion
+
+
+def test_it_declines_an_int8_store_whose_older_region_is_not_int8_yet():
+    store = _int8_store(2, 1, 10, 5, seed=3)
+    store.old = _store(2, 1, 10, 5, seed=3, dtype=torch.bfloat16).old
+    _unchanged(store, torch.tensor([12, 12]))
 
 
 def test_the_dropped_slots_go_to_the_cold_tier_as_the_two_steps_send_them():
@@ -177,7 +219,7 @@ def _decode(policy, memory, batch, one_call: bool, monkeypatch, steps: int = 120
 
 
 @pytest.mark.parametrize("policy,memory,batch", [(None, 0.25, 1), (None, 0.125, 3), ("h2o", 0.25, 2),
-                                                 ("tova", 0.25, 1)])
+                                                 ("tova", 0.25, 1), ("tiered-int8", 0.25, 2)])
 def test_a_cache_decodes_the_same_with_the_one_call_as_without_it(policy, memory, batch, monkeypatch):
     logits, nbytes, regions, one_call_steps = _decode(policy, memory, batch, True, monkeypatch)
     want_logits, want_bytes, want_regions, none = _decode(policy, memory, batch, False, monkeypatch)

@@ -36,8 +36,7 @@ def test_timing_breakdown_names_every_section_and_counts_only_its_own_time(monke
             _step(store, gen, budget=8)
     assert set(timers.calls) == {
         "append (FP window)", "positions and masks", "attention read", "EMA / stats update",
-        "eviction bookkeeping", "quantization", "ageing (old-region concat)", "ranking and top-k",
-        "compaction gather"}
+        "eviction bookkeeping", "quantization", "ageing (old-region concat)", "ageing + eviction (one call)"}
     assert timers.calls["append (FP window)"] == 12 and timers.calls["attention read"] == 12
     elapsed = next(ticks)  # every clock reading so far
     # each section is a difference of two readings: a positive whole number of ticks, and the

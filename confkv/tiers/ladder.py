@@ -173,8 +173,10 @@ class LadderTier:
 
         ``dtype``: the model's dtype (storage of 16-bit rungs). A budget below zero empties the tier.
         """
-        signal = self.storage.step_down_by
+        signal, slack = self.storage.step_down_by, self.storage.ladder_slack
         with profiling.section("ladder (step down / drop)"):
+            if slack and budget > 0 and self.kv_bytes() > budget:  # over: free past the bytes by a share of them
+                budget -= math.floor(slack * budget)
             while (excess := self.kv_bytes() - budget) > 0:
                 movable = [i for i, rung in enumerate(self.rungs[:-1]) if rung.num_pages]
                 if movable:

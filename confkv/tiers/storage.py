@@ -91,6 +91,11 @@ class Storage:
             the model's dtype; 8 in INT8 per token and KV head (:mod:`confkv.tiers.cold_read`), about half the
             bytes, so that early in a run, where the open page is most of the target, fewer sealed pages are
             dropped (results/memory/README.md, "The open page in INT8").
+        ladder_slack: when the ladder goes over its bytes, step pages down (or drop them) past that by this share
+            of them, so that step-downs come several pages at a time every many steps instead of one page at most
+            steps (each is a decode and an encode of the page); 0: to the bytes exactly. The target is held either
+            way; the slack's bytes stay unused until the stream grows into them (results/memory/README.md,
+            "The ladder's slack").
         offload: keep sealed pages in a memory-mapped file (the digests and metadata stay in RAM);
             ``offload_dir``: its directory (None: the system temp dir).
     """
@@ -111,6 +116,7 @@ class Storage:
     hot_int8_window: int | None = None
     hot_slack: float = 0.0
     open_bits: int = 16
+    ladder_slack: float = 0.0
     offload: bool = False
     offload_dir: str | None = None
 
@@ -150,6 +156,10 @@ class Storage:
         _require(isinstance(slack, (int, float)) and not isinstance(slack, bool) and 0 <= slack < 1, "hot_slack",
                  f"must be a share of the hot tier's tokens kept by rank, at least 0 and below 1 (0: evict to the "
                  f"budget; e.g. 0.125), got {slack!r}")
+        slack = self.ladder_slack
+        _require(isinstance(slack, (int, float)) and not isinstance(slack, bool) and 0 <= slack < 1, "ladder_slack",
+                 f"must be a share of the ladder's bytes, at least 0 and below 1 (0: to the bytes exactly; e.g. "
+                 f"0.02), got {slack!r}")
         _require(isinstance(self.offload, bool), "offload", f"must be True or False, got {self.offload!r}")
         _require(not self.offload or bool(ladder), "offload", "needs a cold tier: give a non-empty ladder")
         if self.offload_dir is not None:

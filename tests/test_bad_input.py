@@ -68,6 +68,8 @@ ROWS = [
      ConfigError, r"^hot_slack: must be a share of the hot tier's tokens kept by rank"),
     ("storage-open-bits", "Storage(open_bits=4)", lambda: Storage(open_bits=4),
      ConfigError, r"^open_bits: must be 16 \(the model's dtype\) or 8 \(INT8 per token\), got 4$"),
+    ("storage-ladder-slack", "Storage(ladder_slack=-0.1)", lambda: Storage(ladder_slack=-0.1),
+     ConfigError, r"^ladder_slack: must be a share of the ladder's bytes, at least 0 and below 1 .*got -0.1$"),
     ("store-evict-slack", "StoreConfig(evict_slack=1.5)", lambda: StoreConfig(evict_slack=1.5),
      ConfigError, r"^evict_slack: must be a number of tokens \(an integer >= 0\) or a share"),
     ("store-move-block", "StoreConfig(move_block=0)", lambda: StoreConfig(move_block=0),

@@ -175,7 +175,7 @@ class LadderTier:
         """
         signal, slack = self.storage.step_down_by, self.storage.ladder_slack
         with profiling.section("ladder (step down / drop)"):
-            if slack and budget > 0 and self.kv_bytes() > budget:  # over: free past the bytes by a share of them
+            if slack and self.kv_bytes() > budget > 0:  # over: free past the bytes by a share of them
                 budget -= math.floor(slack * budget)
             while (excess := self.kv_bytes() - budget) > 0:
                 movable = [i for i, rung in enumerate(self.rungs[:-1]) if rung.num_pages]

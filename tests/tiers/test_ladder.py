@@ -3,6 +3,8 @@ is dropped, and that the bytes it reports are the bytes it holds."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -400,3 +402,32 @@ def test_unread_pages_at_the_bottom_are_dropped_by_the_attention_they_received_w
     tier = _ladder(ladder=(2,), unread_by=unread_by, attention=_token_attention([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]))
     tier.fit(tier.kv_bytes() - 2 * _page_bytes(2), torch.float32)
     assert sorted(_first_positions(tier.rungs[0])) == kept
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.2])
+def test_over_its_bytes_the_ladder_frees_past_them_by_its_slack_and_then_waits(slack):
+    tier = LadderTier(Storage(ladder=(8, 4, 2), page_size=P, group_size=P, ladder_slack=slack))
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(2, B, H, 6 * P, D, generator=gen)
+    tier.demote(keys, values, torch.arange(6 * P).expand(B, H, -1).clone(), torch.ones(B, 6 * P, dtype=torch.bool))
+    full = tier.kv_bytes()
+    tier.fit(full, torch.float32)  # not over: nothing moves, whatever the slack
+    assert tier.kv_bytes() == full and tier.rungs[1].num_pages == 0
+    budget = full - 1
+    tier.fit(budget, torch.float32)
+    freed_to = budget - math.floor(slack * budget)
+    saving = _page_bytes(8) - _page_bytes(4)
+    assert tier.rungs[1].num_pages == math.ceil((full - freed_to) / saving)  # one page without a slack; 3 with 0.2
+    assert tier.kv_bytes() <= freed_to
+    held = tier.kv_bytes()
+    tier.fit(held + saving // 2, torch.float32)  # the stream grows into the slack: no step-down until it is over again
+    assert tier.kv_bytes() == held
+
+
+def test_a_budget_below_zero_empties_the_ladder_whatever_its_slack():
+    tier = LadderTier(Storage(ladder=(8, 4), page_size=P, group_size=P, ladder_slack=0.5))
+    tier.demote(torch.randn(B, H, 2 * P, D), torch.randn(B, H, 2 * P, D), torch.arange(2 * P).expand(B, H, -1).clone(),
+                torch.ones(B, 2 * P, dtype=torch.bool))
+    tier.fit(-5, torch.float32)
+    assert tier.kv_bytes() == 0
+

@@ -143,7 +143,7 @@ def scenarios(draw):
                       unread_by=draw(st.sampled_from(["age", "attention"])),
                       hot_split=draw(st.sampled_from(["share", "keep_all"])), seal_before_drop=draw(st.booleans()),
                       hot_int8_window=draw(st.sampled_from([None, None, 0, 4])),
-                      open_bits=draw(st.sampled_from([16, 16, 8])))
+                      open_bits=draw(st.sampled_from([16, 16, 8])), ladder_slack=draw(st.sampled_from([0.0, 0.0, 0.1])))
     if draw(st.booleans()):
         target = {"memory": draw(st.sampled_from([0.1, 0.25, 0.5, 0.9, 1.0]))}
     else:
@@ -413,6 +413,10 @@ BAD_STORAGE = [  # (field, value, the whole message after "field: ")
      "'/nonexistent/confkv' is not a writable directory; create it or pass another"),
     ("outlier_fraction", -0.1, "must be a share of a page's entries in [0, 0.25], got -0.1"),
     ("open_bits", 4, "must be 16 (the model's dtype) or 8 (INT8 per token), got 4"),
+    ("ladder_slack", 1.0, "must be a share of the ladder's bytes, at least 0 and below 1 (0: to the bytes exactly; "
+                          "e.g. 0.02), got 1.0"),
+    ("ladder_slack", True, "must be a share of the ladder's bytes, at least 0 and below 1 (0: to the bytes exactly; "
+                           "e.g. 0.02), got True"),
 ]
 
 

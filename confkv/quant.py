@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from confkv.native import int8_rows
+from confkv.native.pages import decode_int8_rows, quantize_int8_rows
 from confkv.tiers import byte_model
 from confkv.tiers.byte_model import SCALE_BYTES
 
@@ -108,7 +108,7 @@ def quantize_keys(keys: Tensor, channel_scale: Tensor) -> tuple[Tensor, Tensor]:
         ``keys ~= q * token_scale[..., None] * channel_scale[..., None, :]``.
     """
     channel_scale = channel_scale.to(torch.float32)
-    native = int8_rows.quantize(keys.detach(), channel_scale)  # the same codes and scales in one C call
+    native = quantize_int8_rows(keys.detach(), channel_scale)  # the same codes and scales in one C call
     if native is not None:
         return native
     smoothed = keys.detach().to(torch.float32) / channel_scale.unsqueeze(-2)
@@ -125,7 +125,7 @@ def quantize_values(values: Tensor) -> tuple[Tensor, Tensor]:
         (q int8 [B, Hkv, L, D], token_scale float32 [B, Hkv, L]) with
         ``values ~= q * token_scale[..., None]``.
     """
-    native = int8_rows.quantize(values.detach())  # the same codes and scales in one C call
+    native = quantize_int8_rows(values.detach())  # the same codes and scales in one C call
     return native if native is not None else _quantize_per_token(values.detach().to(torch.float32))
 
 
@@ -139,7 +139,7 @@ def dequantize_keys(q: Tensor, token_scale: Tensor, channel_scale: Tensor, dtype
     Returns:
         [B, Hkv, L, D] in ``dtype``.
     """
-    native = int8_rows.decode(q, token_scale, dtype, channel_scale)
+    native = decode_int8_rows(q, token_scale, dtype, channel_scale)
     if native is not None:
         return native
     k = q.to(torch.float32) * token_scale.unsqueeze(-1) * channel_scale.unsqueeze(-2)
@@ -155,7 +155,7 @@ def dequantize_values(q: Tensor, token_scale: Tensor, dtype: torch.dtype = torch
     Returns:
         [B, Hkv, L, D] in ``dtype``.
     """
-    native = int8_rows.decode(q, token_scale, dtype)
+    native = decode_int8_rows(q, token_scale, dtype)
     return native if native is not None else (q.to(torch.float32) * token_scale.unsqueeze(-1)).to(dtype)
 
 

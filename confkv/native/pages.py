@@ -10,8 +10,9 @@ slots in rank order), which the cold tier's page heat and the ranking take.
 
 The checked entry (:func:`page_read`, :func:`unsupported`, which the read plan asks, :func:`rotation_matrix`,
 :func:`reader_of`) is :mod:`confkv.native.page_entry`; this module is what a decode step
-runs: the call (:class:`PageReader`, with its in-place updates, :class:`InPlaceUpdate`) and a cold tier's pages
-dropped in one C call (:func:`keep_pages`).
+runs: the call (:class:`PageReader`, with its in-place updates, :class:`InPlaceUpdate`), a cold tier's pages
+dropped in one C call (:func:`keep_pages`), and INT8 token rows quantized and decoded in one C call each
+(:func:`quantize_int8_rows`, :func:`decode_int8_rows`: the hot tier's and the open page's).
 """
 
 from __future__ import annotations
@@ -307,6 +308,73 @@ def keep_pages(tensors: Sequence[Tensor], dropped: Tensor, live: int, exact: boo
                              capacity.buffer_info()[0], targets.buffer_info()[0], capacity_out.buffer_info()[0],
                              page_bytes.buffer_info()[0]):
         return None
+    return out
+
+
+# -- INT8 rows with one scale each, in one C call (c/int8_rows.c): the hot tier's INT8 tokens (confkv/quant.py's
+# rule) and the ladder's INT8 open page (tiers/cold_read.py's). A decode step quantizes a token or two a layer, which
+# the torch code does in about fifteen small calls; both give the same codes and scales bit for bit (the same float32
+# operations in the same order; tests/native/test_int8_rows.py). Here, not in a module of their own, so that a step
+# enters no more files (docs/ARCHITECTURE.md). Each returns None where the torch code must run instead: no library,
+# a device or dtype it does not take, or a NaN or an infinity in the rows.
+
+def _on_cpu(*tensors: Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def quantize_int8_rows(x: Tensor, divisor: Tensor | None = None, half_scales: bool = False) -> tuple[Tensor, Tensor] | None:
+    """Symmetric INT8 codes of ``x`` [B, H, L, D] (float32 or bfloat16), one scale per row of D.
+
+    Args:
+        divisor: None, or [B, H, D] float32: each row divided by its (b, h) row first (quant.py's keys, by their
+            channel scale).
+        half_scales: False: quant.py's rule, scales float32 ``absmax / 127`` (a zero scale divides by 1);
+            True: the open page's rule, scales float16, codes divided by ``max(float(scale), 1e-30)``.
+    Returns:
+        (codes int8 [B, H, L, D], scales [B, H, L] float32 or float16), or None (the torch code's turn).
+    """
+    lib = _moves_library()
+    if lib is None or x.dtype not in _CODES or x.ndim != 4 or not _on_cpu(x):
+        return None
+    batch, heads, length, width = x.shape
+    if divisor is not None and (divisor.dtype != torch.float32 or divisor.shape != (batch, heads, width)
+                                or not _on_cpu(divisor)):
+        return None
+    x = x.contiguous()
+    codes = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[:3], dtype=torch.float16 if half_scales else torch.float32)
+    if divisor is not None:
+        divisor = divisor.contiguous()
+    status = lib.confkv_int8_rows(x.data_ptr(), _CODES[x.dtype], batch * heads * length, width,
+                                  None if divisor is None else divisor.data_ptr(), max(length, 1), int(half_scales),
+                                  codes.data_ptr(), scales.data_ptr())
+    if status == 2:
+        raise MemoryError("confkv native INT8 rows: out of memory for a row")
+    return None if status else (codes, scales)
+
+
+def decode_int8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype, multiplier: Tensor | None = None) -> Tensor | None:
+    """``(codes * scales[..., None]) [* multiplier[:, :, None, :]]`` in float32, rounded once to ``dtype``.
+
+    Args:
+        codes: [B, H, L, D] int8; scales: [B, H, L] float32 or float16; multiplier: None or [B, H, D] float32
+        (quant.py's channel scale). Returns [B, H, L, D] in ``dtype`` (float32 or bfloat16), or None.
+    """
+    lib = _moves_library()
+    if (lib is None or dtype not in _CODES or codes.dtype != torch.int8 or codes.ndim != 4
+            or scales.dtype not in (torch.float32, torch.float16) or not _on_cpu(codes, scales)):
+        return None
+    batch, heads, length, width = codes.shape
+    if multiplier is not None and (multiplier.dtype != torch.float32 or multiplier.shape != (batch, heads, width)
+                                   or not _on_cpu(multiplier)):
+        return None
+    codes, scales = codes.contiguous(), scales.contiguous()
+    if multiplier is not None:
+        multiplier = multiplier.contiguous()
+    out = torch.empty(codes.shape, dtype=dtype)
+    lib.confkv_int8_rows_decode(codes.data_ptr(), scales.data_ptr(), int(scales.dtype == torch.float16),
+                                batch * heads * length, width, None if multiplier is None else multiplier.data_ptr(),
+                                max(length, 1), _CODES[dtype], out.data_ptr())
     return out
 
 

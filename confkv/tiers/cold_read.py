@@ -21,8 +21,7 @@ from torch import Tensor
 from confkv import profiling
 from confkv.attention import KVSegment
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
-from confkv.native import int8_rows
-from confkv.native.pages import InPlaceUpdate
+from confkv.native.pages import InPlaceUpdate, decode_int8_rows, quantize_int8_rows
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig
@@ -340,7 +339,7 @@ def encode_open(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> 
     codes and float16 scales [B, H, M] at ``bits=8`` (the section's comment above)."""
     if bits == 16:
         return {"keys": keys.to(dtype), "values": values.to(dtype)}
-    key_codes, value_codes = int8_rows.quantize(keys, half_scales=True), int8_rows.quantize(values, half_scales=True)
+    key_codes, value_codes = quantize_int8_rows(keys, half_scales=True), quantize_int8_rows(values, half_scales=True)
     if key_codes is not None and value_codes is not None:  # the same codes and scales, one C call each
         return {"keys": key_codes[0], "values": value_codes[0], "key_scale": key_codes[1], "value_scale": value_codes[1]}
     x = torch.stack([keys, values]).float()  # [2, B, H, M, D]: keys and values in one pass
@@ -355,7 +354,7 @@ def decoded_open(open_page: dict[str, Tensor], dtype: torch.dtype) -> tuple[Tens
     """(keys, values) [B, H, S, D] of an open page (or of slots cut from one) in ``dtype``."""
     if "key_scale" not in open_page:
         return open_page["keys"], open_page["values"]
-    native = [int8_rows.decode(open_page[name], open_page[_OPEN_SCALES[name]], dtype) for name in ("keys", "values")]
+    native = [decode_int8_rows(open_page[name], open_page[_OPEN_SCALES[name]], dtype) for name in ("keys", "values")]
     if native[0] is not None and native[1] is not None:  # the same values, one C call each
         return native[0], native[1]
     return tuple(torch.mul(open_page[name], open_page[_OPEN_SCALES[name]].float()[..., None]).to(dtype)  # type: ignore

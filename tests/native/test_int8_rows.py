@@ -1,4 +1,5 @@
-"""INT8 rows in one C call (``c/int8_rows.c`` through :mod:`confkv.native.int8_rows`): the codes, scales and
+"""INT8 rows in one C call (``c/int8_rows.c`` through :func:`confkv.native.pages.quantize_int8_rows` and
+:func:`~confkv.native.pages.decode_int8_rows`): the codes, scales and
 decoded rows of the torch code, bit for bit, for the hot tier's rule (:mod:`confkv.quant`) and the open page's
 (:mod:`confkv.tiers.cold_read`), over ordinary, tiny, huge, zero and float16-subnormal rows; a NaN or an
 infinity hands the call back to torch; nothing is taken without the library."""
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from confkv import native, quant
-from confkv.native import int8_rows, loader
+from confkv.native import loader
+from confkv.native.pages import decode_int8_rows, quantize_int8_rows
 from confkv.tiers import cold_read
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the call needs the library")
@@ -44,13 +46,13 @@ def test_the_hot_tiers_codes_scales_and_decoded_rows_are_torchs(dtype, seed):
         decoded = {out: (quant.dequantize_keys(want_keys, want_key_scale, channel_scale, out),
                          quant.dequantize_values(want_values, want_value_scale, out))
                    for out in (torch.float32, torch.bfloat16)}
-    got_keys, got_key_scale = int8_rows.quantize(keys, channel_scale)
-    got_values, got_value_scale = int8_rows.quantize(values)
+    got_keys, got_key_scale = quantize_int8_rows(keys, channel_scale)
+    got_values, got_value_scale = quantize_int8_rows(values)
     assert _same(got_keys, want_keys) and _same(got_key_scale, want_key_scale)
     assert _same(got_values, want_values) and _same(got_value_scale, want_value_scale)
     for out, (want_decoded_keys, want_decoded_values) in decoded.items():
-        assert _same(int8_rows.decode(want_keys, want_key_scale, out, channel_scale), want_decoded_keys)
-        assert _same(int8_rows.decode(want_values, want_value_scale, out), want_decoded_values)
+        assert _same(decode_int8_rows(want_keys, want_key_scale, out, channel_scale), want_decoded_keys)
+        assert _same(decode_int8_rows(want_values, want_value_scale, out), want_decoded_values)
     # quant.py's functions take the call (the values above), and hand back to torch for a NaN
     assert _same(quant.quantize_keys(keys, channel_scale)[0], want_keys)
     assert _same(quant.dequantize_values(want_values, want_value_scale, dtype), decoded[torch.float32][1].to(dtype))
@@ -66,13 +68,13 @@ def test_the_open_pages_codes_scales_and_decoded_rows_are_torchs(dtype, seed):
     got = cold_read.encode_open(keys, values, dtype, 8)  # the call, through the open page's own function
     assert all(_same(got[name], want[name]) for name in want)
     assert all(_same(a, b) for a, b in zip(cold_read.decoded_open(got, dtype), (want_keys, want_values)))
-    got_keys, got_key_scale = int8_rows.quantize(keys, half_scales=True)
-    got_values, got_value_scale = int8_rows.quantize(values, half_scales=True)
+    got_keys, got_key_scale = quantize_int8_rows(keys, half_scales=True)
+    got_values, got_value_scale = quantize_int8_rows(values, half_scales=True)
     assert got_key_scale.dtype == torch.float16
     assert _same(got_keys, want["keys"]) and _same(got_key_scale, want["key_scale"])
     assert _same(got_values, want["values"]) and _same(got_value_scale, want["value_scale"])
-    assert _same(int8_rows.decode(want["keys"], want["key_scale"], dtype), want_keys)
-    assert _same(int8_rows.decode(want["values"], want["value_scale"], dtype), want_values)
+    assert _same(decode_int8_rows(want["keys"], want["key_scale"], dtype), want_keys)
+    assert _same(decode_int8_rows(want["values"], want["value_scale"], dtype), want_values)
 
 
 def test_every_float16_scale_is_torchs_rounding():
@@ -82,7 +84,7 @@ def test_every_float16_scale_is_torchs_rounding():
     x[0, 0, ::3, 0] *= -1
     ties = torch.tensor([1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -20 * (1 + 2 ** -11), 2 ** -24 * 1.5, 2 ** -24 * 2.5])
     x[0, 0, :5, 0] = ties * 127  # exactly halfway between two float16 values: to the even one
-    got = int8_rows.quantize(x, half_scales=True)[1]
+    got = quantize_int8_rows(x, half_scales=True)[1]
     want = (x.abs().amax(-1) / 127.0).to(torch.float16)
     assert _same(got, want)
 
@@ -91,7 +93,7 @@ def test_every_float16_scale_is_torchs_rounding():
 def test_a_nan_or_an_infinity_is_left_to_torch(bad):
     x = torch.randn(1, 2, 5, 8)
     x[0, 1, 3, 2] = bad
-    assert int8_rows.quantize(x) is None and int8_rows.quantize(x, half_scales=True) is None
+    assert quantize_int8_rows(x) is None and quantize_int8_rows(x, half_scales=True) is None
     with loader.disabled():
         want = quant.quantize_values(x)
     got = quant.quantize_values(x)  # torch's code, all the same
@@ -100,8 +102,8 @@ def test_a_nan_or_an_infinity_is_left_to_torch(bad):
 
 def test_nothing_is_taken_without_the_library_or_in_another_dtype():
     x = torch.randn(1, 2, 5, 8)
-    assert int8_rows.quantize(x.half()) is None
-    assert int8_rows.quantize(x, divisor=torch.ones(1, 2, 7)) is None  # the wrong shape
+    assert quantize_int8_rows(x.half()) is None
+    assert quantize_int8_rows(x, divisor=torch.ones(1, 2, 7)) is None  # the wrong shape
     with loader.disabled():
-        assert int8_rows.quantize(x) is None
-        assert int8_rows.decode(torch.zeros(1, 2, 5, 8, dtype=torch.int8), torch.ones(1, 2, 5), torch.float32) is None
+        assert quantize_int8_rows(x) is None
+        assert decode_int8_rows(torch.zeros(1, 2, 5, 8, dtype=torch.int8), torch.ones(1, 2, 5), torch.float32) is None

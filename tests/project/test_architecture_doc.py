@@ -28,3 +28,12 @@ def test_the_step_enters_at_most_a_dozen_files():
     """Issue 33's bar: one decode step of the memory preset enters at most 12 Python files of the package."""
     entered = [name for name, _ in files_of_one_decode_step()]
     assert len(entered) <= 12, f"the step enters {len(entered)} files: {entered}"
+
+
+def test_the_candidate_default_s_int8_open_page_adds_no_file_to_the_step():
+    """The INT8 open page (``open_bits=8``) is the candidate for the default (results/memory/README.md, "INT8 rows in
+    one C call"): its codec and the C call it makes live in files the step enters already, so a switch keeps the
+    dozen."""
+    entered = [name for name, _ in files_of_one_decode_step(open_bits=8)]
+    assert len(entered) <= 12, f"the step enters {len(entered)} files: {entered}"
+

@@ -18,14 +18,15 @@ import torch
 PACKAGE_MARK = "/confkv/"
 
 
-def files_of_one_decode_step(prompt_tokens: int = 400, warm_steps: int = 30, memory: float = 0.25
-                             ) -> list[tuple[str, int]]:
-    """[(file relative to the package, calls)] in first-entry order, for one decode step of the preset."""
+def files_of_one_decode_step(prompt_tokens: int = 400, warm_steps: int = 30, memory: float = 0.25,
+                             **storage) -> list[tuple[str, int]]:
+    """[(file relative to the package, calls)] in first-entry order, for one decode step of the preset
+    (``storage``: settings of the preset's storage to try instead, e.g. ``open_bits=8``)."""
     from confkv.hf import ConfKVCache, prefill  # noqa: PLC0415
     from confkv.models import tiny_model  # noqa: PLC0415
 
     model = tiny_model("llama")
-    cache = ConfKVCache.for_model(model, memory=memory)
+    cache = ConfKVCache.for_model(model, memory=memory, **storage)
     ids = torch.randint(0, 250, (1, prompt_tokens + warm_steps + 1), generator=torch.Generator().manual_seed(0))
     prefill(model, cache, ids[:, :prompt_tokens], chunk=64)
     with torch.no_grad():

@@ -322,7 +322,8 @@ def _on_cpu(*tensors: Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors)
 
 
-def quantize_int8_rows(x: Tensor, divisor: Tensor | None = None, half_scales: bool = False) -> tuple[Tensor, Tensor] | None:
+def quantize_int8_rows(x: Tensor, divisor: Tensor | None = None,
+                       half_scales: bool = False) -> tuple[Tensor, Tensor] | None:
     """Symmetric INT8 codes of ``x`` [B, H, L, D] (float32 or bfloat16), one scale per row of D.
 
     Args:
@@ -353,7 +354,8 @@ def quantize_int8_rows(x: Tensor, divisor: Tensor | None = None, half_scales: bo
     return None if status else (codes, scales)
 
 
-def decode_int8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype, multiplier: Tensor | None = None) -> Tensor | None:
+def decode_int8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype,
+                     multiplier: Tensor | None = None) -> Tensor | None:
     """``(codes * scales[..., None]) [* multiplier[:, :, None, :]]`` in float32, rounded once to ``dtype``.
 
     Args:
@@ -362,7 +364,8 @@ def decode_int8_rows(codes: Tensor, scales: Tensor, dtype: torch.dtype, multipli
     """
     lib = _moves_library()
     if (lib is None or dtype not in _CODES or codes.dtype != torch.int8 or codes.ndim != 4
-            or scales.dtype not in (torch.float32, torch.float16) or not _on_cpu(codes, scales)):
+            or scales.dtype not in (torch.float32, torch.float16) or scales.shape != codes.shape[:3]
+            or not _on_cpu(codes, scales)):
         return None
     batch, heads, length, width = codes.shape
     if multiplier is not None and (multiplier.dtype != torch.float32 or multiplier.shape != (batch, heads, width)

@@ -328,7 +328,7 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
             return False
         store.old, dropped, store.recent = split
         if store.int8:  # the window's other slots stay in full precision
-            store.recent.keys, store.recent.values = recent.keys[:, :, aged:].clone(), recent.values[:, :, aged:].clone()
+            store.recent.keys, store.recent.values = (t[:, :, aged:].clone() for t in (recent.keys, recent.values))
             store.recent.key_scale = store.recent.value_scale = None
         store.window = None  # as ageing does: the next decode step makes a buffer around the new window
         if store.cold is not None:

@@ -341,7 +341,8 @@ def encode_open(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> 
         return {"keys": keys.to(dtype), "values": values.to(dtype)}
     key_codes, value_codes = quantize_int8_rows(keys, half_scales=True), quantize_int8_rows(values, half_scales=True)
     if key_codes is not None and value_codes is not None:  # the same codes and scales, one C call each
-        return {"keys": key_codes[0], "values": value_codes[0], "key_scale": key_codes[1], "value_scale": value_codes[1]}
+        return {"keys": key_codes[0], "values": value_codes[0], "key_scale": key_codes[1],
+                "value_scale": value_codes[1]}
     x = torch.stack([keys, values]).float()  # [2, B, H, M, D]: keys and values in one pass
     scale = x.abs().amax(-1).div_(127.0).to(torch.float16)  # [2, B, H, M]
     # a scale of 0 (an all-zero token, or one too small for float16) divides by 1e-30: its codes are clamped, and

@@ -104,6 +104,7 @@ def test_nothing_is_taken_without_the_library_or_in_another_dtype():
     x = torch.randn(1, 2, 5, 8)
     assert quantize_int8_rows(x.half()) is None
     assert quantize_int8_rows(x, divisor=torch.ones(1, 2, 7)) is None  # the wrong shape
+    assert decode_int8_rows(torch.zeros(1, 2, 5, 8, dtype=torch.int8), torch.ones(1, 2, 4), torch.float32) is None
     with loader.disabled():
         assert quantize_int8_rows(x) is None
         assert decode_int8_rows(torch.zeros(1, 2, 5, 8, dtype=torch.int8), torch.ones(1, 2, 5), torch.float32) is None

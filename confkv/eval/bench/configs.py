@@ -97,8 +97,9 @@ def default_configs(budget: int, slack: int | float, memory: tuple[float, ...] =
                             lean=True, note="the preset tiered-int8 (the quality setting: INT8 hot tier and open page) "
                             "through the lean decoder") for fraction in memory]
     configs += [BenchConfig(f"tiered-int8@{fraction * 100:g}+ladder-slack{s:g}-lean", "confkv", "tiered-int8",
-                            {"memory": fraction, "ladder_slack": s}, lean=True, note=f"tiered-int8 with ladder_slack={s:g}: "
-                            "the ladder's step-downs several pages at a time") for s in (0.01, 0.03) for fraction in memory]
+                            {"memory": fraction, "ladder_slack": s}, lean=True,
+                            note=f"tiered-int8 with ladder_slack={s:g}: the ladder's step-downs several pages at once")
+                for s in (0.01, 0.03) for fraction in memory]
     configs += [BenchConfig(f"tiered[{name}]@{fraction * 100:g}", "confkv", "tiered", {"memory": fraction, "format": name},
                             note=f"the memory preset at {fraction:g}, page format {name}")
                 for name in formats for fraction in memory]

@@ -89,6 +89,20 @@ def test_every_float16_scale_is_torchs_rounding():
     assert _same(got, want)
 
 
+def test_rows_too_small_for_a_scale_code_to_zero_as_torchs():
+    """float32 subnormal rows whose absmax / 127 underflows to a zero scale: torch divides them by 1 (codes 0), where
+    a division by the zero scale would give +-127."""
+    x = torch.full((1, 2, 3, 8), 1e-44)
+    x[0, 1, 1] = -2e-44
+    x[0, 0, 2, :4] = 0.0
+    with loader.disabled():
+        want = quant.quantize_values(x), quant.quantize_keys(x, torch.ones(1, 2, 8))
+    assert bool((want[0][1] == 0).all()) and bool((want[0][0] == 0).all())
+    got = quantize_int8_rows(x), quantize_int8_rows(x, torch.ones(1, 2, 8))
+    for (got_codes, got_scales), (want_codes, want_scales) in zip(got, want):
+        assert _same(got_codes, want_codes) and _same(got_scales, want_scales)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_an_infinity_is_left_to_torch(bad):
     x = torch.randn(1, 2, 5, 8)

@@ -36,4 +36,3 @@ def test_the_candidate_default_s_int8_open_page_adds_no_file_to_the_step():
     dozen."""
     entered = [name for name, _ in files_of_one_decode_step(open_bits=8)]
     assert len(entered) <= 12, f"the step enters {len(entered)} files: {entered}"
-

@@ -70,7 +70,7 @@ TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts
          "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
          "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py",
          "tests/native/test_native_evict.py", "tests/native/test_age_evict.py", "tests/store/test_read_updates.py",
-         "tests/native/test_keep_pages.py", "tests/native/test_int8_rows.py"]
+         "tests/native/test_keep_pages.py", "tests/native/test_int8_rows.py", "tests/native/test_page_encode.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
 TESTS_FOR = {
     "c/mass_read.c": ["test_native_contracts", "test_native_kernels", "test_native_layer", "test_window_buffer"],
@@ -89,7 +89,8 @@ TESTS_FOR = {
     "c/prefill.c": ["test_native_prefill"],
     "c/evict.c": ["test_native_evict", "test_age_evict"],
     "c/page_moves.c": ["test_keep_pages"],
-    "c/int8_rows.c": ["test_int8_rows"],
+    "c/int8_rows.c": ["test_int8_rows", "test_page_encode"],  # its float16 rounding encodes pages too
+    "c/page_encode.c": ["test_page_encode"],
     "c/pool.c": ["test_native_pool", "test_native_contracts", "test_native_w8a8", "test_native_w4a8", "test_native_gemv",
                  "test_native_kernels", "test_native_layer", "test_native_prefill"],
 }

@@ -36,14 +36,14 @@ def main() -> None:
     pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
 
 
-def prefilled_preset(model_name: str, tokens: int, steps: int, warm: int):
-    """The preset (``memory=0.25``) of ``model_name`` in bf16 with W8A8 weights, prefilled with ``tokens`` random
-    tokens and stepped ``warm`` times through the lean decoder: (decoder, cache, ids [1, tokens + warm + steps + 1],
-    the next position)."""
+def prefilled_preset(model_name: str, tokens: int, steps: int, warm: int, policy: str | None = None, **storage):
+    """The preset (``memory=0.25``; or ``policy``, and ``storage`` settings such as ``open_bits=8``) of
+    ``model_name`` in bf16 with W8A8 weights, prefilled with ``tokens`` random tokens and stepped ``warm`` times
+    through the lean decoder: (decoder, cache, ids [1, tokens + warm + steps + 1], the next position)."""
     model, _ = load_model(model_name, dtype=torch.bfloat16)
     quantize_linear_weights(model, activation_bits=8)
     ids = torch.randint(1, 30000, (1, tokens + warm + steps + 1), generator=torch.Generator().manual_seed(0))
-    cache = ConfKVCache.for_model(model, memory=0.25)
+    cache = ConfKVCache.for_model(model, policy, memory=0.25, **storage)
     with torch.no_grad():
         prefill(model, cache, ids[:, :tokens], chunk=512)
     decoder = LeanDecoder(model)

@@ -12,10 +12,13 @@ The shortcuts, each of which leaves the store byte for byte as the path it short
   ``append`` then ``attend``;
 * ``read_updates`` (stop 60): the native page read updates the hot regions' EMA and the cold pages' heat in place
   from its masses (``AttentionRead._updates_in_place``); off, ``policy.observe`` and ``cold.observe_read`` do;
-* ``keep_pages`` (stop 60): a cold tier's pages dropped in one C call (``native.pages.keep_pages``); off, the gather.
+* ``keep_pages`` (stop 60): a cold tier's pages dropped in one C call (``native.pages.keep_pages``); off, the gather;
+* ``page_codec`` (stop 63): KIVI pages encoded (seals, step-downs) and decoded (step-downs) in one C call each
+  (``native.page_encode``); off, the torch code.
 
 ``--off`` names the shortcuts the "off" variant turns off (default: all of them). The cache is the preset
-(``memory=0.25``) through the lean decoder with INT8 weights (W8A8), prefilled with ``N`` random tokens; both variants
+(``memory=0.25``; ``--policy`` and ``--param open_bits=8`` for another setting) through the lean decoder with INT8
+weights (W8A8), prefilled with ``N`` random tokens; both variants
 step the same cache in turn. Wall clock; the ratio is the figure (the machine's load moves both alike).
 
     OMP_NUM_THREADS=2 python benchmarks/store_step_ab.py 8192 --threads 2
@@ -34,12 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from preset_step_profile import prefilled_preset  # noqa: E402
 
+from confkv.native import page_encode  # noqa: E402
 from confkv.native import pages as native_pages  # noqa: E402
 from confkv.store import hot_tier  # noqa: E402
 from confkv.store.read import AttentionRead  # noqa: E402
 from confkv.tiers.cold_read import EveryPageRead  # noqa: E402
 
-SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages")
+SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages", "page_codec")
 
 
 def _two_calls(self, keys, values, query, *, scaling):
@@ -56,10 +60,14 @@ def switch(off: set[str]) -> dict:
              "every_page": (EveryPageRead, "serves", EveryPageRead.serves),
              "append_one": (AttentionRead, "decode_step", AttentionRead.decode_step),
              "read_updates": (AttentionRead, "_updates_in_place", AttentionRead._updates_in_place),
-             "keep_pages": (native_pages, "keep_pages", native_pages.keep_pages)}
+             "keep_pages": (native_pages, "keep_pages", native_pages.keep_pages),
+             "page_codec": (page_encode, "encode_kivi", page_encode.encode_kivi),
+             "page_decode": (page_encode, "decode_kivi", page_encode.decode_kivi)}
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
                    "append_one": _two_calls, "read_updates": lambda self, *args: None,
-                   "keep_pages": lambda *args: None}
+                   "keep_pages": lambda *args: None, "page_codec": lambda *args: None, "page_decode": lambda *args: None}
+    if "page_codec" in off:  # both halves of the codec
+        off = off | {"page_decode"}
     for name in off:
         owner, attribute, _ = saved[name]
         setattr(owner, attribute, replacement[name])
@@ -79,9 +87,14 @@ def main() -> None:
     parser.add_argument("--off", nargs="+", choices=SHORTCUTS, default=list(SHORTCUTS))
     parser.add_argument("--blocks", type=int, default=8, help="blocks of steps per variant")
     parser.add_argument("--steps", type=int, default=6, help="steps a block (the first one of each block not timed)")
+    parser.add_argument("--policy", default=None, help="a preset other than the default (e.g. tiered-int8)")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=INT",
+                        help="a storage setting of the cache, repeatable (e.g. open_bits=8)")
     args = parser.parse_args()
+    storage = {key: int(value) for key, value in (item.split("=", 1) for item in args.param)}
     torch.set_num_threads(args.threads)
-    decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, 2 * args.blocks * args.steps, warm=4)
+    decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, 2 * args.blocks * args.steps, warm=4,
+                                                     policy=args.policy, **storage)
     times: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.blocks):
         for name in ("off", "on"):
@@ -94,9 +107,12 @@ def main() -> None:
                 position += 1
             restore(saved)
     off, on = (statistics.median(times[k]) for k in ("off", "on"))
-    print(f"{args.model}, the preset (memory=0.25) through the lean decoder, W8A8, {args.tokens} tokens prefilled, "
+    setting = " ".join(filter(None, [args.policy, *args.param])) or "the preset"
+    print(f"{args.model}, {setting} (memory=0.25) through the lean decoder, W8A8, {args.tokens} tokens prefilled, "
           f"{args.threads} thread(s); {args.blocks} interleaved blocks of {args.steps - 1} timed steps each")
     print(f"median step ms: shortcuts off ({', '.join(args.off)}): {off:.2f}; on: {on:.2f}; off / on {off / on:.3f}x")
+    off, on = (statistics.mean(times[k]) for k in ("off", "on"))  # steps that seal or step pages down count here
+    print(f"mean step ms: off {off:.2f}; on: {on:.2f}; off / on {off / on:.3f}x")
 
 
 if __name__ == "__main__":

@@ -28,3 +28,4 @@
 #include "c/evict.c"      /* a hot region's eviction: which slots leave, and every row split in one call */
 #include "c/page_moves.c" /* a cold tier's pages dropped, the rest kept in order, in one call */
 #include "c/int8_rows.c"  /* INT8 rows with one scale each: the hot tier's tokens and the open page's */
+#include "c/page_encode.c" /* KIVI pages encoded and decoded in one call: seals and the ladder's step-downs */

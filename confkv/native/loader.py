@@ -189,6 +189,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.confkv_int8_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, i32, ptr, ptr]
     lib.confkv_int8_rows_decode.restype = None
     lib.confkv_int8_rows_decode.argtypes = [ptr, ptr, i32, i64, i64, ptr, i64, i32, ptr]
+    lib.confkv_kivi_encode.restype = i32
+    lib.confkv_kivi_encode.argtypes = [ptr, ptr, ptr, i64, i64, i64, i32, i32, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.confkv_kivi_decode.restype = i32
+    lib.confkv_kivi_decode.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32, i32, i64, i64, ptr, ptr]
     lib.confkv_gemv_configure.restype = i32
     lib.confkv_gemv_configure.argtypes = [i64, i64]
     spin = os.environ.get("CONFKV_GEMV_SPIN_US")

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from confkv.native import page_encode
 from confkv.tiers import lowbit
 from confkv.tiers import clipping as _clipping
 from confkv.tiers import codebook as _codebook
@@ -57,6 +58,9 @@ TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope", "clip")
 #: techniques that change only how codes are chosen, not what is stored or how it is read
 STORAGE_NEUTRAL = frozenset({"clip"})
 #: the storage of plain KIVI pages (what :class:`~confkv.attention.segments.PagedSegment` reads)
+#: the techniques whose pages the C codec (confkv/native/page_encode.py) encodes and decodes: those that only change
+#: the basis before quantizing (done in torch around the call)
+_NATIVE_CODEC = frozenset({"hadamard", "prerope"})
 KIVI_STORAGE = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
 
 
@@ -234,6 +238,13 @@ class KiviFormat(PageFormat):
         return keys, values
 
     def encode(self, keys, values, valid, positions=None):
+        if self.techniques <= _NATIVE_CODEC:  # the codes after the change of basis in one C call, where it runs
+            basis = (self._basis(keys, values, positions) if self.techniques
+                     else (keys.detach().float(), values.detach().float()))
+            native = page_encode.encode_kivi(*basis, valid, self.widths["key"], self.widths["value"],
+                                             self.group_size, min(self.group_size, self.head_dim))
+            if native is not None:
+                return native
         if not self.techniques:
             qk = lowbit.quantize_keys(keys, valid, self.widths["key"], self.group_size)
             qv = lowbit.quantize_values(values, self.widths["value"], self.group_size)
@@ -298,6 +309,18 @@ class KiviFormat(PageFormat):
         self.check(data)
         if "codebook" in self.techniques and self.levels["key"] is None:
             raise ValueError("format: codebook pages decoded before any page was encoded (no codebook fitted)")
+        native = (page_encode.decode_kivi(data, self.widths["key"], self.widths["value"], self.group_size,
+                                          min(self.group_size, self.head_dim))
+                  if self.techniques <= _NATIVE_CODEC else None)
+        keys, values = native if native is not None else self._decoded(data)
+        if self.rotation is not None and not rotated:
+            keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
+        if self.rope is not None:
+            keys = self.rope.rotate(keys, _need_positions(positions))
+        return keys, values
+
+    def _decoded(self, data: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Keys and values [..., P, D] float32 in the pages' basis, by torch."""
         key_codes = self._codes("key", data["key_codes"])
         *lead, page, dim = key_codes.shape
         group, vgroup = self.group_size, min(self.group_size, dim)
@@ -310,10 +333,6 @@ class KiviFormat(PageFormat):
         if "outliers" in self.techniques:
             keys = _outliers.restore(keys, data["key_outlier_index"], data["key_outlier_value"])
             values = _outliers.restore(values, data["value_outlier_index"], data["value_outlier_value"])
-        if self.rotation is not None and not rotated:
-            keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
-        if self.rope is not None:
-            keys = self.rope.rotate(keys, _need_positions(positions))
         return keys, values
 
 

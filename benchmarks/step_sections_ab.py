@@ -4,7 +4,9 @@ turn (A, B, A, B, ...), every step profiled; prints each row's median step and i
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_sections_ab.py tiered@25-lean tiered@25+int8-lean
 
 Rows are ``confkv bench`` configuration names (:func:`confkv.eval.bench.configs.default_configs` at budget 1024,
-no slack, ``--memory``). Compare rows within one run: the figures move with the machine's load.
+no slack, ``--memory``); a name ending in ``:torch-codec`` steps that row with the KIVI page codec's C calls off
+(``confkv.native.page_encode``; the torch code instead, stop 63), so one run holds both. Compare rows within one run:
+the figures move with the machine's load.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ import time
 import torch
 
 from confkv import profiling
+from confkv.native import page_encode
 from confkv.eval.bench.dtypes import models_by_dtype
 from confkv.eval.bench.run import _Runner, default_configs
 from confkv.models import load_model
+
+
+TORCH_CODEC = ":torch-codec"
 
 
 def main() -> None:
@@ -35,22 +41,26 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     models, _ = models_by_dtype([args.dtype], args.model, None, None, load_model)
     configs = {c.name: c for c in default_configs(1024, 0, tuple(args.memory))}
-    unknown = [name for name in args.rows if name not in configs]
+    unknown = [name for name in args.rows if name.removesuffix(TORCH_CODEC) not in configs]
     if unknown:
         raise SystemExit(f"unknown rows {unknown}; known: {', '.join(configs)}")
     ids = torch.randint(10, 40000, (1, args.context + args.steps + 16), generator=torch.Generator().manual_seed(0))
     runners = {}
     for name in args.rows:
-        runners[name] = _Runner(configs[name], models[args.dtype], args.dtype)
+        runners[name] = _Runner(configs[name.removesuffix(TORCH_CODEC)], models[args.dtype], args.dtype)
         runners[name].feed_to(ids, args.context, 1024)
     times: dict[str, list[float]] = {name: [] for name in args.rows}
     timers = {name: profiling.Timers() for name in args.rows}
     for _ in range(args.steps):
         for name, runner in runners.items():
+            codec = page_encode.encode_kivi, page_encode.decode_kivi
+            if name.endswith(TORCH_CODEC):
+                page_encode.encode_kivi = page_encode.decode_kivi = lambda *a: None
             with profiling.enabled(timers[name]):
                 start = time.perf_counter()
                 runner.next_step(ids)
                 times[name].append(time.perf_counter() - start)
+            page_encode.encode_kivi, page_encode.decode_kivi = codec
     for name in args.rows:
         median, mean = 1e3 * statistics.median(times[name]), 1e3 * statistics.mean(times[name])
         print(f"{name}: median {median:.1f} ms, mean {mean:.1f} ({args.steps} profiled steps, context "

@@ -2,8 +2,9 @@
 a page run in C"): what :class:`confkv.tiers.formats.KiviFormat` computes after its change of basis, for the pages
 a cold tier seals and the ones a ladder steps down.
 
-The codes, float16 scales and minima, and the decoded keys and values, equal the torch code's (the same float32
-operations in the same order; ``tests/native/test_page_encode.py``). Both functions return None where the torch
+The codes, float16 scales and minima, and the decoded keys and values, equal the torch code's bit for bit (the same
+float32 operations in the same order; a zero minimum may carry the other sign where a group holds zeros of both signs,
+which decodes the same; ``tests/native/test_page_encode.py``). Both functions return None where the torch
 code must run instead: no library, tensors off the CPU or not float32, a shape or width the call does not take,
 or (encoding) a NaN, an infinity or a value past float16's range.
 """

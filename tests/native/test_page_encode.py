@@ -1,7 +1,8 @@
 """KIVI pages encoded and decoded in one C call (``c/page_encode.c`` through :mod:`confkv.native.page_encode`): the
 codes, float16 scales and minima of the torch code (:mod:`confkv.tiers.lowbit`), bit for bit, at every width, group
 and value group the formats use, over valid masks with empty groups, float16 ties, zeros and float16-subnormal
-scales; the decoded pages equal torch's; a NaN, an infinity or a value float16 cannot hold goes back to torch. Then
+scales (a zero minimum's sign aside, where a group holds zeros of both signs); the decoded pages equal torch's bit for
+bit; a NaN, an infinity or a value float16 cannot hold goes back to torch. Then
 through the formats and a ladder's cache: the same pages, logits and bytes with the call as without it."""
 
 from __future__ import annotations
@@ -74,13 +75,33 @@ def test_a_group_at_float16s_largest_value_is_torchs():
     assert _same(got["value_min"], qv.minimum) and _same(got["value_codes"], qv.codes)
 
 
+def test_zeros_of_both_signs_give_torchs_values():
+    """A group whose least entry is a zero of either sign: torch's min may keep either (its vectorisation decides),
+    so the stored minimum's sign may differ; its value, every code, scale and decoded entry are torch's."""
+    gen = torch.Generator().manual_seed(9)
+    keys, values = torch.rand(2, 64, 64, generator=gen) + 1, torch.rand(2, 64, 64, generator=gen) + 1
+    for i in range(12):
+        sign = 1.0 if i % 2 else -1.0
+        keys[i % 2, (7 * i) % 64, :], values[i % 2, :, (5 * i) % 64] = 0.0 * sign, 0.0 * sign
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    got = page_encode.encode_kivi(keys, values, valid, 3, 3, 64, 64)
+    qk, qv = lowbit.quantize_keys(keys, valid, 3, 64), lowbit.quantize_values(values, 3, 64)
+    for name, want in (("key_codes", qk.codes), ("key_scale", qk.scale), ("key_min", qk.minimum),
+                       ("value_codes", qv.codes), ("value_scale", qv.scale), ("value_min", qv.minimum)):
+        assert torch.equal(got[name], want), name  # -0 == +0
+    decoded = page_encode.decode_kivi(got, 3, 3, 64, 64)
+    assert _same(decoded[0].view(torch.int32), lowbit.dequantize_keys(qk, 3, 64, 64).view(torch.int32))
+    assert _same(decoded[1].view(torch.int32), lowbit.dequantize_values(qv, 3, 64, 64).view(torch.int32))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 65520.0, -7e4])
 def test_a_value_float16_cannot_hold_is_left_to_torch(bad):
     keys, values, valid = _pages(2, lead=(1, 2))
     for which in ("keys", "values"):
-        k, v = keys.clone(), values.clone()
-        (k if which == "keys" else v)[0, 1, 5, 9] = bad
-        assert page_encode.encode_kivi(k, v, valid, 4, 4, 64, 64) is None, which
+        for where in ((0, 1, 5, 9), (0, 0, 0, 0), (-1, -1, -1, -1)):  # inside, the first entry, the last
+            k, v = keys.clone(), values.clone()
+            (k if which == "keys" else v)[where] = bad
+            assert page_encode.encode_kivi(k, v, valid, 4, 4, 64, 64) is None, (which, where)
 
 
 def test_what_the_call_does_not_take_is_left_to_torch():

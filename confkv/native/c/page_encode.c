@@ -8,8 +8,10 @@
  *   bottom, top = the smallest and largest valid entry of the group (0 and 0 for a group with none);
  *   minimum = float16(bottom); scale = float16((top - minimum) / (2^bits - 1));
  *   code = round(clamp((x - minimum) / (scale > 0 ? scale : 1), 0, 2^bits - 1));
- * so codes, scales and minima equal torch's bit for bit. Decoding is minimum + code * scale, where the product is
- * exact in float32 (an 8-bit code times an 11-bit float16 significand), so fused or not it rounds once.
+ * so codes, scales and minima equal torch's bit for bit, but for a zero minimum's sign where a group's least entries
+ * are zeros of both signs (torch's min keeps either, as its vectorisation falls; the value, the codes and the decoded
+ * entries are the same). Decoding is minimum + code * scale, where the product is exact in float32 (an 8-bit code
+ * times an 11-bit float16 significand), so fused or not it rounds once.
  * Keys: a group is `group` tokens of one channel (the valid slots only); values: `vgroup` channels of one token
  * (every slot). Codes are packed as lowbit.pack does it: code d of a row at bit bits * d of its bytes (2, 4 and
  * 8 bits: whole bytes; 3 bits: 8 codes to a 3-byte word). A page holding a NaN, an infinity or a value past

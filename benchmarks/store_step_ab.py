@@ -66,7 +66,7 @@ def switch(off: set[str]) -> dict:
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
                    "append_one": _two_calls, "read_updates": lambda self, *args: None,
                    "keep_pages": lambda *args: None, "page_codec": lambda *args: None, "page_decode": lambda *args: None}
-    if "page_codec" in off:  # both halves of the codec
+    if "page_codec" in off:  # both halves of the codec (decode too)
         off = off | {"page_decode"}
     for name in off:
         owner, attribute, _ = saved[name]

@@ -46,3 +46,14 @@ def test_both_variants_leave_the_same_cache():
             store_step_ab.restore(saved)
         bytes_held.append(cache.kv_bytes())
     assert torch.equal(logits[0], logits[1]) and bytes_held[0] == bytes_held[1]
+
+
+def test_the_page_codec_switch_turns_off_both_halves_and_puts_them_back():
+    from confkv.native import page_encode
+
+    originals = (page_encode.encode_kivi, page_encode.decode_kivi)
+    saved = store_step_ab.switch({"page_codec"})
+    assert page_encode.encode_kivi(None) is None and page_encode.decode_kivi(None) is None
+    assert (page_encode.encode_kivi, page_encode.decode_kivi) != originals
+    store_step_ab.restore(saved)
+    assert (page_encode.encode_kivi, page_encode.decode_kivi) == originals

@@ -42,12 +42,14 @@ def main() -> None:
         for name in ("off", "on"):
             if name == "off":
                 page_encode.encode_kivi = page_encode.decode_kivi = lambda *a: None
-            cache = ConfKVCache.for_model(model, args.policy, memory=args.memory, **storage)
-            began = time.perf_counter()
-            with torch.no_grad():
-                prefill(model, cache, ids, chunk=args.chunk)
-            seconds[name].append(time.perf_counter() - began)
-            page_encode.encode_kivi, page_encode.decode_kivi = codec
+            try:
+                cache = ConfKVCache.for_model(model, args.policy, memory=args.memory, **storage)
+                began = time.perf_counter()
+                with torch.no_grad():
+                    prefill(model, cache, ids, chunk=args.chunk)
+                seconds[name].append(time.perf_counter() - began)
+            finally:
+                page_encode.encode_kivi, page_encode.decode_kivi = codec
     off, on = (statistics.median(seconds[k]) for k in ("off", "on"))
     setting = " ".join(filter(None, [args.policy, *args.param])) or "the preset"
     print(f"{args.model}, {setting} (memory={args.memory}), bf16, {args.tokens} tokens prefilled in chunks of "

@@ -57,10 +57,10 @@ from confkv.tiers.hadamard import shared_rotation
 TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope", "clip")
 #: techniques that change only how codes are chosen, not what is stored or how it is read
 STORAGE_NEUTRAL = frozenset({"clip"})
-#: the storage of plain KIVI pages (what :class:`~confkv.attention.segments.PagedSegment` reads)
 #: the techniques whose pages the C codec (confkv/native/page_encode.py) encodes and decodes: those that only change
 #: the basis before quantizing (done in torch around the call)
 _NATIVE_CODEC = frozenset({"hadamard", "prerope"})
+#: the storage of plain KIVI pages (what :class:`~confkv.attention.segments.PagedSegment` reads)
 KIVI_STORAGE = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
 
 

@@ -39,7 +39,7 @@ def _pages(seed: int, lead=(2, 3, 2), page: int = 64, dim: int = 64) -> tuple[to
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal shapes, dtypes and bits (float tensors compared by their bits)."""
+    """Equal shapes, dtypes and values (float16 tensors, the scales and minima, compared by their bits)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,

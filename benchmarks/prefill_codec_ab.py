@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
-from confkv.hf import ConfKVCache, prefill
-from confkv.models import load_model
-from confkv.native import page_encode
+sys.path.insert(0, str(Path(__file__).parent))
+from preset_step_profile import add_setting_arguments, setting_of, torch_codec  # noqa: E402
+
+from confkv.hf import ConfKVCache, prefill  # noqa: E402
+from confkv.models import load_model  # noqa: E402
 
 
 def main() -> None:
@@ -28,30 +33,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--memory", type=float, default=0.25)
-    parser.add_argument("--policy", default=None, help="a preset other than the default (e.g. tiered-int8)")
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=INT",
-                        help="a storage setting of the cache, repeatable (e.g. open_bits=8)")
+    add_setting_arguments(parser)
     args = parser.parse_args()
-    storage = {key: int(value) for key, value in (item.split("=", 1) for item in args.param)}
+    policy, storage, setting = setting_of(args)
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, dtype=torch.bfloat16)
     ids = torch.randint(1, 30000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    codec = (page_encode.encode_kivi, page_encode.decode_kivi)
     seconds: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.repeats):
         for name in ("off", "on"):
-            if name == "off":
-                page_encode.encode_kivi = page_encode.decode_kivi = lambda *a: None
-            try:
-                cache = ConfKVCache.for_model(model, args.policy, memory=args.memory, **storage)
+            with torch_codec() if name == "off" else nullcontext(), torch.no_grad():
+                cache = ConfKVCache.for_model(model, policy, memory=args.memory, **storage)
                 began = time.perf_counter()
-                with torch.no_grad():
-                    prefill(model, cache, ids, chunk=args.chunk)
+                prefill(model, cache, ids, chunk=args.chunk)
                 seconds[name].append(time.perf_counter() - began)
-            finally:
-                page_encode.encode_kivi, page_encode.decode_kivi = codec
     off, on = (statistics.median(seconds[k]) for k in ("off", "on"))
-    setting = " ".join(filter(None, [args.policy, *args.param])) or "the preset"
     print(f"{args.model}, {setting} (memory={args.memory}), bf16, {args.tokens} tokens prefilled in chunks of "
           f"{args.chunk}, {args.threads} thread(s), {args.repeats} interleaved repeats")
     print(f"median prefill s: codec off {off:.2f}; on {on:.2f}; off / on {off / on:.3f}x "

@@ -7,6 +7,7 @@ Prints the call count and the functions with the most own time.
 import argparse
 import cProfile
 import pstats
+from contextlib import contextmanager
 
 import torch
 
@@ -14,6 +15,7 @@ from confkv.hf import ConfKVCache, prefill
 from confkv.hf.lean import LeanDecoder
 from confkv.hf.weights import quantize_linear_weights
 from confkv.models import load_model
+from confkv.native import page_encode
 
 
 def main() -> None:
@@ -34,6 +36,30 @@ def main() -> None:
         position += 1
     profile.disable()
     pstats.Stats(profile).sort_stats(args.sort).print_stats(args.top)
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--policy`` and ``--param KEY=INT``: a cache other than the preset, for the benchmarks that build one."""
+    parser.add_argument("--policy", default=None, help="a preset other than the default (e.g. tiered-int8)")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=INT",
+                        help="a storage setting of the cache, repeatable (e.g. open_bits=8)")
+
+
+def setting_of(args: argparse.Namespace) -> tuple[str | None, dict[str, int], str]:
+    """(policy, storage settings, a label for the printout) from :func:`add_setting_arguments`' arguments."""
+    storage = {key: int(value) for key, value in (item.split("=", 1) for item in args.param)}
+    return args.policy, storage, " ".join(filter(None, [args.policy, *args.param])) or "the preset"
+
+
+@contextmanager
+def torch_codec():
+    """The KIVI page codec's C calls off (``confkv.native.page_encode``; the torch code runs) inside the block."""
+    codec = page_encode.encode_kivi, page_encode.decode_kivi
+    page_encode.encode_kivi = page_encode.decode_kivi = lambda *args: None
+    try:
+        yield
+    finally:
+        page_encode.encode_kivi, page_encode.decode_kivi = codec
 
 
 def prefilled_preset(model_name: str, tokens: int, steps: int, warm: int, policy: str | None = None, **storage):

@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
-from confkv import profiling
-from confkv.native import page_encode
-from confkv.eval.bench.dtypes import models_by_dtype
-from confkv.eval.bench.run import _Runner, default_configs
-from confkv.models import load_model
+sys.path.insert(0, str(Path(__file__).parent))
+from preset_step_profile import torch_codec  # noqa: E402
+
+from confkv import profiling  # noqa: E402
+from confkv.eval.bench.dtypes import models_by_dtype  # noqa: E402
+from confkv.eval.bench.run import _Runner, default_configs  # noqa: E402
+from confkv.models import load_model  # noqa: E402
 
 
 TORCH_CODEC = ":torch-codec"
@@ -53,14 +58,10 @@ def main() -> None:
     timers = {name: profiling.Timers() for name in args.rows}
     for _ in range(args.steps):
         for name, runner in runners.items():
-            codec = page_encode.encode_kivi, page_encode.decode_kivi
-            if name.endswith(TORCH_CODEC):
-                page_encode.encode_kivi = page_encode.decode_kivi = lambda *a: None
-            with profiling.enabled(timers[name]):
+            with torch_codec() if name.endswith(TORCH_CODEC) else nullcontext(), profiling.enabled(timers[name]):
                 start = time.perf_counter()
                 runner.next_step(ids)
                 times[name].append(time.perf_counter() - start)
-            page_encode.encode_kivi, page_encode.decode_kivi = codec
     for name in args.rows:
         median, mean = 1e3 * statistics.median(times[name]), 1e3 * statistics.mean(times[name])
         print(f"{name}: median {median:.1f} ms, mean {mean:.1f} ({args.steps} profiled steps, context "

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from preset_step_profile import prefilled_preset  # noqa: E402
+from preset_step_profile import add_setting_arguments, prefilled_preset, setting_of  # noqa: E402
 
 from confkv.native import page_encode  # noqa: E402
 from confkv.native import pages as native_pages  # noqa: E402
@@ -87,14 +87,12 @@ def main() -> None:
     parser.add_argument("--off", nargs="+", choices=SHORTCUTS, default=list(SHORTCUTS))
     parser.add_argument("--blocks", type=int, default=8, help="blocks of steps per variant")
     parser.add_argument("--steps", type=int, default=6, help="steps a block (the first one of each block not timed)")
-    parser.add_argument("--policy", default=None, help="a preset other than the default (e.g. tiered-int8)")
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=INT",
-                        help="a storage setting of the cache, repeatable (e.g. open_bits=8)")
+    add_setting_arguments(parser)
     args = parser.parse_args()
-    storage = {key: int(value) for key, value in (item.split("=", 1) for item in args.param)}
+    policy, storage, setting = setting_of(args)
     torch.set_num_threads(args.threads)
     decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, 2 * args.blocks * args.steps, warm=4,
-                                                     policy=args.policy, **storage)
+                                                     policy=policy, **storage)
     times: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(args.blocks):
         for name in ("off", "on"):
@@ -107,7 +105,6 @@ def main() -> None:
                 position += 1
             restore(saved)
     off, on = (statistics.median(times[k]) for k in ("off", "on"))
-    setting = " ".join(filter(None, [args.policy, *args.param])) or "the preset"
     print(f"{args.model}, {setting} (memory=0.25) through the lean decoder, W8A8, {args.tokens} tokens prefilled, "
           f"{args.threads} thread(s); {args.blocks} interleaved blocks of {args.steps - 1} timed steps each")
     print(f"median step ms: shortcuts off ({', '.join(args.off)}): {off:.2f}; on: {on:.2f}; off / on {off / on:.3f}x")

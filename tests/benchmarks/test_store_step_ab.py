@@ -57,3 +57,23 @@ def test_the_page_codec_switch_turns_off_both_halves_and_puts_them_back():
     assert (page_encode.encode_kivi, page_encode.decode_kivi) != originals
     store_step_ab.restore(saved)
     assert (page_encode.encode_kivi, page_encode.decode_kivi) == originals
+
+
+def test_the_benchmarks_codec_switch_and_settings():
+    import argparse
+
+    import pytest
+
+    from confkv.native import page_encode
+    from preset_step_profile import add_setting_arguments, setting_of, torch_codec
+
+    originals = (page_encode.encode_kivi, page_encode.decode_kivi)
+    with pytest.raises(RuntimeError), torch_codec():
+        assert page_encode.encode_kivi(None) is None and page_encode.decode_kivi(None) is None
+        raise RuntimeError  # put back all the same
+    assert (page_encode.encode_kivi, page_encode.decode_kivi) == originals
+    parser = argparse.ArgumentParser()
+    add_setting_arguments(parser)
+    assert setting_of(parser.parse_args(["--policy", "tiered-int8", "--param", "open_bits=8"])) == \
+        ("tiered-int8", {"open_bits": 8}, "tiered-int8 open_bits=8")
+    assert setting_of(parser.parse_args([])) == (None, {}, "the preset")

@@ -21,6 +21,7 @@ static struct {
     int64_t spin_ns;       /* how long an idle worker spins before it sleeps */
     int64_t chunks;        /* of the current call */
     int64_t active;        /* threads taking part in the current call (CONFKV_POOL_STATIC only) */
+    int64_t acked;         /* workers through the current generation (CONFKV_POOL_STATIC only) */
     void (*task)(const void *ctx, int64_t chunk); /* computes one chunk of the current call */
     const void *ctx;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .spin_ns = 50000};
@@ -28,13 +29,20 @@ static struct {
 #ifndef POOL_PAUSE_WHILE_ARMING
 #define POOL_PAUSE_WHILE_ARMING()
 #endif
+#ifndef POOL_PAUSE_WHEN_WOKEN
+#define POOL_PAUSE_WHEN_WOKEN()
+#endif
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
 #ifdef CONFKV_POOL_STATIC
 /* Built for ThreadSanitizer (loader.SANITIZERS["thread"]): chunk i goes to thread i % active (the caller is 0,
  * worker w is w), so every call of more than one chunk runs on two threads whatever the timing, and a race
- * between two chunks' memory is reported on every run. Not for speed: a late worker holds the caller up. */
+ * between two chunks' memory is reported on every run. Not for speed: a late worker holds the caller up.
+ * The caller waits until every worker (those past `active` too) has seen the call and left it (`acked`): a
+ * worker outside one call that woke late read the next call's `active` and `chunks` while the caller armed
+ * it, ran chunks of it before it started, counted them in its `done` and let it return early (CI's
+ * ThreadSanitizer: the caller wrote `task` while that worker still read it). */
 static __thread int64_t pool_slot;
 #endif
 
@@ -111,7 +119,11 @@ static void *pool_worker(void *arg) {
             }
         }
         seen = LOAD(&pool.generation);
+        POOL_PAUSE_WHEN_WOKEN(); /* nothing, except in tests/native/pool_stress.c, which makes a worker late */
         pool_work(seen);
+#ifdef CONFKV_POOL_STATIC
+        __atomic_add_fetch(&pool.acked, 1, __ATOMIC_SEQ_CST);
+#endif
     }
     return NULL;
 }
@@ -158,6 +170,7 @@ static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_
     STORE(&pool.active, (int64_t)(threads < pool.workers + 1 ? threads : pool.workers + 1));
     POOL_PAUSE_WHILE_ARMING(); /* nothing, except in tests/native/pool_stress.c, which widens this window */
     STORE(&pool.done, 0);
+    STORE(&pool.acked, 0);
     STORE(&pool.generation, generation);
     if (LOAD(&pool.sleepers)) {
         pthread_mutex_lock(&pool.lock);
@@ -170,6 +183,9 @@ static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_
         cpu_relax();
         if ((i & 255) == 0 && now_ns() - start > 20000) sched_yield(); /* that worker was descheduled */
     }
+#ifdef CONFKV_POOL_STATIC
+    while (LOAD(&pool.acked) < pool.workers) sched_yield(); /* no worker still inside this call */
+#endif
     STORE(&pool.busy, 0);
     return 0;
 }

@@ -2,7 +2,8 @@
 (``memory=0.25``) through the lean decoder with INT8 weights (W8A8), after a prefill of ``N`` random tokens.
 Prints the call count and the functions with the most own time.
 
-    .venv/bin/python benchmarks/preset_step_profile.py 1024 [smollm2|qwen2.5-coder-1.5b] [--steps 10]
+    .venv/bin/python benchmarks/preset_step_profile.py 1024 [smollm2|qwen2.5-coder-1.5b] [--steps 10] \
+        [--policy tiered-int8] [--param open_bits=8]
 """
 import argparse
 import cProfile
@@ -26,9 +27,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--sort", default="tottime", help="pstats order: tottime, cumtime, ...")
     parser.add_argument("--top", type=int, default=30)
+    add_setting_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, args.steps, warm=5)
+    policy, storage, label = setting_of(args)
+    print(f"{label}, {args.tokens} tokens, {args.steps} steps, {args.threads} thread(s)")
+    decoder, cache, ids, position = prefilled_preset(args.model, args.tokens, args.steps, warm=5, policy=policy,
+                                                     **storage)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.steps):

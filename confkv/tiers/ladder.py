@@ -188,7 +188,7 @@ class LadderTier:
                 elif self.rungs[-1].num_pages:
                     bottom = self.rungs[-1]
                     count = min(bottom.num_pages, math.ceil(excess / self._batch_page_bytes(len(self.rungs) - 1)))
-                    bottom.drop_pages(_coldest(bottom, signal, count, self.storage.unread_by))
+                    bottom.drop_pages(_coldest(bottom, signal, count, self.storage.unread_order(dropping=True)))
                 elif self.top.open_length:
                     self._fit_open(excess)
                 elif any(rung.open is not None for rung in self.rungs):
@@ -237,7 +237,8 @@ class LadderTier:
         upper, lower = self.rungs[source], self.rungs[source + 1]
         saving = self._batch_page_bytes(source) - self._batch_page_bytes(source + 1)
         count = min(upper.num_pages, max(1, math.ceil(excess / max(saving, 1))))
-        lower.put_pages(upper.take_pages(_coldest(upper, signal, count, self.storage.unread_by)), dtype)
+        lower.put_pages(upper.take_pages(_coldest(upper, signal, count, self.storage.unread_order(dropping=False))),
+                        dtype)
 
     def _batch_page_bytes(self, rung: int) -> int:
         """Bytes of one page on rung ``rung`` for every sequence of the batch."""

@@ -24,7 +24,7 @@ STEP_DOWN_SIGNALS = ("heat", "confidence", "age")
 #: which rung steps down next (see :mod:`confkv.tiers.ladder`)
 STEP_ORDERS = ("error", "coldest")
 #: what orders pages never read since sealing (their heat unknown) among themselves (see :mod:`confkv.tiers.ladder`)
-UNREAD_ORDERS = ("age", "attention")
+UNREAD_ORDERS = ("age", "attention", "attention-drops")
 #: how the planner splits a layer's bytes between the hot tier and the ladder (see :mod:`confkv.tiers.planner`)
 HOT_SPLITS = ("share", "keep_all")
 
@@ -61,7 +61,10 @@ class Storage:
             their tokens received per query while they were hot first (the ranking policy's estimate,
             :meth:`confkv.policies.base.Policy.attention_per_read`, a chunk's own tokens scaled to the
             queries that could see them; oldest first for a policy without one). It decides which tokens of
-            a prefill chunk a small target keeps (results/memory/README.md, "Unread pages").
+            a prefill chunk a small target keeps (results/memory/README.md, "Unread pages"). ``"attention-drops"``:
+            unread pages step down oldest first (as ``"age"``) and are dropped least attended first (as
+            ``"attention"``), so that the order of the rungs' bits is the default's and only what the first chunk
+            loses changes.
         format: the page format of every rung (:mod:`confkv.tiers.formats`: ``"kivi"`` or techniques
             joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
             page's values kept apart in 16 bits by the ``outliers`` technique. Checked by
@@ -119,6 +122,16 @@ class Storage:
     ladder_slack: float = 0.0
     offload: bool = False
     offload_dir: str | None = None
+
+    @property
+    def records_attention(self) -> bool:
+        """Whether tokens handed to the ladder carry their attention while hot (``unread_by`` other than age)."""
+        return self.unread_by != "age"
+
+    def unread_order(self, dropping: bool) -> str:
+        """``"age"`` or ``"attention"``: the order among unread pages for a drop (``dropping``) or a step down."""
+        return "attention" if self.unread_by == "attention" or (dropping and self.unread_by == "attention-drops") \
+            else "age"
 
     def __post_init__(self) -> None:
         ladder = self.ladder

@@ -24,6 +24,7 @@ from confkv.store import LayerStore
 from confkv.store import hot_tier
 from confkv.store.hot_tier import age_and_evict_at_once
 from confkv.store.hot_tier import Region
+from confkv.tiers.storage import Storage
 from decode_stream import decode_logits
 
 pytestmark = [pytest.mark.usefixtures("nan_filled_empty"),
@@ -146,7 +147,7 @@ def test_the_dropped_slots_go_to_the_cold_tier_as_the_two_steps_send_them():
 
     store = _store(2, 3, 30, 6, seed=5)
     store.cold = Cold()
-    store.storage = types.SimpleNamespace(unread_by="attention")  # the policy's attention goes with each slot
+    store.storage = Storage(unread_by="attention")  # the policy's attention goes with each slot
     twin = copy.deepcopy(store)
     twin._age(force=True)
     twin._evict(torch.tensor([28, 28]))

@@ -4,6 +4,8 @@ change nothing; a cache that drops pages this way decodes as one that gathers.""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
@@ -121,3 +123,72 @@ def test_an_empty_drop_is_taken(batch, heads, live):
     out = native_pages.keep_pages(tensors, torch.zeros(batch, heads, 0, dtype=torch.int64), live, exact=True)
     assert out is not None
     assert [tuple(t.shape) for t in out] == [(batch, heads, live, 4), (batch, heads, live)]
+
+
+def _call_keep_pages(batch: int, heads: int, live: int, drop: int, count: int, capacity: list[int],
+                     capacity_out: list[int], page_bytes: list[int], in_place: bool = False) -> tuple[int, list]:
+    """``confkv_keep_pages`` called directly (its Python wrapper never passes what these tests pass): ``count``
+    uint8 tensors of ``capacity[t]`` pages of ``page_bytes[t]`` bytes (at least 1 allocated) a row, the last
+    ``drop`` live pages of each row dropped. Returns (the call's status, (source, destination) pairs)."""
+    lib = native_pages._moves_library()
+    gen = torch.Generator().manual_seed(11)
+    pairs = []
+    for t in range(count):
+        size = max(page_bytes[t], 1)
+        source = torch.randint(0, 256, (max(batch, 1), max(heads, 1), max(capacity[t], 1), size), dtype=torch.uint8,
+                               generator=gen)
+        target = source if in_place else torch.zeros(max(batch, 1), max(heads, 1), max(capacity_out[t], 1), size,
+                                                     dtype=torch.uint8)
+        pairs.append((source, target))
+    index = torch.arange(max(live - drop, 0), max(live, 0), dtype=torch.int64).expand(
+        max(batch, 1), max(heads, 1), -1).contiguous() if drop >= 0 else torch.zeros(1, dtype=torch.int64)
+    tables = [array("Q", [pair[k].data_ptr() for pair in pairs] or [0]) for k in (0, 1)]
+    sizes = [array("q", values or [0]) for values in (capacity, capacity_out, page_bytes)]
+    status = lib.confkv_keep_pages(batch, heads, live, drop, index.data_ptr(), count, tables[0].buffer_info()[0],
+                                   sizes[0].buffer_info()[0], tables[1].buffer_info()[0], sizes[1].buffer_info()[0],
+                                   sizes[2].buffer_info()[0])
+    return status, pairs
+
+
+@pytest.mark.parametrize("field", ["batch", "heads", "live", "drop", "count"])
+def test_the_c_call_refuses_a_negative_size_and_takes_zero(field):
+    """Each size on its own: a negative one is refused (1), zero is taken (0); the wrapper never passes either
+    (mutation testing found these checks unguarded: ``||`` made ``&&`` and ``<`` made ``<=`` lived)."""
+    sizes = {"batch": 2, "heads": 3, "live": 4, "drop": 1, "count": 2}
+    for value, want in ((-1, 1), (0, 0)):
+        args = {**sizes, field: value}
+        if field == "live" and value == 0:
+            args["drop"] = 0  # no live page: none to drop
+        count = max(args["count"], 0)
+        status, _ = _call_keep_pages(args["batch"], args["heads"], args["live"], args["drop"], args["count"],
+                                     [6] * count, [6] * count, [5] * count)
+        assert status == want, (field, value)
+
+
+def test_the_c_call_refuses_more_drops_than_live_pages_and_takes_all():
+    assert _call_keep_pages(2, 3, 4, 5, 1, [6], [6], [5])[0] == 1
+    assert _call_keep_pages(2, 3, 4, 4, 1, [6], [6], [5])[0] == 0
+
+
+@pytest.mark.parametrize("which", [0, 2])
+@pytest.mark.parametrize("problem", ["capacity below live", "destination too small", "negative page bytes",
+                                     "in place, other capacity"])
+def test_the_c_call_checks_every_tensor_before_a_byte_moves(which, problem):
+    """One bad tensor among three (the first or the last): refused, every destination untouched; at its bound
+    (capacity == live, a destination of exactly the kept pages, pages of 0 bytes) taken."""
+    capacity, capacity_out, page_bytes = [6, 6, 6], [6, 6, 6], [5, 5, 5]
+    bound = {"capacity below live": (capacity, 4), "destination too small": (capacity_out, 3),
+             "negative page bytes": (page_bytes, 0)}
+    if problem == "in place, other capacity":
+        capacity_out[which] = 7
+        assert _call_keep_pages(2, 3, 4, 1, 3, capacity, capacity_out, page_bytes, in_place=True)[0] == 1
+        capacity_out[which] = 6
+        assert _call_keep_pages(2, 3, 4, 1, 3, capacity, capacity_out, page_bytes, in_place=True)[0] == 0
+        return
+    table, at_bound = bound[problem]
+    table[which] = at_bound - 1
+    status, pairs = _call_keep_pages(2, 3, 4, 1, 3, capacity, capacity_out, page_bytes)
+    assert status == 1
+    assert not any(target.any() for _, target in pairs)  # the destinations start as zeros: none written
+    table[which] = at_bound
+    assert _call_keep_pages(2, 3, 4, 1, 3, capacity, capacity_out, page_bytes)[0] == 0

@@ -357,9 +357,10 @@ def _token_attention(per_page: list[float]) -> torch.Tensor:
     return torch.tensor(per_page).repeat_interleave(P).div(P).expand(B, H, -1).clone()
 
 
-@pytest.mark.parametrize("unread_by,stepped", [("attention", [8, 24]), ("age", [0, 8])])
+@pytest.mark.parametrize("unread_by,stepped", [("attention", [8, 24]), ("age", [0, 8]), ("attention-drops", [0, 8])])
 def test_unread_pages_step_down_by_the_attention_they_received_while_hot_or_by_age(unread_by, stepped):
-    """No page has been read (heat unknown, all +inf): ``unread_by`` orders them."""
+    """No page has been read (heat unknown, all +inf): ``unread_by`` orders them; ``"attention-drops"`` steps them
+    down by age (and records the attention all the same)."""
     tier = _ladder(unread_by=unread_by, attention=_token_attention([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]))
     torch.testing.assert_close(tier.rungs[0].pages["attention"][:, :, :6],
                                torch.tensor([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]).expand(B, H, 6))
@@ -368,6 +369,7 @@ def test_unread_pages_step_down_by_the_attention_they_received_while_hot_or_by_a
     assert sorted(_first_positions(tier.rungs[1])) == stepped
     torch.testing.assert_close(tier.rungs[1].pages["attention"][0, 0, :2].sort().values,  # kept when stepping down
                                torch.tensor([0.1, 0.2] if unread_by == "attention" else [0.1, 5.0]))
+    assert tier.storage.records_attention == (unread_by != "age")
 
 
 def test_a_read_page_s_heat_outranks_the_attention_it_had_while_hot():
@@ -397,7 +399,8 @@ def test_the_attention_of_a_page_counts_its_valid_tokens_only():
     assert top.pages["attention"][:, :, :2].tolist() == [[[P, P]] * H, [[P, P - 1]] * H]
 
 
-@pytest.mark.parametrize("unread_by,kept", [("attention", [0, 16, 32, 40]), ("age", [16, 24, 32, 40])])
+@pytest.mark.parametrize("unread_by,kept", [("attention", [0, 16, 32, 40]), ("age", [16, 24, 32, 40]),
+                                            ("attention-drops", [0, 16, 32, 40])])
 def test_unread_pages_at_the_bottom_are_dropped_by_the_attention_they_received_while_hot_or_by_age(unread_by, kept):
     tier = _ladder(ladder=(2,), unread_by=unread_by, attention=_token_attention([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]))
     tier.fit(tier.kv_bytes() - 2 * _page_bytes(2), torch.float32)

@@ -140,7 +140,7 @@ def scenarios(draw):
     page = draw(st.sampled_from([8, 16]))
     storage = Storage(ladder=ladder, hot_share=draw(st.sampled_from([0.1, 0.3, 0.6])), page_size=page,
                       group_size=page, step_down_by=draw(st.sampled_from(["heat", "confidence", "age"])),
-                      unread_by=draw(st.sampled_from(["age", "attention"])),
+                      unread_by=draw(st.sampled_from(["age", "attention", "attention-drops"])),
                       hot_split=draw(st.sampled_from(["share", "keep_all"])), seal_before_drop=draw(st.booleans()),
                       hot_int8_window=draw(st.sampled_from([None, None, 0, 4])),
                       open_bits=draw(st.sampled_from([16, 16, 8])), ladder_slack=draw(st.sampled_from([0.0, 0.0, 0.1])))
@@ -325,10 +325,11 @@ def test_seal_before_drop_steps_the_open_page_down_before_a_page_is_dropped():
 def test_a_chunk_over_its_target_drops_the_pages_its_queries_attended_least():
     """One 256-token chunk at 30%: pages are dropped before any is read. With ``unread_by="attention"`` each
     page carries what its tokens received per query while hot (the ranking policy's EMA, > 0) and no dropped
-    page of a head had more than a page that head kept; by age no dropped page is newer than a kept one."""
+    page of a head had more than a page that head kept (so with ``"attention-drops"``, which steps down by age);
+    by age no dropped page is newer than a kept one."""
     model = _model("llama")
     ids = torch.randint(0, 250, (1, 256), generator=torch.Generator().manual_seed(3))
-    for order, key in (("attention", "attention"), ("age", "positions")):
+    for order, key in (("attention", "attention"), ("age", "positions"), ("attention-drops", "attention")):
         cache = ConfKVCache.for_model(model, "tiered", memory=0.3, page_size=16, group_size=16, unread_by=order)
         dropped = []
 
@@ -341,7 +342,7 @@ def test_a_chunk_over_its_target_drops_the_pages_its_queries_attended_least():
         assert all(layer.store.last_queries == 256 for layer in cache.layers)  # the chunk's queries, for seen counts
         bottom = cache.layers[-1].store.cold.rungs[-1]
         assert dropped and bottom.num_pages > 0
-        if order == "attention":
+        if order != "age":
             assert bool((_page_key(bottom, key) > 0).all())
         highest_dropped = torch.cat([values for tier, values in dropped if tier is bottom], -1)
         assert bool((highest_dropped.amax(-1) <= _page_key(bottom, key).amin(-1)).all()), order

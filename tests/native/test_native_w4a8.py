@@ -253,3 +253,38 @@ def test_the_bench_dtype_gives_4bit_layers():
     assert not any(isinstance(m, Int4Linear) for m in models["bfloat16-w8"].modules())
     # rows of whole 128-column lines: 5 bits a weight against 8 (the shared embedding and norms aside)
     assert weight_bytes_read(models["bfloat16-w4a8"]) < 0.8 * weight_bytes_read(models["bfloat16-w8"])
+
+
+def test_a_rows_last_scales_are_read_masked_up_to_an_unmapped_page():
+    """The scales (and minima) of the last row end exactly where an unreadable page begins: the AVX-512 loop loads
+    16 block scales at a time and masks the lanes past a row's end, whose loads then cannot fault. An unmasked load
+    (mutation testing's one survivor, ``left = wblocks + 2 * j``) reads past the row into that page and the process
+    dies; no value check can see it, as the extra lanes are never used. Width 640: 20 blocks a row, so the second
+    load of 16 has 4 lanes in the row."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(5, 640, generator=gen) * 0.05
+    codes, scale, minimum = pack_int4_blocks(weight)
+    x = torch.randn(1, 640, generator=gen)
+    want = Int4Projection(codes, scale, minimum, None, torch.float32, 640)(x)
+    guarded = []
+    for source in (scale, minimum):  # each in its own two pages, the second made unreadable
+        area = mmap.mmap(-1, 2 * page)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        assert libc.mprotect(start + page, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+        nbytes = source.numel() * source.element_size()
+        held = torch.frombuffer(area, dtype=torch.float16, count=source.numel(), offset=page - nbytes)
+        held = held.view(source.shape)
+        held.copy_(source)
+        guarded.append((area, held))
+    got = Int4Projection(codes, guarded[0][1], guarded[1][1], None, torch.float32, 640)(x)
+    assert torch.equal(got, want)
+    for area, held in guarded:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        libc.mprotect(start + page, page, 3)  # readable and writable again before the area is unmapped
+        del held

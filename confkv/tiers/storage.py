@@ -63,8 +63,8 @@ class Storage:
             queries that could see them; oldest first for a policy without one). It decides which tokens of
             a prefill chunk a small target keeps (results/memory/README.md, "Unread pages"). ``"attention-drops"``:
             unread pages step down oldest first (as ``"age"``) and are dropped least attended first (as
-            ``"attention"``), so that the order of the rungs' bits is the default's and only what the first chunk
-            loses changes.
+            ``"attention"``): the rungs' bits follow the default's order and only which unread pages are dropped
+            changes (in a chunked prefill, those of the first chunk above all: results/qwen/README.md).
         format: the page format of every rung (:mod:`confkv.tiers.formats`: ``"kivi"`` or techniques
             joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
             page's values kept apart in 16 bits by the ``outliers`` technique. Checked by

@@ -371,7 +371,7 @@ class LayerStore(AttentionRead):
                 keep = torch.maximum(keep, floor)
                 index, valid = hot_tier.select_kept(scores, old.valid, protected, keep)
         with profiling.section("compaction gather"):  # the cold tier's demotion is timed inside it too
-            ranked_by_attention = self.storage is not None and self.storage.records_attention
+            ranked_by_attention = self.storage is not None and self.storage.unread_by != "age"  # attention while hot
             policy = self.policy if ranked_by_attention else None
             if split is not None:
                 self.old, dropped = split

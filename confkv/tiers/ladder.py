@@ -188,7 +188,8 @@ class LadderTier:
                 elif self.rungs[-1].num_pages:
                     bottom = self.rungs[-1]
                     count = min(bottom.num_pages, math.ceil(excess / self._batch_page_bytes(len(self.rungs) - 1)))
-                    bottom.drop_pages(_coldest(bottom, signal, count, self.storage.unread_order(dropping=True)))
+                    order = _unread_order(self.storage.unread_by, dropping=True)
+                    bottom.drop_pages(_coldest(bottom, signal, count, order))
                 elif self.top.open_length:
                     self._fit_open(excess)
                 elif any(rung.open is not None for rung in self.rungs):
@@ -237,8 +238,8 @@ class LadderTier:
         upper, lower = self.rungs[source], self.rungs[source + 1]
         saving = self._batch_page_bytes(source) - self._batch_page_bytes(source + 1)
         count = min(upper.num_pages, max(1, math.ceil(excess / max(saving, 1))))
-        lower.put_pages(upper.take_pages(_coldest(upper, signal, count, self.storage.unread_order(dropping=False))),
-                        dtype)
+        order = _unread_order(self.storage.unread_by, dropping=False)
+        lower.put_pages(upper.take_pages(_coldest(upper, signal, count, order)), dtype)
 
     def _batch_page_bytes(self, rung: int) -> int:
         """Bytes of one page on rung ``rung`` for every sequence of the batch."""
@@ -260,6 +261,13 @@ class LadderTier:
         twin.rungs = [rung.clone() for rung in self.rungs]
         twin._read_counts = []  # a read's bookkeeping is per step, as each rung's (its clone reads afresh)
         return twin
+
+
+def _unread_order(unread_by: str, dropping: bool) -> str:
+    """``"age"`` or ``"attention"``: the order among unread pages of ``Storage.unread_by`` for a drop (``dropping``)
+    or a step down (``"attention-drops"``: attention for drops only). Here, not on Storage, so that a step enters
+    no more files (docs/ARCHITECTURE.md)."""
+    return "attention" if unread_by == "attention" or (dropping and unread_by == "attention-drops") else "age"
 
 
 def _coldest(rung: ColdTier, signal: str, count: int, unread_by: str) -> Tensor:

@@ -123,16 +123,6 @@ class Storage:
     offload: bool = False
     offload_dir: str | None = None
 
-    @property
-    def records_attention(self) -> bool:
-        """Whether tokens handed to the ladder carry their attention while hot (``unread_by`` other than age)."""
-        return self.unread_by != "age"
-
-    def unread_order(self, dropping: bool) -> str:
-        """``"age"`` or ``"attention"``: the order among unread pages for a drop (``dropping``) or a step down."""
-        return "attention" if self.unread_by == "attention" or (dropping and self.unread_by == "attention-drops") \
-            else "age"
-
     def __post_init__(self) -> None:
         ladder = self.ladder
         _require(isinstance(ladder, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in ladder),

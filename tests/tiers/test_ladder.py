@@ -369,7 +369,6 @@ def test_unread_pages_step_down_by_the_attention_they_received_while_hot_or_by_a
     assert sorted(_first_positions(tier.rungs[1])) == stepped
     torch.testing.assert_close(tier.rungs[1].pages["attention"][0, 0, :2].sort().values,  # kept when stepping down
                                torch.tensor([0.1, 0.2] if unread_by == "attention" else [0.1, 5.0]))
-    assert tier.storage.records_attention == (unread_by != "age")
 
 
 def test_a_read_page_s_heat_outranks_the_attention_it_had_while_hot():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import math
-import types
 
 import pytest
 import torch

@@ -360,7 +360,7 @@ def _token_attention(per_page: list[float]) -> torch.Tensor:
 @pytest.mark.parametrize("unread_by,stepped", [("attention", [8, 24]), ("age", [0, 8]), ("attention-drops", [0, 8])])
 def test_unread_pages_step_down_by_the_attention_they_received_while_hot_or_by_age(unread_by, stepped):
     """No page has been read (heat unknown, all +inf): ``unread_by`` orders them; ``"attention-drops"`` steps them
-    down by age (and records the attention all the same)."""
+    down by age."""
     tier = _ladder(unread_by=unread_by, attention=_token_attention([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]))
     torch.testing.assert_close(tier.rungs[0].pages["attention"][:, :, :6],
                                torch.tensor([5.0, 0.1, 3.0, 0.2, 4.0, 1.0]).expand(B, H, 6))

@@ -332,7 +332,7 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
             store.recent.key_scale = store.recent.value_scale = None
         store.window = None  # as ageing does: the next decode step makes a buffer around the new window
         if store.cold is not None:
-            ranked_by_attention = store.storage is not None and store.storage.unread_by != "age"  # not a call
+            ranked_by_attention = store.storage is not None and store.storage.unread_by != "age"  # no call: 12 files
             demote_slots(store.cold, dropped, dropped.valid, store.channel_scale, recent.keys.dtype,
                          store.policy if ranked_by_attention else None, current, store.last_queries)
     return True

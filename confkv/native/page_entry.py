@@ -85,13 +85,13 @@ def rotation_matrix(segments: Sequence) -> Tensor | None:
     return rotations[0].to(torch.float32).contiguous() if rotations else None
 
 
-READERS = ("row by row", "plane order", "avx512")  #: confkv_page_reader's answers, by number
+READERS = ("row by row", "plane order", "avx512", "avx2")  #: confkv_page_reader's answers, by number
 
 
 def reader_of(query: Tensor, segment) -> str:
     """Which of the kernel's readers reads the packed page ``segment`` for ``query`` [B, Hq, Q, D]: "avx512"
-    (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "plane order" (c/page_codes.c) or "row by
-    row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
+    (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "avx2" (c/page_avx2.c: the same pages on a CPU
+    with AVX2, FMA and F16C but not VBMI), "plane order" (c/page_codes.c) or "row by row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
     Raises RuntimeError when the library is unavailable, ValueError for a segment the read refuses."""
     lib = library()
     if lib is None:

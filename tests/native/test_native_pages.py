@@ -322,6 +322,27 @@ def _pages_of(gen: torch.Generator, bits: int, page: int, dim: int, group: int) 
                         value_min=qv.minimum)
 
 
+@pytest.mark.parametrize("page, dim, group", [(64, 64, 64), (8, 32, 8), (16, 128, 16)])
+def test_the_side_data_of_slots_that_hold_no_token_is_never_used(page, dim, group):
+    """A slot that holds no token keeps whatever its page's side data held (the vector readers read its codes and
+    its value scale and minimum, 8 or 16 slots at a time): NaN there changes nothing in the read, which equals the
+    read of the same pages with finite side data. (A reader that let a hidden slot's weight, zero, multiply its
+    NaN value minimum would return NaN.)"""
+    gen = torch.Generator().manual_seed(dim)
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    pages = _pages_of(gen, 4, page, dim, group)
+    out, mass = page_entry.page_read(query, [pages], dim ** -0.5)
+    hidden = ~pages.valid  # [B, H, N, P]: the value side data is per slot and value group
+    for name in ("value_scale", "value_min"):
+        side = getattr(pages, name).clone()
+        side[hidden] = float("nan")
+        setattr(pages, name, side)
+    again, mass_again = page_entry.page_read(query, [pages], dim ** -0.5)
+    assert hidden.any() and not out.isnan().any()
+    torch.testing.assert_close(again, out, atol=0.0, rtol=0.0)
+    torch.testing.assert_close(mass_again[0], mass[0], atol=0.0, rtol=0.0)
+
+
 @pytest.mark.parametrize("bits", [3, 8])
 @pytest.mark.parametrize("group", [1, PAGE])
 def test_the_smallest_and_the_largest_group_are_read_as_the_torch_read(bits, group):
@@ -416,32 +437,42 @@ def test_more_query_rows_than_the_avx512_value_sums_hold_are_read_as_the_torch_r
     _compare(query, [_pages_of(gen, 3, 16, 128, 16), _pages_of(gen, 4, 32, 128, 16)], 128 ** -0.5)
 
 
-def _cpu_has_vbmi() -> bool:
-    """AVX-512 VBMI and BW on this CPU (the library is built with -march=native, so its AVX-512 reader too)."""
+def _cpu_flags() -> set[str]:
+    """This CPU's feature flags (the library is built with -march=native, so its vector readers follow them)."""
     from pathlib import Path
 
     info = Path("/proc/cpuinfo")
-    flags = info.read_text() if info.exists() else ""
-    return " avx512vbmi" in flags and " avx512bw" in flags
+    line = next((x for x in info.read_text().splitlines() if x.startswith("flags")), "") if info.exists() else ""
+    return set(line.split(":", 1)[-1].split())
 
 
-@pytest.mark.parametrize("page, dim, group, heads, queries, reader", [
-    (64, 64, 64, 3, 1, "avx512"),         # the preset on SmolLM2: heads of 64 channels, pages and groups of 64
-    (64, 128, 64, 6, 1, "avx512"),        # Qwen2.5-1.5B's heads: 128 channels, 6 query heads a KV head
-    (64, 256, 64, 3, 1, "avx512"),        # the widest head the reader takes
-    (64, 320, 64, 3, 1, "plane order"),   # wider
-    (16, 128, 16, 4, 2, "avx512"),        # 8 query rows x 8 value groups: 64 weights a token, the most it holds
-    (16, 128, 16, 3, 3, "plane order"),   # 9 x 8 = 72
-    (8, 32, 8, 3, 1, "plane order"),      # heads of 32 channels
-    (8, 32, 4, 3, 1, "row by row"),       # value groups of 4 channels
+def _fast_reader(flags: set[str]) -> str | None:
+    """The vector reader a library built for a CPU with ``flags`` has: "avx512" (AVX-512 VBMI and BW), "avx2"
+    (AVX2, FMA and F16C without them), or None."""
+    if {"avx512vbmi", "avx512bw"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else None
+
+
+@pytest.mark.parametrize("page, dim, group, heads, queries, on_avx512, on_avx2", [
+    (64, 64, 64, 3, 1, "avx512", "avx2"),              # the preset on SmolLM2: heads of 64, pages and groups of 64
+    (64, 128, 64, 6, 1, "avx512", "avx2"),             # Qwen2.5-1.5B's heads: 128 channels, 6 query heads a KV head
+    (64, 256, 64, 3, 1, "avx512", "avx2"),             # the widest head the vector readers take
+    (64, 320, 64, 3, 1, "plane order", "plane order"),  # wider
+    (16, 128, 16, 4, 2, "avx512", "avx2"),             # 8 query rows x 8 value groups: 64 weights a token, the most
+    (16, 128, 16, 3, 3, "plane order", "plane order"),  # 9 x 8 = 72
+    (8, 32, 8, 3, 1, "plane order", "avx2"),           # heads of 32 channels: AVX2 only (AVX-512: 64 a multishift)
+    (8, 32, 4, 3, 1, "row by row", "row by row"),      # value groups of 4 channels
 ])
-def test_each_page_shape_goes_to_the_reader_meant_for_it(page, dim, group, heads, queries, reader):
+def test_each_page_shape_goes_to_the_reader_meant_for_it(page, dim, group, heads, queries, on_avx512, on_avx2):
     """The kernel's own dispatch (``confkv_page_reader``): the preset's pages go to the AVX-512 reader wherever the
-    CPU has VBMI (else to the plane-order one). Every reader reads as the torch read does (the tests above), so only
-    this test sees a shape sent to a slower reader than it should be. ``heads``: query heads a KV head."""
+    CPU has VBMI, else to the AVX2 reader where it has AVX2 (else to the plane-order one). Every reader reads as the
+    torch read does (the tests above), so only this test sees a shape sent to a slower reader than it should be.
+    ``heads``: query heads a KV head."""
     gen = torch.Generator().manual_seed(dim + group)
     query = torch.randn(BATCH, KV_HEADS * heads, queries, dim, generator=gen)
-    want = "plane order" if reader == "avx512" and not _cpu_has_vbmi() else reader
+    fast = _fast_reader(_cpu_flags())
+    want = on_avx512 if fast == "avx512" else on_avx2 if fast == "avx2" else on_avx2.replace("avx2", "plane order")
     assert page_entry.reader_of(query, _pages_of(gen, 3, page, dim, group)) == want
 
 
@@ -464,21 +495,38 @@ def test_fast_pages_in_a_rotation_are_read_in_their_basis(page, dim, group):
 
 
 @pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
-def test_the_portable_build_reads_as_the_torch_read(tmp_path):
-    """Built without AVX-512 (no VBMI unpacking, no vector dot product): the plane-order unpacking and the
-    portable dot product serve every head, and read what the torch read reads."""
+@pytest.mark.parametrize("flag, reader", [("-mno-avx512f", "avx2"), ("-mno-avx2", "plane order")])
+def test_the_portable_builds_read_as_the_torch_read(tmp_path, flag, reader):
+    """Built without AVX-512 (no VBMI unpacking, no vector dot product): on a CPU with AVX2 the AVX2 reader serves
+    the preset's heads; built without AVX2 as well, the plane-order unpacking and the portable dot product serve
+    every head. Each reads what the torch read reads, whichever CPU runs the tests."""
     from confkv.native import loader
 
-    lib = loader.load(loader.build(tmp_path, [*loader.default_flags(), "-mno-avx512f"]))
+    if reader == "avx2" and _fast_reader(_cpu_flags()) is None:
+        reader = "plane order"  # a CPU without AVX2: its -march=native build has no AVX2 reader
+    lib = loader.load(loader.build(tmp_path, [*loader.default_flags(), flag]))
     saved = loader._state.get("lib")
     loader._state["lib"] = lib
     try:
-        for bits, (page, dim, group) in [(3, FAST_SHAPES[2]), (4, FAST_SHAPES[3]), (2, FAST_SHAPES[1])]:
+        for bits, (page, dim, group) in [(3, FAST_SHAPES[2]), (4, FAST_SHAPES[3]), (2, FAST_SHAPES[1]),
+                                         (8, FAST_SHAPES[0])]:
             gen = torch.Generator().manual_seed(bits + dim)
             query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-            _compare(query, [_pages_of(gen, bits, page, dim, group), _pages_of(gen, 8, page, dim, group)], dim ** -0.5)
+            pages = _pages_of(gen, bits, page, dim, group)
+            if dim % 32 == 0:  # (heads of 24 channels: the plane-order reader in every build)
+                assert page_entry.reader_of(query, pages) == reader
+            _compare(query, [pages, _pages_of(gen, 8, page, dim, group)], dim ** -0.5)
     finally:
         loader._state["lib"] = saved
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 5, 7])
+def test_every_count_of_query_rows_is_read_as_the_torch_read(heads):
+    """The vector readers add the values of 3 (AVX2) or 4 (AVX-512) query rows at a time, the rest in a block of
+    their own: 1 to 7 query heads a KV head leave every remainder."""
+    gen = torch.Generator().manual_seed(heads)
+    query = torch.randn(BATCH, KV_HEADS * heads, 1, 64, generator=gen)
+    _compare(query, [_pages_of(gen, 4, 64, 64, 64), _pages_of(gen, 3, 64, 64, 64)], 64 ** -0.5)
 
 
 @pytest.mark.parametrize("high_head", [0, 1])

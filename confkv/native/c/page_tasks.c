@@ -88,6 +88,10 @@ static void task_scores(const void *ctx, int64_t task) {
             if (simd_pages_fit(m, R, D))
                 simd_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
             else
+#elif defined(CONFKV_AVX2_PAGES)
+            if (avx2_pages_fit(m, R, D))
+                avx2_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
+            else
 #endif
             if (planar(m))
                 planar_scores(p, m, a->channels + s * 4 * D, b, j, k0, k1, query, R, D, total, scores + offset, w.buf,
@@ -150,6 +154,10 @@ static void task_values(const void *ctx, int64_t task) {
 #if defined(CONFKV_VBMI)
                 if (simd_pages_fit(m, R, D))
                     simd_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out);
+                else
+#elif defined(CONFKV_AVX2_PAGES)
+                if (avx2_pages_fit(m, R, D))
+                    avx2_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out);
                 else
 #endif
                 if (planar(m))
@@ -404,13 +412,16 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
 }
 
 /* Which reader confkv_page_read gives a page segment (meta m, PR_META entries as for the read) read by R = Hq / Hkv
- * * Q query rows of D channels: 2 the AVX-512 reader (page_simd.c), 1 the plane-order reader (page_codes.c), 0 the
+ * * Q query rows of D channels: 2 the AVX-512 reader (page_simd.c), 3 the AVX2 reader (page_avx2.c, built where
+ * the AVX-512 one is not), 1 the plane-order reader (page_codes.c), 0 the
  * row-by-row reader (pages.c), -1 none (the read refuses the segment). The read's own dispatch, asked without
  * reading (tests, the bench). */
 int confkv_page_reader(const int64_t *m, int64_t R, int64_t D) {
     if (!page_meta_taken(m, D)) return -1;
 #if defined(CONFKV_VBMI)
     if (simd_pages_fit(m, R, D)) return 2;
+#elif defined(CONFKV_AVX2_PAGES)
+    if (avx2_pages_fit(m, R, D)) return 3;
 #else
     (void)R, (void)D;
 #endif

@@ -34,25 +34,26 @@ def _reference(x, weight, scale, bias):
 
 def _assert_float32_close(got, x, weight, scale, bias):
     """``got`` [rows, out] float32 against the exact result of its quantised operands (float64), within the rounding
-    of the GEMV's float32 arithmetic: the integer sums of each block of 32 columns are exact, and what is left is at
-    most B + 3 roundings over B block terms (times the activation and weight scales, summed, plus the bias; Higham,
-    Accuracy and Stability of Numerical Algorithms, 3.1: gamma_n * sum |term|, gamma_n = n u / (1 - n u), u = 2^-24),
-    plus one rounding of each quantised activation (the float32 ``quantize_activation_blocks`` gives: code * scale).
-    The torch reference's own float32 sum of 576 products in its BLAS order is not the yardstick (a fixed 1e-5 against
-    it missed by 2e-5 on one machine for an output whose terms cancel); a wrong block, code or scale misses this by
-    orders of magnitude."""
+    of the GEMV's float32 arithmetic. Every kernel sums the integer products of at least 4 neighbouring columns
+    exactly (the portable loop a block of 32; AVX-512 VNNI 4 a lane, the lanes then scaled and summed in float32),
+    so what is left is at most n = K / 4 + 3 roundings over the K / 4 terms (each group's integer sum times its
+    block's activation scale, summed, times the weight scale, plus the bias; Higham, Accuracy and Stability of
+    Numerical Algorithms, 3.1: gamma_n * sum |term|, gamma_n = n u / (1 - n u), u = 2^-24), plus one rounding of each
+    quantised activation (``quantize_activation_blocks`` gives code * scale in float32). The torch reference's own
+    float32 sum of K products in its BLAS order is not the yardstick (a fixed 1e-5 against it missed by 2e-5 on one
+    machine for an output whose terms cancel); a wrong block, code or scale misses this by orders of magnitude."""
     u = 2.0 ** -24
     quantised = native.quantize_activation_blocks(x).double()  # [rows, width]
     weights = weight.double()  # [out, width]
     width = weight.shape[1]
-    blocks = -(-width // 32)
-    padded = torch.nn.functional.pad(quantised, (0, blocks * 32 - width)).view(-1, blocks, 32)
-    block_sums = torch.einsum("rbi,obi->rob", padded, torch.nn.functional.pad(weights, (0, blocks * 32 - width))
-                              .view(-1, blocks, 32))  # [rows, out, blocks]
-    exact = block_sums.sum(-1) * scale.double()
-    n = blocks + 3
+    groups = -(-width // 4)
+    padded = torch.nn.functional.pad(quantised, (0, groups * 4 - width)).view(-1, groups, 4)
+    group_sums = torch.einsum("rgi,ogi->rog", padded, torch.nn.functional.pad(weights, (0, groups * 4 - width))
+                              .view(-1, groups, 4))  # [rows, out, groups]
+    exact = group_sums.sum(-1) * scale.double()
+    n = groups + 3
     gamma = n * u / (1 - n * u)
-    bound = (gamma * block_sums.abs().sum(-1) + u * (quantised.abs() @ weights.abs().T)) * scale.double().abs()
+    bound = (gamma * group_sums.abs().sum(-1) + u * (quantised.abs() @ weights.abs().T)) * scale.double().abs()
     if bias is not None:
         exact = exact + bias.double()
         bound = bound + u * bias.double().abs()

@@ -87,9 +87,26 @@ def test_w8a8_gemv_equals_the_reference(width, rows, dtype, with_bias):
     assert not torch.equal(got, w8a16)  # the activations were quantised
 
 
-def test_the_portable_w8a8_loop_equals_the_reference(tmp_path, monkeypatch):
-    """A build without AVX-512 (so without VNNI) runs the portable integer loop."""
-    path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
+def test_weights_of_minus_128_are_multiplied_as_they_are():
+    """The whole int8 range: -128 is no code ``quantize_linear_weights`` writes (it clamps to +-127), but a weight
+    handed to ``Int8Projection`` may hold it, and a kernel that takes |w| as a byte (AVX2) must read it as 128, not
+    as -128 negated."""
+    gen = torch.Generator().manual_seed(128)
+    weight = torch.randint(-128, 128, (24, 96), dtype=torch.int8, generator=gen)
+    weight[:, :8] = -128
+    scale = torch.rand(24, generator=gen) * 0.02 + 1e-3
+    x = torch.randn(2, 96, generator=gen)
+    got = native.Int8Projection(weight, scale, None, activation_bits=8)(x)
+    _assert_float32_close(got, x, weight, scale, None)
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx2"])
+def test_the_portable_w8a8_loops_equal_the_reference(tmp_path, monkeypatch, flag):
+    """A build without AVX-512 (so without VNNI) runs the AVX2 byte products where the CPU has AVX2; one without
+    AVX2 as well runs the portable integer loop. Widths: a multiple of 64, neither of 32 nor 64, and a last block
+    of one column (the AVX2 loop's copied tail)."""
+    path = loader.build(tmp_path, loader.default_flags() + [flag])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     gen = torch.Generator().manual_seed(3)
     for width in (576, 100, 97):  # 97: a last activation block of one column

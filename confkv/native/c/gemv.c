@@ -56,6 +56,26 @@ static __attribute__((unused)) void gemv_rows_c(const gemv_args *a, int64_t n0, 
     }
 }
 
+/* output rows [n0, n1) of a->M <= 4 activation rows through BLOCK(a, n, M, NB), M and NB constants in each
+ * call so that the block's accumulators stay in registers: blocks of NB = 8 rows (M <= 2) or 4, then single rows */
+#define GEMV_ROWS_IN_BLOCKS(BLOCK, a, n0, n1)                                                                   \
+    do {                                                                                                      \
+        const int M_ = (int)(a)->M, nb_ = M_ <= 2 ? 8 : 4;                                                    \
+        int64_t n_ = (n0);                                                                                    \
+        for (; n_ + nb_ <= (n1); n_ += nb_) {                                                                 \
+            if (M_ == 1) BLOCK(a, n_, 1, 8);                                                                  \
+            else if (M_ == 2) BLOCK(a, n_, 2, 8);                                                             \
+            else if (M_ == 3) BLOCK(a, n_, 3, 4);                                                             \
+            else BLOCK(a, n_, 4, 4);                                                                          \
+        }                                                                                                     \
+        for (; n_ < (n1); n_++) {                                                                             \
+            if (M_ == 1) BLOCK(a, n_, 1, 1);                                                                  \
+            else if (M_ == 2) BLOCK(a, n_, 2, 1);                                                             \
+            else if (M_ == 3) BLOCK(a, n_, 3, 1);                                                             \
+            else BLOCK(a, n_, 4, 1);                                                                          \
+        }                                                                                                     \
+    } while (0)
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define CONFKV_GEMV_AVX512 1
 /* 16 int8 weights widened to float32 (exact); `mask` keeps the first lanes of a row's tail, the rest read as 0 */
@@ -93,26 +113,6 @@ static inline __attribute__((always_inline)) void gemv_block_avx512(const gemv_a
         for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, _mm512_reduce_add_ps(acc[m][b]));
 }
 
-/* rows [n0, n1) for M <= 4 (M <= 2: 8-16 independent FMA chains a block) */
-/* output rows [n0, n1) of a->M <= 4 activation rows through BLOCK(a, n, M, NB), M and NB constants in each
- * call so that the block's accumulators stay in registers: blocks of NB = 8 rows (M <= 2) or 4, then single rows */
-#define GEMV_ROWS_IN_BLOCKS(BLOCK, a, n0, n1)                                                                   \
-    do {                                                                                                      \
-        const int M_ = (int)(a)->M, nb_ = M_ <= 2 ? 8 : 4;                                                    \
-        int64_t n_ = (n0);                                                                                    \
-        for (; n_ + nb_ <= (n1); n_ += nb_) {                                                                 \
-            if (M_ == 1) BLOCK(a, n_, 1, 8);                                                                  \
-            else if (M_ == 2) BLOCK(a, n_, 2, 8);                                                             \
-            else if (M_ == 3) BLOCK(a, n_, 3, 4);                                                             \
-            else BLOCK(a, n_, 4, 4);                                                                          \
-        }                                                                                                     \
-        for (; n_ < (n1); n_++) {                                                                             \
-            if (M_ == 1) BLOCK(a, n_, 1, 1);                                                                  \
-            else if (M_ == 2) BLOCK(a, n_, 2, 1);                                                             \
-            else if (M_ == 3) BLOCK(a, n_, 3, 1);                                                             \
-            else BLOCK(a, n_, 4, 1);                                                                          \
-        }                                                                                                     \
-    } while (0)
 
 static void gemv_rows_avx512(const gemv_args *a, int64_t n0, int64_t n1) {
     GEMV_ROWS_IN_BLOCKS(gemv_block_avx512, a, n0, n1);
@@ -188,6 +188,65 @@ static void gemv_rows_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
 }
 #endif
 
+#if !defined(CONFKV_GEMV_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#define CONFKV_GEMV_A8_AVX2 1
+#include <immintrin.h>
+/* W8A8 on AVX2 CPUs without AVX-512 VNNI: output rows [n, n + NB) for the M <= 4 quantised activation rows, 32
+ * columns (one activation block) a step. vpmaddubsw multiplies unsigned by signed bytes, so each weight vector is
+ * taken as |w| (unsigned: 0..128) and each activation vector as q with w's sign (q in -127..127, so -q is a byte);
+ * a pair of products is at most 2 * 128 * 127 < 2^15 (exact in int16), and vpmaddwd by ones sums two pairs into
+ * each int32 lane: 4 columns a lane, exactly. One multiply-add by the block's activation scale moves the 8 lanes
+ * into the float32 accumulators, which are added at the end (the 4-column sums in another order than the
+ * portable loop's blocks of 32: tests/native/test_native_w8a8.py bounds both). A row's last, partial block is
+ * copied into a zeroed buffer (the row is read no further than its K bytes); the activations are zero past K. */
+static inline __attribute__((always_inline)) void gemv_block_a8_avx2(const gemv_args *a, int64_t n, const int M,
+                                                                     const int NB) {
+    __m256 acc[4][8];
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = _mm256_setzero_ps();
+    const int64_t K = a->K, Kq = a->Kq, steps = Kq / ACT_STEP;
+    const int8_t *w = a->w + n * K;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const char *next = (const char *)(w + 2 * NB * K); /* as the AVX-512 block: the rows two blocks ahead */
+    const int ahead = NB >= 2 ? NB / 2 : 1;           /* cache lines per 32 columns of NB rows */
+    for (int64_t k = 0; k < K; k += ACT_BLOCK) {
+        for (int p = 0; p < ahead; p++) _mm_prefetch(next + ((k / ACT_BLOCK) * ahead + p) * 64, _MM_HINT_T0);
+        __m256i x[4];
+        __m256 scale[4];
+        for (int m = 0; m < M; m++) {
+            x[m] = _mm256_loadu_si256((const __m256i *)(a->xq + m * Kq + k));
+            scale[m] = _mm256_loadu_ps(a->xs + (m * steps + k / ACT_STEP) * 16 + ((k % ACT_STEP) / ACT_BLOCK) * 8);
+        }
+        for (int b = 0; b < NB; b++) {
+            __m256i wv;
+            if (k + ACT_BLOCK <= K) {
+                wv = _mm256_loadu_si256((const __m256i *)(w + b * K + k));
+            } else {
+                int8_t tail[ACT_BLOCK] = {0};
+                memcpy(tail, w + b * K + k, (size_t)(K - k));
+                wv = _mm256_loadu_si256((const __m256i *)tail);
+            }
+            const __m256i magnitude = _mm256_abs_epi8(wv);
+            for (int m = 0; m < M; m++) {
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[m], wv));
+                const __m256i fours = _mm256_madd_epi16(pairs, ones);
+                acc[m][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fours), scale[m], acc[m][b]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) {
+            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m][b]), _mm256_extractf128_ps(acc[m][b], 1));
+            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+            gemv_store(a, m, n + b, _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))));
+        }
+}
+
+static void gemv_rows_a8_avx2(const gemv_args *a, int64_t n0, int64_t n1) {
+    GEMV_ROWS_IN_BLOCKS(gemv_block_a8_avx2, a, n0, n1);
+}
+#endif
+
 static void gemv_rows_w4(const gemv_args *a, int64_t n0, int64_t n1); /* gemv_w4.c */
 
 /* activation rows [m0, m0 + 4) of `a` (fewer at the end) as a call of their own: the per-row operands offset */
@@ -223,6 +282,8 @@ static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
     if (a->xq) {
 #ifdef CONFKV_GEMV_VNNI
         in_blocks_of_four_rows(a, n0, n1, gemv_rows_vnni);
+#elif defined(CONFKV_GEMV_A8_AVX2)
+        in_blocks_of_four_rows(a, n0, n1, gemv_rows_a8_avx2);
 #else
         gemv_rows_a8_c(a, n0, n1);
 #endif

@@ -137,10 +137,13 @@ def test_nan_and_inf_in_the_input_propagate_as_in_torch():
 
 
 @needs_native
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_portable_c_loop_equals_the_exact_product(dtype, tmp_path, monkeypatch):
-    """A build without AVX-512 runs the plain C loop (and its pool)."""
-    path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
+def test_the_portable_loops_equal_the_exact_product(dtype, flag, tmp_path, monkeypatch):
+    """A build without AVX-512 runs the AVX2 blocks where the CPU has AVX2 (53 columns: a partial last 16), one
+    without AVX2 as well the plain C loop (and either, its pool)."""
+    path = loader.build(tmp_path, loader.default_flags() + [flag])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     for threads in (1, 2):
         with torch_threads(threads):

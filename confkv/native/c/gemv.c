@@ -119,6 +119,58 @@ static void gemv_rows_avx512(const gemv_args *a, int64_t n0, int64_t n1) {
 }
 #endif
 
+#if !defined(CONFKV_GEMV_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#define CONFKV_GEMV_AVX2 1
+#include <immintrin.h>
+/* 8 int8 weights widened to float32 (exact) */
+static inline __m256 weights8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* W8A16 on AVX2 CPUs without AVX-512: gemv_block_avx512 with 8 lanes, 16 columns a step (two vectors a row), M * NB
+ * sums in registers, each weight vector widened once and used by the M rows; a row's last, partial 16 columns are
+ * copied into a zeroed buffer (the row is read no further than its K bytes; the activations are zero past K) */
+static inline __attribute__((always_inline)) void gemv_block_avx2(const gemv_args *a, int64_t n, const int M,
+                                                                  const int NB) {
+    __m256 acc[4][8];
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = _mm256_setzero_ps();
+    const int64_t K = a->K, Kp = a->Kp;
+    const int8_t *w = a->w + n * K;
+    const char *next = (const char *)(w + 2 * NB * K); /* as the AVX-512 block: the rows two blocks ahead */
+    const int ahead = NB >= 4 ? NB / 4 : 1;
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int p = 0; p < ahead; p++) _mm_prefetch(next + ((k / 16) * ahead + p) * 64, _MM_HINT_T0);
+        __m256 x0[4], x1[4];
+        for (int m = 0; m < M; m++) {
+            x0[m] = _mm256_loadu_ps(a->xf + m * Kp + k);
+            x1[m] = _mm256_loadu_ps(a->xf + m * Kp + k + 8);
+        }
+        for (int b = 0; b < NB; b++) {
+            const int8_t *row = w + b * K + k;
+            int8_t tail[16] = {0};
+            if (k + 16 > K) {
+                memcpy(tail, row, (size_t)(K - k));
+                row = tail;
+            }
+            const __m256 w0 = weights8(row), w1 = weights8(row + 8);
+            for (int m = 0; m < M; m++)
+                acc[m][b] = _mm256_fmadd_ps(x1[m], w1, _mm256_fmadd_ps(x0[m], w0, acc[m][b]));
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) {
+            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m][b]), _mm256_extractf128_ps(acc[m][b], 1));
+            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+            gemv_store(a, m, n + b, _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))));
+        }
+}
+
+static void gemv_rows_avx2(const gemv_args *a, int64_t n0, int64_t n1) {
+    GEMV_ROWS_IN_BLOCKS(gemv_block_avx2, a, n0, n1);
+}
+#endif
+
 /* output rows [n0, n1) of every activation row, in groups of up to 4 activation rows */
 /* W8A8: blocks of ACT_BLOCK activations share one scale; rows of the quantised activations are padded
  * to a multiple of 64 (one AVX-512 VNNI step) */
@@ -291,6 +343,8 @@ static void gemv_rows(const gemv_args *a, int64_t n0, int64_t n1) {
     }
 #ifdef CONFKV_GEMV_AVX512
     in_blocks_of_four_rows(a, n0, n1, gemv_rows_avx512);
+#elif defined(CONFKV_GEMV_AVX2)
+    in_blocks_of_four_rows(a, n0, n1, gemv_rows_avx2);
 #else
     gemv_rows_c(a, n0, n1);
 #endif

@@ -1,6 +1,6 @@
 """Read bandwidth of the native INT8 GEMV on one large weight (393,216 x 576 int8, 226 MB: out of every
-cache) against torch's int64 sum over the same bytes, at 1 and 2 threads; and the time of a
-SmolLM2-sized LM head (49,152 x 576). Medians of 15 calls.
+cache), with bfloat16 activations (W8A16) and with int8 activation blocks (W8A8), against torch's int64 sum over
+the same bytes, at 1 and 2 threads; and the time of a SmolLM2-sized LM head (49,152 x 576). Medians of 15 calls.
 
     .venv/bin/python benchmarks/gemv_bandwidth.py
 """
@@ -28,14 +28,18 @@ def main():
     big = torch.randint(-127, 127, (8 * 49152, 576), dtype=torch.int8, generator=gen)
     x = torch.randn(1, 576, generator=gen).to(torch.bfloat16)
     head_gemv = native.Int8Projection(head, torch.rand(head.shape[0], generator=gen).to(torch.bfloat16) + 0.5)
-    big_gemv = native.Int8Projection(big, torch.rand(big.shape[0], generator=gen).to(torch.bfloat16) + 0.5)
+    big_scale = torch.rand(big.shape[0], generator=gen).to(torch.bfloat16) + 0.5
+    big_gemv = native.Int8Projection(big, big_scale)
+    big_a8 = native.Int8Projection(big, big_scale, None, activation_bits=8)
     words = big.view(torch.int64)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         gemv = big.numel() / _median_seconds(lambda: big_gemv(x)) / 1e9
+        a8 = big.numel() / _median_seconds(lambda: big_a8(x)) / 1e9
         read = big.numel() / _median_seconds(lambda: words.sum()) / 1e9
         lm_head = _median_seconds(lambda: head_gemv(x)) * 1e3
-        print(f"threads {threads}: INT8 GEMV {gemv:.1f} GB/s; torch int64 sum {read:.1f} GB/s; LM head {lm_head:.2f} ms")
+        print(f"threads {threads}: INT8 GEMV {gemv:.1f} GB/s (W8A8 {a8:.1f}); torch int64 sum {read:.1f} GB/s; "
+              f"LM head {lm_head:.2f} ms")
 
 
 if __name__ == "__main__":

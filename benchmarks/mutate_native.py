@@ -85,6 +85,7 @@ TESTS_FOR = {
     "c/pages.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_simd.c": ["test_native_pages", "test_native_page_formats"],
+    "c/page_avx2.c": ["test_native_pages", "test_native_page_formats"],
     "c/page_tasks.c": ["test_native_pages", "test_native_page_formats", "test_read_updates"],
     "c/prefill.c": ["test_native_prefill"],
     "c/evict.c": ["test_native_evict", "test_age_evict"],

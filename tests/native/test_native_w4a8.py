@@ -146,9 +146,13 @@ def test_the_c_entry_takes_any_count_of_rows_in_blocks_of_four():
             torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4)
 
 
-def test_the_portable_w4a8_loop_equals_the_reference(tmp_path, monkeypatch):
-    """A build without AVX-512 (so without VNNI) runs the portable integer loop."""
-    path = loader.build(tmp_path, loader.default_flags() + ["-mno-avx512f"])
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx2"])
+def test_the_portable_w4a8_loops_equal_the_reference(tmp_path, monkeypatch, flag):
+    """A build without AVX-512 (so without VNNI) runs the AVX2 byte products where the CPU has AVX2 (4 rows a pass;
+    widths whose last 128-column line holds one step of the activations, or two); one without AVX2 as well runs the
+    portable integer loop."""
+    path = loader.build(tmp_path, loader.default_flags() + [flag])
     monkeypatch.setitem(loader._state, "lib", loader.load(path))
     gen = torch.Generator().manual_seed(3)
     for width in (576, 100, 97, 130):

@@ -139,10 +139,87 @@ static void gemv_rows_w4_vnni(const gemv_args *a, int64_t n0, int64_t n1) {
 }
 #endif
 
+#if !defined(CONFKV_GEMV_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define CONFKV_GEMV_W4_AVX2 1
+/* w4_minima 8 blocks at a time, the last blocks one by one */
+static inline float w4_minima8(const gemv_args *a, int64_t m, int64_t n) {
+    const int64_t blocks = a->Kq / ACT_BLOCK;
+    const uint16_t *minimum = a->wmin + n * w4_blocks(a);
+    const float *xsum = a->xsum + m * blocks;
+    __m256 s = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 8 <= blocks; b += 8)
+        s = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimum + b))), _mm256_loadu_ps(xsum + b), s);
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    float t = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+    for (; b < blocks; b++) t = fmaf(f16_to_f32(minimum[b]), xsum[b], t);
+    return t;
+}
+
+/* W4A8 on AVX2 CPUs without VNNI: output rows [n, n + NB) for the M <= 4 quantised activation rows, a row's
+ * 64-byte line (128 columns) a step: its low nibbles are the codes of blocks 4L, 4L + 1 (bytes 0-31, 32-63), its
+ * high nibbles those of 4L + 2, 4L + 3. vpmaddubsw multiplies the unsigned codes (0..15) by the signed activations
+ * (a pair at most 2 * 15 * 127, exact in int16) and vpmaddwd by ones sums two pairs a lane (4 columns, exactly); one
+ * multiply-add by the block's activation scale times its weight scale moves the 8 lanes into float32. The minima's
+ * share is added at the end (w4_minima8). */
+static inline __attribute__((always_inline)) void gemv_block_w4_avx2(const gemv_args *a, int64_t n, const int M,
+                                                                     const int NB) {
+    __m256 acc[4][8];
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) acc[m][b] = _mm256_setzero_ps();
+    const int64_t Kq = a->Kq, steps = Kq / ACT_STEP, wblocks = w4_blocks(a), row_bytes = wblocks * ACT_BLOCK / 2;
+    const uint8_t *w = (const uint8_t *)a->w + n * row_bytes;
+    const uint16_t *scales = (const uint16_t *)a->scale + n * wblocks;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const char *next = (const char *)(w + 2 * NB * row_bytes); /* as gemv_block_w4: NB lines a pair of steps */
+    for (int64_t j = 0; j < steps; j += 2) {
+        for (int p = 0; p < NB; p++) _mm_prefetch(next + ((j / 2) * NB + p) * 64, _MM_HINT_T0);
+        const int blocks = j + 1 < steps ? 4 : 2; /* the line's second step exists in the activations */
+        __m256i x[4][4];
+        __m256 xs[4][4];
+        for (int m = 0; m < M; m++)
+            for (int k = 0; k < blocks; k++) { /* block 2j + k: step j + k / 2, its half k % 2 */
+                x[m][k] = _mm256_loadu_si256((const __m256i *)(a->xq + m * Kq + j * ACT_STEP + k * ACT_BLOCK));
+                xs[m][k] = _mm256_loadu_ps(a->xs + (m * steps + j + k / 2) * 16 + (k % 2) * 8);
+            }
+        for (int b = 0; b < NB; b++) {
+            const uint8_t *line = w + b * row_bytes + (j / 2) * (W4_STEP / 2);
+            const __m256i first = _mm256_loadu_si256((const __m256i *)line);
+            const __m256i second = _mm256_loadu_si256((const __m256i *)(line + 32));
+            __m256i codes[4];
+            codes[0] = _mm256_and_si256(first, low);
+            codes[1] = _mm256_and_si256(second, low);
+            codes[2] = _mm256_and_si256(_mm256_srli_epi16(first, 4), low);
+            codes[3] = _mm256_and_si256(_mm256_srli_epi16(second, 4), low);
+            for (int k = 0; k < blocks; k++) {
+                const __m256 scale = _mm256_set1_ps(f16_to_f32(scales[b * wblocks + 2 * j + k]));
+                for (int m = 0; m < M; m++) {
+                    const __m256i fours = _mm256_madd_epi16(_mm256_maddubs_epi16(codes[k], x[m][k]), ones);
+                    acc[m][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fours), _mm256_mul_ps(xs[m][k], scale), acc[m][b]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < NB; b++) {
+            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m][b]), _mm256_extractf128_ps(acc[m][b], 1));
+            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+            gemv_store(a, m, n + b, _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))) + w4_minima8(a, m, n + b));
+        }
+}
+
+static void gemv_rows_w4_avx2(const gemv_args *a, int64_t n0, int64_t n1) {
+    GEMV_ROWS_IN_BLOCKS(gemv_block_w4_avx2, a, n0, n1);
+}
+#endif
+
 /* output rows [n0, n1) of every activation row (the VNNI blocks four activation rows at a time) */
 static void gemv_rows_w4(const gemv_args *a, int64_t n0, int64_t n1) {
 #ifdef CONFKV_GEMV_VNNI
     in_blocks_of_four_rows(a, n0, n1, gemv_rows_w4_vnni);
+#elif defined(CONFKV_GEMV_W4_AVX2)
+    in_blocks_of_four_rows(a, n0, n1, gemv_rows_w4_avx2);
 #else
     gemv_rows_w4_c(a, n0, n1);
 #endif

@@ -159,3 +159,16 @@ def test_a_verdict_follows_its_line_when_an_edit_above_moves_it(tmp_path):
     (tree / "c" / "part.c").write_text(MOVED_SOURCE.replace("a[0] * a[1] * a[2]", "a[0] * a[1] * a[3]"))
     kept, renamed = mutate_native.verdicts_now(results, mutate_native.mutants(tree))
     assert not renamed and not any(i in kept for i in (m.id for m in products))
+
+
+def test_tests_skipped_for_a_cpu_feature_are_no_sign_of_a_missing_library():
+    """A CPU without AVX512-BF16 skips a few tests for that reason: the run is still a verdict (a machine without the
+    feature could not run mutants at all when any skip counted as "the library did not load"); skips because the
+    library is unavailable are not."""
+    feature = ("SKIPPED [1] tests/native/test_native_prefill.py:319: this CPU has no AVX512-BF16\n"
+               "1391 passed, 36 skipped, 2 deselected in 345.12s")
+    assert not mutate_native.ran_without_library(feature)
+    for reason in ("native kernels unavailable (no C compiler or CONFKV_NATIVE=0; see the warning)",
+                   "no C compiler: the native kernels are off", "the eviction's C call needs the library"):
+        assert mutate_native.ran_without_library(f"SKIPPED [4] tests/native/test_x.py:12: {reason}\n4 skipped in 1.0s")
+    assert mutate_native.ran_without_library("UserWarning: confkv: native kernels unavailable\n3 passed in 1.0s")

@@ -17,6 +17,17 @@ static int pool_run(void (*task)(const void *, int64_t), const void *ctx, int64_
 typedef struct mass_args mass_args;
 static int mass_read_run(mass_args *a, int64_t B, int threads);
 
+#if defined(__AVX__)
+#include <immintrin.h>
+/* the sum of x's 8 lanes: the two halves added, then the pairs, then the last two (the vector readers' and GEMVs'
+ * ending; AVX-512 sums end here after adding their halves) */
+static inline float sum_lanes8(__m256 x) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#endif
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -159,11 +159,7 @@ static inline __attribute__((always_inline)) void gemv_block_avx2(const gemv_arg
         }
     }
     for (int m = 0; m < M; m++)
-        for (int b = 0; b < NB; b++) {
-            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m][b]), _mm256_extractf128_ps(acc[m][b], 1));
-            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            gemv_store(a, m, n + b, _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))));
-        }
+        for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, sum_lanes8(acc[m][b]));
 }
 
 static void gemv_rows_avx2(const gemv_args *a, int64_t n0, int64_t n1) {
@@ -287,11 +283,7 @@ static inline __attribute__((always_inline)) void gemv_block_a8_avx2(const gemv_
         }
     }
     for (int m = 0; m < M; m++)
-        for (int b = 0; b < NB; b++) {
-            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m][b]), _mm256_extractf128_ps(acc[m][b], 1));
-            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            gemv_store(a, m, n + b, _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))));
-        }
+        for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, sum_lanes8(acc[m][b]));
 }
 
 static void gemv_rows_a8_avx2(const gemv_args *a, int64_t n0, int64_t n1) {

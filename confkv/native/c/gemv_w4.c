@@ -150,9 +150,7 @@ static inline float w4_minima8(const gemv_args *a, int64_t m, int64_t n) {
     int64_t b = 0;
     for (; b + 8 <= blocks; b += 8)
         s = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(minimum + b))), _mm256_loadu_ps(xsum + b), s);
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    float t = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+    float t = sum_lanes8(s);
     for (; b < blocks; b++) t = fmaf(f16_to_f32(minimum[b]), xsum[b], t);
     return t;
 }
@@ -202,11 +200,7 @@ static inline __attribute__((always_inline)) void gemv_block_w4_avx2(const gemv_
         }
     }
     for (int m = 0; m < M; m++)
-        for (int b = 0; b < NB; b++) {
-            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(acc[m][b]), _mm256_extractf128_ps(acc[m][b], 1));
-            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            gemv_store(a, m, n + b, _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two))) + w4_minima8(a, m, n + b));
-        }
+        for (int b = 0; b < NB; b++) gemv_store(a, m, n + b, sum_lanes8(acc[m][b]) + w4_minima8(a, m, n + b));
 }
 
 static void gemv_rows_w4_avx2(const gemv_args *a, int64_t n0, int64_t n1) {

@@ -274,10 +274,7 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
     }
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < groups; g++) {
-            const __m256 x = low[r * groups + g];
-            const __m128 four = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-            const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-            const float centres = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+            const float centres = sum_lanes8(low[r * groups + g]);
             for (int64_t d = g * Gv; d < (g + 1) * Gv; d++) acc[r * D + d] += centres;
         }
 }

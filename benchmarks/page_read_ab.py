@@ -4,7 +4,8 @@ earlier commit's ``confkv/native``), both loaded in one process and called inter
 The read: one layer of SmolLM2-135M (``--shape smollm2``: 9 query heads, 3 KV heads, head dim 64) or of
 Qwen2.5-1.5B (``--shape qwen``: 12 query heads, 2 KV heads, head dim 128), batch 1, one query, a hot tier of
 ``--hot`` float32 tokens plus ``--tokens`` tokens of sealed pages (64 a page, group 64) at each bit width alone
-and as the ladder's mix (a third each at 8, 4 and 3 bits), as ``benchmarks/native_page_read.py`` builds it;
+and as the ladder's mix (a third each at 8, 4 and 3 bits), as ``benchmarks/native_page_read.py`` builds it, and the
+hot tier alone (the dense read);
 ``--rotated``: the pages marked as coded in a Hadamard rotation, as the memory preset's are (the kernel then
 turns the query into their basis and their share of the output back). Wall-clock medians over ``--repeats``
 interleaved calls at each of ``--threads``; the ratio is the figure.
@@ -50,6 +51,8 @@ def main() -> None:
     parser.add_argument("--before", type=Path, required=True, help="a directory holding kernels.c and c/")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--hot", type=int, default=512)
+    parser.add_argument("--hot-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the hot tier's dtype (the memory preset's is the model's: bfloat16 in the bench)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
@@ -59,8 +62,9 @@ def main() -> None:
     rotation = shared_rotation(dim) if args.rotated else None
     libs = {"before": build_from(args.before), "after": loader.library()}
     gen = torch.Generator().manual_seed(0)
-    hot = KVSegment(torch.randn(1, kv_heads, args.hot, dim, generator=gen),
-                    torch.randn(1, kv_heads, args.hot, dim, generator=gen), None)
+    hot_dtype = getattr(torch, args.hot_dtype)
+    hot = KVSegment(torch.randn(1, kv_heads, args.hot, dim, generator=gen).to(hot_dtype),
+                    torch.randn(1, kv_heads, args.hot, dim, generator=gen).to(hot_dtype), None)
     query = torch.randn(1, q_heads, 1, dim, generator=gen)
 
     def pages(bits: int, tokens: int):
@@ -69,8 +73,9 @@ def main() -> None:
     cases = {f"{bits}-bit pages only": [hot, pages(bits, args.tokens)] for bits in (8, 4, 3, 2)}
     third = args.tokens // 3 // 64 * 64
     cases["ladder mix 8/4/3"] = [hot, pages(8, third), pages(4, third), pages(3, args.tokens - 2 * third)]
+    cases["hot tier only"] = [hot]  # the dense read alone (c/mass_read.c's loops)
     print(f"one layer's read ({args.shape}): {q_heads} query heads, {kv_heads} KV heads, head dim {dim}, batch 1, "
-          f"hot tier {args.hot} tokens fp32 + {args.tokens} tokens of packed pages"
+          f"hot tier {args.hot} tokens {args.hot_dtype} + {args.tokens} tokens of packed pages"
           f"{' in a Hadamard rotation' if args.rotated else ''}; wall-clock median of {args.repeats} interleaved calls")
     print(f"{'case':<22}{'threads':>8}{'before ms':>11}{'after ms':>10}{'before/after':>14}{'max |diff|':>12}")
     for threads in args.threads:

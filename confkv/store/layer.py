@@ -150,12 +150,7 @@ class LayerStore(AttentionRead):
         """Exact bytes of the stored keys and values of every tier: INT8 scales, cold scales and digests included."""
         if not self.is_initialized:
             return 0
-        extra = self.channel_scale.nbytes if self.channel_scale is not None else 0
-        cold = self.cold.kv_bytes() if self.cold is not None else 0
-        window = self.recent.nbytes()
-        if self.window is not None:  # its spare slots are held too
-            window = self.window.nbytes() + (0 if self.window.backs(self.recent) else window)
-        return self.old.nbytes() + window + extra + cold
+        return self.hot_bytes() + (self.cold.kv_bytes() if self.cold is not None else 0)
 
     def offloaded_bytes(self) -> int:
         """Of :meth:`kv_bytes`, the bytes kept in the page file rather than RAM."""
@@ -279,8 +274,15 @@ class LayerStore(AttentionRead):
         self._evict(budget)
 
     def hot_bytes(self) -> int:
-        """Of :meth:`kv_bytes`, the hot tier's (every region in the model's precision or INT8, spare slots included)."""
-        return self.kv_bytes() - (self.cold.kv_bytes() if self.cold is not None else 0)
+        """Of :meth:`kv_bytes`, the hot tier's (every region in the model's precision or INT8, spare slots included;
+        the INT8 keys' channel scale). Worked out without the cold tier's bytes: the planner asks it every step."""
+        if not self.is_initialized:
+            return 0
+        extra = self.channel_scale.nbytes if self.channel_scale is not None else 0
+        window = self.recent.nbytes()
+        if self.window is not None:  # its spare slots are held too
+            window = self.window.nbytes() + (0 if self.window.backs(self.recent) else window)
+        return self.old.nbytes() + window + extra
 
     def fit(self, budget_bytes: int) -> None:
         """Bring the cold ladder under ``budget_bytes - hot_bytes()`` (:meth:`LadderTier.fit`); no-op without one."""

@@ -44,9 +44,10 @@ def _check_read(query, segments, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [[37], [64, 5], [0, 40, 3], [1, 1, 1]])
 @pytest.mark.parametrize("group,num_queries", [(1, 1), (3, 1), (3, 4), (2, 3)])
-# 24: the generic C loop (not a multiple of 16); 64 and 128: the inlined AVX-512 loops (SmolLM2, Qwen2.5); 16, 48 and
-# 256: the general AVX-512 loop, 256 the widest it takes (its register arrays full)
-@pytest.mark.parametrize("dim", [16, 64, 24, 128, 48, 256])
+# 20: the generic C loop (not a multiple of 8); 64 and 128: the inlined vector loops (SmolLM2, Qwen2.5); 16, 48 and
+# 256: the general AVX-512 loop, 256 the widest it takes (its register arrays full); 24: the generic C loop with
+# AVX-512, the general AVX2 loop without (16, 24: AVX2 sums of 4 and 2 rows at a time, the last pass partial)
+@pytest.mark.parametrize("dim", [16, 64, 24, 128, 48, 256, 20])
 def test_mass_read_equals_the_torch_mass_read(dtype, lengths, group, num_queries, dim):
     segments = unmasked_segments(lengths, dim=dim, num_queries=num_queries, dtype=dtype)
     spread = min(1.0, (64 / dim) ** 0.5)  # wider heads: the scores as sharp as at 64 channels, not sharper

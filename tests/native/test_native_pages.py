@@ -520,10 +520,11 @@ def test_the_portable_builds_read_as_the_torch_read(tmp_path, flag, reader):
         loader._state["lib"] = saved
 
 
-@pytest.mark.parametrize("heads", [1, 2, 3, 4, 5, 7])
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 5, 7, 9, 11])
 def test_every_count_of_query_rows_is_read_as_the_torch_read(heads):
     """The vector readers add the values of 3 (AVX2) or 4 (AVX-512) query rows at a time, the rest in a block of
-    their own: 1 to 7 query heads a KV head leave every remainder."""
+    their own: 1 to 7 query heads a KV head leave every remainder. The AVX2 scores take the rows in blocks of 8,
+    3 at a time within one: 9 and 11 rows make a second block (of 1 and of 3)."""
     gen = torch.Generator().manual_seed(heads)
     query = torch.randn(BATCH, KV_HEADS * heads, 1, 64, generator=gen)
     _compare(query, [_pages_of(gen, 4, 64, 64, 64), _pages_of(gen, 3, 64, 64, 64)], 64 ** -0.5)

@@ -79,6 +79,58 @@ static inline __attribute__((always_inline)) void weighted_sum_avx512(
             }
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The same two loops on 8-lane vectors for CPUs without AVX-512 (D a multiple of 8 up to 256; `nc` = D / 8 a
+ * constant where inlined for D = 64 and 128): a key row is loaded once and kept in registers for the R query rows,
+ * a value row for `block` rows' sums at a time (the generic loops' dot product reloads and re-sums every row). */
+static inline __m256 load8(const char *src, int dtype) {
+    if (dtype == F32) return _mm256_loadu_ps((const float *)src);
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+static inline __attribute__((always_inline)) void scores_avx2(
+    const float *qf, int64_t R, const int nc, const void *keys, int kd, int64_t ks, int64_t L, float scaling,
+    float *scores, int64_t stride) {
+    const int64_t bytes = kd == BF16 ? 2 : 4;
+    __m256 k[32];
+    for (int64_t l = 0; l < L; l++) {
+        const char *src = (const char *)keys + l * ks * bytes;
+        for (int c = 0; c < nc; c++) k[c] = load8(src + c * 8 * bytes, kd);
+        for (int64_t r = 0; r < R; r++) {
+            const float *q = qf + r * nc * 8;
+            __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]);
+            for (int c = 1; c < nc; c++) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), k[c], sum);
+            scores[r * stride + l] = sum_lanes8(sum) * scaling;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void weighted_sum_avx2(
+    const float *p, int64_t stride, int64_t R, const int nc, const void *values, int vd, int64_t vs, int64_t L,
+    float *acc) {
+    const int64_t bytes = vd == BF16 ? 2 : 4;
+    const int block = nc >= 8 ? 1 : 8 / nc; /* rows per pass over the values: block * nc sums in registers */
+    __m256 a[32], v[32];
+    for (int64_t r0 = 0; r0 < R; r0 += block) {
+        const int rows = R - r0 < block ? (int)(R - r0) : block;
+        for (int i = 0; i < block * nc; i++) a[i] = _mm256_setzero_ps();
+        for (int64_t l = 0; l < L; l++) {
+            const char *src = (const char *)values + l * vs * bytes;
+            for (int c = 0; c < nc; c++) v[c] = load8(src + c * 8 * bytes, vd);
+            for (int rr = 0; rr < block; rr++) { /* rows past R get weight 0 and are not stored */
+                const __m256 w = _mm256_set1_ps(rr < rows ? p[(r0 + rr) * stride + l] : 0.0f);
+                for (int c = 0; c < nc; c++) a[rr * nc + c] = _mm256_fmadd_ps(w, v[c], a[rr * nc + c]);
+            }
+        }
+        for (int rr = 0; rr < rows; rr++)
+            for (int c = 0; c < nc; c++) {
+                float *out = acc + (r0 + rr) * nc * 8 + 8 * c;
+                _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), a[rr * nc + c]));
+            }
+    }
+}
 #endif
 
 static void scores_segment(const float *qf, int64_t R, int64_t D, const void *keys, int kd, int64_t ks, int64_t L,
@@ -87,6 +139,10 @@ static void scores_segment(const float *qf, int64_t R, int64_t D, const void *ke
     if (D == 64) return scores_avx512(qf, R, 4, keys, kd, ks, L, scaling, scores, stride);
     if (D == 128) return scores_avx512(qf, R, 8, keys, kd, ks, L, scaling, scores, stride);
     if (D % 16 == 0 && D <= 256) return scores_avx512(qf, R, (int)(D / 16), keys, kd, ks, L, scaling, scores, stride);
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D == 64) return scores_avx2(qf, R, 8, keys, kd, ks, L, scaling, scores, stride);
+    if (D == 128) return scores_avx2(qf, R, 16, keys, kd, ks, L, scaling, scores, stride);
+    if (D % 8 == 0 && D <= 256) return scores_avx2(qf, R, (int)(D / 8), keys, kd, ks, L, scaling, scores, stride);
 #endif
     scores_c(qf, R, D, keys, kd, ks, L, scaling, scores, stride, row);
 }
@@ -97,6 +153,10 @@ static void weighted_sum_segment(const float *p, int64_t stride, int64_t R, int6
     if (D == 64) return weighted_sum_avx512(p, stride, R, 4, values, vd, vs, L, acc);
     if (D == 128) return weighted_sum_avx512(p, stride, R, 8, values, vd, vs, L, acc);
     if (D % 16 == 0 && D <= 256) return weighted_sum_avx512(p, stride, R, (int)(D / 16), values, vd, vs, L, acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D == 64) return weighted_sum_avx2(p, stride, R, 8, values, vd, vs, L, acc);
+    if (D == 128) return weighted_sum_avx2(p, stride, R, 16, values, vd, vs, L, acc);
+    if (D % 8 == 0 && D <= 256) return weighted_sum_avx2(p, stride, R, (int)(D / 8), values, vd, vs, L, acc);
 #endif
     weighted_sum_c(p, stride, R, D, values, vd, vs, L, acc, row);
 }

@@ -68,7 +68,11 @@ static inline __attribute__((always_inline)) void avx2_unpack(const uint8_t *res
             codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(src + 8 * i)));
         else if (bits == 4)
             codes = _mm256_set1_epi32((int)avx2_word(src + 4 * i, 4));
-        else if (bits == 3)
+        else if (bits == 3 && i + 1 < D / 8) { /* a word inside the row: its 4 bytes, the 4th masked off below */
+            uint32_t w;
+            memcpy(&w, src + 3 * i, 4);
+            codes = _mm256_set1_epi32((int)w);
+        } else if (bits == 3)
             codes = _mm256_set1_epi32((int)avx2_word(src + 3 * i, 3));
         else
             codes = _mm256_set1_epi32((int)avx2_word(src + 2 * i, 2));
@@ -104,26 +108,49 @@ static inline __m256 avx2_seen(const uint8_t *valid) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(v, _mm256_setzero_si256()));
 }
 
+/* one token's sums (codes c [V]) for `rows` query rows (folded q * s [rows, 8 * V]): sum r goes to out[8 * r] (a row
+ * of lane[8][8]); each sum a product then V - 1 multiply-adds in channel order. Always inlined: constant rows and V
+ * keep the sums in registers */
+static inline __attribute__((always_inline)) void avx2_token_rows(const float *folded, int64_t V, int64_t rows,
+                                                                  const __m256 *c, __m256 *out) {
+    __m256 acc[3];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm256_mul_ps(_mm256_loadu_ps(folded + r * 8 * V), c[0]);
+    for (int64_t i = 1; i < V; i++)
+        for (int64_t r = 0; r < rows; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(folded + r * 8 * V + 8 * i), c[i], acc[r]);
+    for (int64_t r = 0; r < rows; r++) out[8 * r] = acc[r];
+}
+
 /* the scores of 8 tokens (their packed key rows at codes, C bytes apart) for the R query rows: folded [R, 8 * V]
- * (q * s), bias [R] (q . centre); s[r * total + e] (-inf where valid[e] is 0). Always inlined, so that a constant V
- * unrolls the sums */
+ * (q * s), bias [R] (q . centre); s[r * total + e] (-inf where valid[e] is 0). Token by token: its codes unpacked
+ * into registers once, then each row's sum of V multiply-adds (the factors of q * s read from memory, one a
+ * multiply-add), so that no code is written out and read back (a load a multiply-add instead of two); rows in
+ * blocks of 8, each block's sums of the 8 tokens added by one tree. Always inlined, so that a constant V unrolls
+ * the sums */
 static inline __attribute__((always_inline)) void avx2_score_tokens8(const uint8_t *codes, int64_t C,
                                                                      const avx2_layout *l, int64_t V,
                                                                      const float *folded, const float *bias, int64_t R,
                                                                      const uint8_t *valid, float *s, int64_t total) {
-    __m256 c[8][32]; /* the 8 tokens' codes less the middle one [token][vector] */
-    for (int64_t e = 0; e < 8; e++) avx2_unpack_row(codes + e * C, 8 * V, l, c[e]);
     const __m256 seen = avx2_seen(valid), hidden = _mm256_set1_ps(-INFINITY);
-    for (int64_t r = 0; r < R; r++) {
-        const float *f = folded + r * 8 * V;
-        __m256 lane[8];
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        const int64_t rows = R - r0 < 8 ? R - r0 : 8;
+        __m256 lane[8][8]; /* [row - r0][token]: the token's 8 partial sums of that row */
         for (int64_t e = 0; e < 8; e++) {
-            __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(f), c[e][0]);
-            for (int64_t i = 1; i < V; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(f + 8 * i), c[e][i], acc);
-            lane[e] = acc;
+            __m256 c[32]; /* the token's codes less the middle one */
+            avx2_unpack_row(codes + e * C, 8 * V, l, c);
+            int64_t r = 0;
+            for (; r + 3 <= rows; r += 3) /* 3 rows' sums side by side (a constant count: in registers) */
+                avx2_token_rows(folded + (r0 + r) * 8 * V, V, 3, c, &lane[r][e]);
+            switch (rows - r) {
+            case 2: avx2_token_rows(folded + (r0 + r) * 8 * V, V, 2, c, &lane[r][e]); break;
+            case 1: avx2_token_rows(folded + (r0 + r) * 8 * V, V, 1, c, &lane[r][e]); break;
+            default: break;
+            }
         }
-        const __m256 got = _mm256_add_ps(sum8(lane), _mm256_set1_ps(bias[r]));
-        _mm256_storeu_ps(s + r * total, _mm256_blendv_ps(hidden, got, seen));
+        for (int64_t r = 0; r < rows; r++) {
+            const __m256 got = _mm256_add_ps(sum8(lane[r]), _mm256_set1_ps(bias[r0 + r]));
+            _mm256_storeu_ps(s + (r0 + r) * total, _mm256_blendv_ps(hidden, got, seen));
+        }
     }
 }
 
@@ -220,6 +247,22 @@ static inline __attribute__((always_inline)) void avx2_value_block(float *acc, i
     }
 }
 
+/* the valid ones (bits_seen) of 8 value rows (packed at codes, C bytes apart) unpacked into c, then added to acc
+ * (avx2_value_block). Always inlined, so that a constant V unrolls the unpacking as well as the sums */
+static inline __attribute__((always_inline)) void avx2_value_slots8(float *acc, int64_t R, int64_t V, int64_t groups,
+                                                                    int64_t per_group, float (*step)[8],
+                                                                    const uint8_t *codes, int64_t C,
+                                                                    const avx2_layout *l, int bits_seen,
+                                                                    __m256 (*c)[32], int *token) {
+    int64_t n = 0;
+    for (int e = 0; e < 8; e++)
+        if (bits_seen >> e & 1) {
+            avx2_unpack_row(codes + e * C, 8 * V, l, c[n]);
+            token[n++] = e;
+        }
+    avx2_value_block(acc, R, V, groups, per_group, (const float (*)[8])step, token, (const __m256 (*)[32])c, n);
+}
+
 /* adds the selected pages' values weighted by probs [R, total] (this segment's columns) to acc [R, D] (channel
  * order), 8 slots at a time: their weights times the value scales (p * s) and the centres' sums (p (m + mid * s),
  * 8 slots side by side) as vectors, then the valid slots' codes unpacked and added (avx2_value_block). The centres'
@@ -258,18 +301,13 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
                     low[r * groups + g] = _mm256_blendv_ps(low[r * groups + g], more, seen); /* hidden slots: unread */
                 }
             }
-            int64_t n = 0;
-            for (int e = 0; e < 8; e++)
-                if (bits_seen >> e & 1) {
-                    avx2_unpack_row(v.value_codes + (t0 + e) * C, D, &l, c[n]);
-                    token[n++] = e;
-                }
-            if (V == 8) /* a constant V: unrolled */
-                avx2_value_block(acc, R, 8, groups, per_group, (const float (*)[8])step, token, (const __m256 (*)[32])c, n);
+            const uint8_t *codes = v.value_codes + t0 * C;
+            if (V == 8) /* a constant V: the unpacking and the sums unrolled */
+                avx2_value_slots8(acc, R, 8, groups, per_group, step, codes, C, &l, bits_seen, c, token);
             else if (V == 16)
-                avx2_value_block(acc, R, 16, groups, per_group, (const float (*)[8])step, token, (const __m256 (*)[32])c, n);
+                avx2_value_slots8(acc, R, 16, groups, per_group, step, codes, C, &l, bits_seen, c, token);
             else
-                avx2_value_block(acc, R, V, groups, per_group, (const float (*)[8])step, token, (const __m256 (*)[32])c, n);
+                avx2_value_slots8(acc, R, V, groups, per_group, step, codes, C, &l, bits_seen, c, token);
         }
     }
     for (int64_t r = 0; r < R; r++)

@@ -650,3 +650,26 @@ def test_each_row_is_softmaxed_at_its_own_maximum(large_row):
     torch.testing.assert_close(out, ref, **TENS_TOL)
     for got, want in zip(mass, ref_mass):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0.0)
+
+
+@pytest.mark.parametrize("page, group", [(64, 32), (16, 8)])
+def test_a_group_of_no_token_at_the_end_writes_no_score_past_its_slots(page, group):
+    """The last key group of the last page holds no token (its slots hidden without reading a code), and the pages
+    are the read's last segment, after a hot one: a reader that hid one slot too many would write -inf into the
+    next query row's first score, the hot segment's first slot, which the torch read weighs."""
+    gen = torch.Generator().manual_seed(page + group)
+    dim = 64
+    valid = torch.rand(BATCH, KV_HEADS, PAGES, page, generator=gen) > 0.2
+    valid[:, :, -1, page - group:] = False  # every sequence's last group of its last page: no token
+    valid[:, :, :, 0] = True  # (and each page's first slot one, so that no page is empty)
+    keys = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen) * 2 + 0.5
+    values = torch.randn(BATCH, KV_HEADS, PAGES, page, dim, generator=gen)
+    qk, qv = lowbit.quantize_keys(keys, valid, 4, group), lowbit.quantize_values(values, 4, group)
+    index = torch.arange(PAGES).expand(BATCH, KV_HEADS, PAGES).contiguous()
+    pages = PagedSegment(index, torch.full((BATCH,), PAGES), valid, 4, group, dim, key_codes=qk.codes,
+                         key_scale=qk.scale, key_min=qk.minimum, value_codes=qv.codes, value_scale=qv.scale,
+                         value_min=qv.minimum)
+    hot = KVSegment(torch.randn(BATCH, KV_HEADS, 5, dim, generator=gen), torch.randn(BATCH, KV_HEADS, 5, dim,
+                                                                                     generator=gen), None)
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    _compare(query, [hot, pages], dim ** -0.5)

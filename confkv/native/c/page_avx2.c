@@ -5,12 +5,13 @@
  * 8 channels, at most 64 query rows x value groups), at 2, 3, 4 or 8 bits.
  *
  * Codes. lowbit.pack puts code d of a row at bit bits * (d % 8) of the `bits`-byte word d / 8 (a byte per 8 / bits
- * codes, 3 bytes per 8 codes at 3 bits), so 8 codes are `bits` bytes: they are read as one integer (exactly their
- * bytes, never past a row), set in all 8 lanes, shifted right by bits * lane and masked, then converted less the
- * middle code mid = (2^bits - 1) / 2 (8 bits: 8 bytes widened).
+ * codes, 3 bytes per 8 codes at 3 bits), so 8 codes are `bits` bytes: they are read as one integer (those bytes; at
+ * 3 bits 4 inside a row, the 4th masked off; never past a row), set in all 8 lanes, shifted right by bits * lane and
+ * masked, then converted less the middle code mid = (2^bits - 1) / 2 (8 bits: 8 bytes widened).
  * Keys. A key group of G tokens shares a per-channel scale s and minimum m, so for a query row q
  *     q . (m + c * s) = q . (m + mid * s) + (q * s) . (c - mid):
- * q * s and the first term once a group, then each token costs its codes unpacked and R * D / 8 multiply-adds.
+ * q * s and the first term once a group, then each token costs its codes unpacked (once, into registers) and
+ * R * D / 8 multiply-adds.
  * The running sums of 8 tokens are added by one tree (sum8: 7 horizontal adds and two block shuffles for 8 scores).
  * Values. A value row's group of Gv channels shares a per-token scale and minimum, so
  *     sum_t p_t (m_t + c_t * s_t) = sum_t p_t (m_t + mid * s_t) + sum_t (p_t s_t) (c_t - mid):

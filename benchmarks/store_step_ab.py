@@ -15,6 +15,8 @@ The shortcuts, each of which leaves the store byte for byte as the path it short
 * ``keep_pages`` (stop 60): a cold tier's pages dropped in one C call (``native.pages.keep_pages``); off, the gather;
 * ``page_codec`` (stop 63): KIVI pages encoded (seals, step-downs) and decoded (step-downs) in one C call each
   (``native.page_encode``); off, the torch code.
+* ``scores_in_c`` (stop 67): the one-call ageing's C call works out the EMA + recency scores itself
+  (``hot_tier._age_split_scored``, ``confkv_age_evict_rows_ema``); off, torch scores the concatenated regions.
 
 ``--off`` names the shortcuts the "off" variant turns off (default: all of them). The cache is the preset
 (``memory=0.25``; ``--policy`` and ``--param open_bits=8`` for another setting) through the lean decoder with INT8
@@ -43,7 +45,7 @@ from confkv.store import hot_tier  # noqa: E402
 from confkv.store.read import AttentionRead  # noqa: E402
 from confkv.tiers.cold_read import EveryPageRead  # noqa: E402
 
-SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages", "page_codec")
+SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages", "page_codec", "scores_in_c")
 
 
 def _two_calls(self, keys, values, query, *, scaling):
@@ -62,10 +64,12 @@ def switch(off: set[str]) -> dict:
              "read_updates": (AttentionRead, "_updates_in_place", AttentionRead._updates_in_place),
              "keep_pages": (native_pages, "keep_pages", native_pages.keep_pages),
              "page_codec": (page_encode, "encode_kivi", page_encode.encode_kivi),
-             "page_decode": (page_encode, "decode_kivi", page_encode.decode_kivi)}
+             "page_decode": (page_encode, "decode_kivi", page_encode.decode_kivi),
+             "scores_in_c": (hot_tier, "_age_split_scored", hot_tier._age_split_scored)}
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
                    "append_one": _two_calls, "read_updates": lambda self, *args: None,
-                   "keep_pages": lambda *args: None, "page_codec": lambda *args: None, "page_decode": lambda *args: None}
+                   "keep_pages": lambda *args: None, "page_codec": lambda *args: None, "page_decode": lambda *args: None,
+                   "scores_in_c": lambda *args: False}
     if "page_codec" in off:  # both halves of the codec (decode too)
         off = off | {"page_decode"}
     for name in off:

@@ -109,6 +109,13 @@ class Policy:
         last ``n`` queries again for their masses, which :meth:`observe` then gets with ``num_queries = n``."""
         return None
 
+    def recency_scores(self, device: torch.device) -> tuple[str, float, torch.Tensor] | None:
+        """``(stat, weight, table)`` when :meth:`scores` is ``stats[stat] + weight * table[min(age, len(table) - 1)]``
+        (float32, each product and sum rounded as torch's ops; ``age = max(current_position - position, 0)``;
+        the table's last entry 0), so that a native eviction can score slots itself (``c/evict.c``); None
+        otherwise (the default)."""
+        return None
+
     def attention_per_read(self, stats: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """[B, Hkv, L] float32: the attention each slot received per query, as estimated by ``stats`` (a pass's
         mass over all of its queries, as :meth:`observe` takes it), or None when the statistics hold no such

@@ -30,7 +30,10 @@ class ConfKVPolicy(Policy):
         score = ema + recency_weight * 2 ** (-age / recency_halflife)
 
     with ``age = current_position - position``. The ``protect`` most recent tokens and
-    the first ``sinks`` tokens are never evicted.
+    the first ``sinks`` tokens are never evicted. The bonus is read from a table of
+    ``2 ** (-age / recency_halflife)`` for every age until it rounds to 0 in float32 (:func:`recency_table`), so
+    that a slot's score depends on its age alone (torch's ``exp2`` may round the same value differently at
+    another place of a tensor) and a C eviction computes it bit for bit (:meth:`recency_scores`).
     """
 
     name = "confkv"
@@ -79,6 +82,38 @@ class ConfKVPolicy(Policy):
 
     def scores(self, stats: dict[str, torch.Tensor], positions: torch.Tensor,
                current_position: torch.Tensor) -> torch.Tensor:
-        age = (current_position[:, None, None] - positions).clamp_min(0).float()
-        recency = torch.exp2(-age / self.recency_halflife)
+        age = (current_position[:, None, None] - positions).clamp_min(0)
+        table, complete = recency_table(self.recency_halflife, positions.device)
+        if complete:  # every older age's bonus is 0 too
+            recency = table[age.clamp_max(table.shape[0] - 1)]
+        else:  # a half-life too long for the table: ages past it computed
+            recency = torch.where(age < table.shape[0], table[age.clamp_max(table.shape[0] - 1)],
+                                  torch.exp2(-age.float() / self.recency_halflife))
         return stats["ema"] + self.recency_weight * recency
+
+    def recency_scores(self, device: torch.device) -> tuple[str, float, torch.Tensor] | None:
+        if type(self).scores is not ConfKVPolicy.scores:  # a subclass that ranks otherwise
+            return None
+        table, complete = recency_table(self.recency_halflife, device)
+        return ("ema", self.recency_weight, table) if complete else None
+
+
+#: the longest recency table (floats): a half-life of up to ~430 tokens reaches 0 within it
+RECENCY_TABLE_MAX = 1 << 16
+_recency_tables: dict[tuple[float, torch.device], tuple[torch.Tensor, bool]] = {}
+
+
+def recency_table(halflife: float, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """([T] float32, complete): ``2 ** (-age / halflife)`` for ages 0 .. T - 1, as torch computes it on the CPU, up
+    to the first age whose bonus rounds to 0 in float32 (its last entry; ``complete``), or :data:`RECENCY_TABLE_MAX`
+    entries (the last then not 0; not ``complete``). Made once per half-life and device."""
+    key = (float(halflife), device)
+    made = _recency_tables.get(key)
+    if made is None:
+        length = min(math.ceil(152 * halflife) + 1, RECENCY_TABLE_MAX)  # 2 ** -152 rounds to 0 in float32
+        table = torch.exp2(-torch.arange(length, dtype=torch.float32) / halflife)
+        zeros = (table == 0).nonzero()
+        if len(zeros):
+            table = table[:int(zeros[0]) + 1].clone()  # its own memory: a read past its end is out of bounds
+        made = _recency_tables[key] = (table.to(device).contiguous(), bool(table[-1] == 0))
+    return made

@@ -9,8 +9,8 @@ token keeps its bytes, its scales, its position and its policy statistics bit fo
 * Which slots are kept, one rule for every policy (:mod:`confkv.store.selection`, still imported from here).
 * Where the others go: :func:`dropped_slots` names them and :func:`demote_dropped` hands them to the
   layer's cold tier (dequantized first when INT8) instead of dropping them.
-* And back: a page the cold tier gives back becomes hot slots again (:func:`promoted_region`), merged
-  into the older region in position order (:func:`merge_in_position_order`).
+* And back: a page the cold tier gives back becomes hot slots again, merged into the older region in position
+  order (:mod:`confkv.store.promotion`, here until stop 67).
 * The common case in one C call (:func:`split_by_rank`, ``c/evict.c``): a region of valid slots that drops the same
   number in every sequence is split into its kept and dropped slots, every per-slot tensor at once, where the
   selection above takes some 60 torch calls a layer; the C call declines (and the torch path runs) whenever its
@@ -164,7 +164,6 @@ def select_batch(region: Region, index: torch.Tensor) -> Region:
                   key_scale=pick(region.key_scale), value_scale=pick(region.value_scale), all_valid=region.all_valid)
 
 
-
 def demote_dropped(cold: ColdTier, old: Region, kept_index: torch.Tensor, kept_valid: torch.Tensor,
                    channel_scale: torch.Tensor | None, dtype: torch.dtype, policy: Policy | None = None,
                    current: torch.Tensor | None = None, queries: int = 1) -> None:
@@ -263,10 +262,10 @@ def _region_of(tensors: list[torch.Tensor], stat_names: list[str], int8: bool, v
 #: the library's generation, and its eviction functions by name: looked up again only when the library's state moved,
 #: so a decode step calls no code of the loader
 _native_functions: dict = {"generation": None}
-_ARGUMENTS = {"confkv_evict_rows": [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-              + [ctypes.c_void_p] * 4,
-              "confkv_age_evict_rows": [ctypes.c_int64] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-              + [ctypes.c_void_p] * 6}
+_I, _P = ctypes.c_int64, ctypes.c_void_p
+_ARGUMENTS = {"confkv_evict_rows": [_I] * 4 + [_P] * 3 + [_I] * 3 + [_P] * 4,
+              "confkv_age_evict_rows": [_I] * 6 + [_P] * 3 + [_I] * 3 + [_P] * 6,
+              "confkv_age_evict_rows_ema": [_I] * 6 + [_P] * 5 + [ctypes.c_float, _P] + [_I] * 4 + [_P] * 6}
 
 
 def _native(name: str):
@@ -284,7 +283,7 @@ def _native(name: str):
     return _native_functions[name]
 
 
-def _native_evict_rows():
+def _native_evict_rows():  # a function of its own, so that benchmarks/evict_ab.py can switch it off
     return _native("confkv_evict_rows")
 
 
@@ -293,9 +292,9 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
     ``store._age(force=True)`` then ``store._evict(budget)`` would, byte for byte (the dropped slots demoted
     alike). True when done; False, with nothing changed, when this step is not one it takes:
     it takes a step over its budget with every slot valid, one budget for every sequence and no eviction slack, on
-    CPU; the policy scores the same concatenation the two steps would (built from the statistics and positions
-    alone), and the C call declines where its choice could differ from the torch path's (a tie at the boundary, a
-    NaN score, a protected slot among the lowest). INT8: the aged slots are quantized first, as ``_age`` does."""
+    CPU; the scores are those of the concatenation the two steps would rank (an EMA and a recency table's: worked
+    out in the C call), and the C call declines where its choice could differ from the torch path's (a tie at the
+    boundary, a NaN score, a protected slot among the lowest). INT8: the aged slots are quantized first."""
     old, recent = store.old, store.recent
     if (budget is None or store.sliding_window is not None or store.config.evict_slack or store.int8 != old.is_int8
             or not (old.all_valid and recent.all_valid) or old.keys.device.type != "cpu"
@@ -316,14 +315,17 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
         with profiling.section("quantization"):
             window = store._quantize(recent)
     with profiling.section("ageing + eviction (one call)"):
-        current = store.seen_real - 1
-        # the scores of the concatenation the two steps would rank (elementwise ops may round a value differently
-        # at another place in a tensor, so the same tensor is scored, not the two regions apart)
-        positions = torch.cat([old.positions, recent.positions[:, :, :aged]], dim=2)
-        stats = {name: torch.cat([old.stats[name], recent.stats[name][:, :, :aged]], dim=2) for name in old.stats}
-        scores = store.policy.scores(stats, positions, current).to(torch.float32).contiguous()
-        split = _age_split(evict, old, window, aged, drop, scores, positions, current.to(torch.int64).contiguous(),
-                           store.policy.protect, store.policy.sinks)
+        split = _age_split_scored(old, recent, window, aged, drop, store)
+        if split is False:  # the policy's scores are not an EMA and a table's: scored here, split in C
+            current = store.seen_real - 1  # the concatenation the two steps would rank is scored (an op may round a
+            # value otherwise at another place of a tensor), not the two regions apart
+            positions = torch.cat([old.positions, recent.positions[:, :, :aged]], dim=2)
+            stats = {name: torch.cat([old.stats[name], recent.stats[name][:, :, :aged]], dim=2) for name in old.stats}
+            scores = store.policy.scores(stats, positions, current).to(torch.float32).contiguous()
+            current = current.to(torch.int64).contiguous()  # held through the call, as scores and positions are
+            split = _age_split(evict, old, window, aged, drop, (scores.data_ptr(), positions.data_ptr(),
+                                                                current.data_ptr()), store.policy.protect,
+                               store.policy.sinks)
         if split is None:
             return False
         store.old, dropped, store.recent = split
@@ -333,16 +335,39 @@ def age_and_evict_at_once(store: LayerStore, budget: torch.Tensor | None) -> boo
         store.window = None  # as ageing does: the next decode step makes a buffer around the new window
         if store.cold is not None:
             ranked_by_attention = store.storage is not None and store.storage.unread_by != "age"  # no call: 12 files
+            current = store.seen_real - 1 if store.last_queries > 1 else None  # only a chunk's scaling reads it
             demote_slots(store.cold, dropped, dropped.valid, store.channel_scale, recent.keys.dtype,
                          store.policy if ranked_by_attention else None, current, store.last_queries)
     return True
 
 
-def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores: torch.Tensor,
-               positions: torch.Tensor, current: torch.Tensor, protect: int,
+def _age_split_scored(old: Region, recent: Region, window: Region, aged: int, drop: int,
+                      store: LayerStore) -> tuple[Region, Region, Region] | None | bool:
+    """:func:`_age_split` by ``confkv_age_evict_rows_ema``, which scores the slots itself where the policy's scores
+    are an EMA plus a recency table's bonus (:meth:`Policy.recency_scores`; the preset's ranking, CONF-KV's), read in
+    place from both regions: no concatenation, no torch op. False where it does not apply (the caller scores);
+    otherwise :func:`_age_split`'s answer."""
+    device = old.positions.device
+    terms = store.policy.recency_scores(device)
+    evict = _native("confkv_age_evict_rows_ema")
+    if terms is None or evict is None:
+        return False
+    stat, weight, table = terms
+    seen = store.seen_real
+    tensors = (old.stats.get(stat), recent.stats.get(stat), old.positions, recent.positions, seen)
+    if (any(t is None or not t.is_contiguous() or t.device != device for t in tensors)
+            or old.stats[stat].dtype != torch.float32 or recent.stats[stat].dtype != torch.float32
+            or recent.positions.dtype != torch.int64 or seen.dtype != torch.int64):
+        return False
+    priority = (*(t.data_ptr() for t in tensors), weight, table.data_ptr(), table.shape[0])
+    return _age_split(evict, old, window, aged, drop, priority, store.policy.protect, store.policy.sinks)
+
+
+def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, priority: tuple, protect: int,
                sinks: int) -> tuple[Region, Region, Region] | None:
-    """The C call: (older region kept [B, Hkv, L - drop], dropped [B, Hkv, drop], window left [B, Hkv, W - aged]) of
-    the concatenation of ``old`` [B, Hkv, L_old] and ``recent``'s first ``aged`` slots (L = L_old + aged), or None
+    """The C call ``evict`` (``confkv_age_evict_rows`` or ``_ema``, ``priority`` its arguments that rank the slots):
+    (older region kept [B, Hkv, L - drop], dropped [B, Hkv, drop], window left [B, Hkv, W - aged]) of the
+    concatenation of ``old`` [B, Hkv, L_old] and ``recent``'s first ``aged`` slots (L = L_old + aged), or None
     when it declines or a tensor is not contiguous. In the steady state (``aged == drop``) the kept slots are
     written over ``old``'s own tensors, and ``old`` itself is returned as the kept region."""
     names, int8 = list(old.stats), old.is_int8
@@ -365,36 +390,11 @@ def _age_split(evict, old: Region, recent: Region, aged: int, drop: int, scores:
     # the tables as array buffers, their addresses passed (ctypes arrays built from lists cost more, every step)
     tables = [array("Q", [t.data_ptr() for t in group]) for group in (sources, windows, kept, dropped, left)]
     widths = array("q", row_bytes)
-    status = evict(batch, heads, old.length, recent.length, aged, drop, scores.data_ptr(), positions.data_ptr(),
-                   current.data_ptr(), protect, sinks, len(sources), *[table.buffer_info()[0] for table in tables],
-                   widths.buffer_info()[0])
+    status = evict(batch, heads, old.length, recent.length, aged, drop, *priority, protect, sinks, len(sources),
+                   *[table.buffer_info()[0] for table in tables], widths.buffer_info()[0])
     if status:
         return None
 
     def region(tensors: list[torch.Tensor], slots: int) -> Region:
         return _region_of(tensors, names, int8, old.valid.new_ones(batch, slots))
     return old if in_place else region(kept, length - drop), region(dropped, drop), region(left, rest)
-
-
-def promoted_region(taken: dict[str, torch.Tensor], policy: Policy, stat_names: tuple[str, ...],
-                    dtype: torch.dtype) -> Region:
-    """A full-precision region from :meth:`ColdTier.take_best_read_page`'s output, its statistics
-    started from the attention the page's slots received at this step (``policy.observe``)."""
-    stats = {name: torch.zeros(taken["positions"].shape, dtype=torch.float32, device=taken["keys"].device)
-             for name in stat_names}
-    policy.observe(stats, taken["mass"], 1)
-    return Region(keys=taken["keys"].to(dtype), values=taken["values"].to(dtype), positions=taken["positions"],
-                  valid=taken["valid"], stats=stats, all_valid=bool(taken["valid"].all()))
-
-
-def merge_in_position_order(old: Region, back: Region) -> Region:
-    """``old`` and ``back`` (same precision) as one region whose slots are in position order in every head.
-
-    Invalid slots go first in every head, so validity stays one row per sequence ([B, L]).
-    """
-    merged = concat(old, back)
-    key = torch.where(merged.valid[:, None, :], merged.positions, torch.full_like(merged.positions, -1))
-    order = key.argsort(dim=-1, stable=True)
-    invalid = (~merged.valid).sum(-1)  # [B]
-    valid = torch.arange(merged.length, device=invalid.device)[None, :] >= invalid[:, None]
-    return merged.gather(order, valid, all_valid=bool(valid.all()))

@@ -35,7 +35,7 @@ from confkv.native.decode import DecodePlan
 from confkv.tiers.page_file import PageFile
 from confkv.policies.base import UNLIMITED, Policy
 from confkv.policies.tiered import TieredPolicy
-from confkv.store import hot_tier
+from confkv.store import hot_tier, promotion
 from confkv.store.read import AttentionRead
 from confkv.store.hot_tier import Region, concat, select_batch
 from confkv.store.window_buffer import WindowBuffer
@@ -394,7 +394,7 @@ class LayerStore(AttentionRead):
         taken = self.cold.take_best_read_page(page_mass, self.cold.config.promote)
         if taken is None:
             return
-        back = hot_tier.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
+        back = promotion.promoted_region(taken, self.policy, self.stat_names, self.recent.keys.dtype)
         if self.int8:
             back = self._quantize(back)
-        self.old = hot_tier.merge_in_position_order(self.old, back)
+        self.old = promotion.merge_in_position_order(self.old, back)

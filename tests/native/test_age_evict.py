@@ -261,3 +261,47 @@ def test_every_window_slot_may_age():
                    pointers(dropped.data_ptr()), pointers(left.data_ptr()), (ctypes.c_int64 * 1)(4))
     assert status == 0
     assert kept.flatten().tolist() == [1, 2, 3, 4, 5, 7, 7, 7] and dropped.item() == 0 and left.item() == -1
+
+
+def _scored_in_c(monkeypatch) -> list:
+    """Record what ``_age_split_scored`` answers (False: the C call that scores was not taken)."""
+    answers, scored = [], hot_tier._age_split_scored
+
+    def recorded(*args):
+        answer = scored(*args)
+        answers.append(answer is not False)
+        return answer
+    monkeypatch.setattr(hot_tier, "_age_split_scored", recorded)
+    return answers
+
+
+@pytest.mark.parametrize("batch,heads,old,recent,budget", [(1, 3, 40, 5, 43), (3, 2, 40, 6, 44), (2, 3, 60, 9, 40),
+                                                             (2, 1, 0, 9, 6), (1, 2, 300, 5, 250)])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_c_call_scores_the_slots_as_the_policy_does(batch, heads, old, recent, budget, seed, monkeypatch):
+    """``confkv_age_evict_rows_ema`` works out the EMA + recency scores itself: EMAs as small as the recency bonus's
+    differences between ages (so that an age one off, or a bonus read from the wrong slot, changes which slots
+    leave), one and many slots dropped, positions that start late (ages past the recency table's end: bonus 0)."""
+    store = _store(batch, heads, old, recent, seed=seed, protect=4, sinks=2)
+    for region in (store.old, store.recent):
+        region.stats["ema"].mul_(2e-5)
+    if seed % 2:  # later in the stream: the older half's ages past the recency table's 9,601 entries (half-life 64)
+        store.seen_real.add_(9601 - (old + recent) // 2)
+    answers = _scored_in_c(monkeypatch)
+    want = _two_steps(store, torch.full((batch,), budget))
+    assert age_and_evict_at_once(store, torch.full((batch,), budget))
+    assert answers == [True]
+    _assert_same_region(store.old, want.old)
+    _assert_same_region(store.recent, want.recent)
+
+
+def test_without_the_scoring_call_the_policy_scores_and_the_split_is_the_same(monkeypatch):
+    """A policy whose scores are not an EMA and a table's (or no such C function): the torch scores, the same split."""
+    store = _store(2, 3, 40, 5, seed=9)
+    want = _two_steps(store, torch.full((2,), 43))
+    monkeypatch.setattr(type(store.policy), "recency_scores", lambda self, device: None)
+    answers = _scored_in_c(monkeypatch)
+    assert age_and_evict_at_once(store, torch.full((2,), 43))
+    assert answers == [False]
+    _assert_same_region(store.old, want.old)
+    _assert_same_region(store.recent, want.recent)

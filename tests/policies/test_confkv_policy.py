@@ -85,3 +85,23 @@ def test_score_is_ema_of_attention_plus_recency(name):
         for region in (store.old, store.recent):
             held.update(region.positions[0, kv][region.valid[0]].tolist())
         assert held == protected | set(best), kv
+
+
+@pytest.mark.parametrize("halflife", [64.0, 3.5, 1000.0])
+def test_the_recency_bonus_is_two_to_the_minus_age_over_the_half_life_at_every_age(halflife):
+    """The bonus comes from a table of ages (so that a slot's score depends on its age alone); at every age, in the
+    table and past it (a half-life of 1,000 outgrows the table: those ages are computed), it is ``2 ** (-age / h)``
+    as torch's float32 ``exp2(-age / h)`` gives it within a unit or two in the last place (that formula's own
+    rounding of ``-age / h`` is kept), and 0 where it rounds to 0."""
+    policy = make_policy("confkv-fixed", recency_weight=1.0, recency_halflife=halflife, budget=100)
+    ages = torch.cat([torch.arange(0, 70000, 7), torch.tensor([65535, 65536, 65537, 100000, 10 ** 7])])
+    current = torch.tensor([10 ** 7])
+    positions = (current - ages).view(1, 1, -1)
+    scores = policy.scores({"ema": torch.zeros(positions.shape)}, positions, current).flatten().double()
+    want = torch.exp2(-ages.float() / halflife).double()
+    tiny = want < 2.0 ** -149  # below float32's least subnormal: 0 or that subnormal
+    assert bool((scores[tiny] <= 2.0 ** -149).all())
+    relative = ((scores - want).abs() / want)[want > 2.0 ** -126]  # normal floats: a few units in the last place
+    assert float(relative.max()) < 3e-7
+    subnormal = ~tiny & (want <= 2.0 ** -126)
+    assert bool(((scores[subnormal] - want[subnormal]).abs() <= 2.0 ** -149).all())

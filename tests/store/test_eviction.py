@@ -11,8 +11,8 @@ import torch
 from confkv import profiling
 from confkv.config import ColdConfig
 from confkv.policies import make_policy
-from confkv.store.hot_tier import (demote_dropped, dropped_slots, merge_in_position_order, promoted_region,
-                                   protected_mask, select_kept)
+from confkv.store.hot_tier import demote_dropped, dropped_slots, protected_mask, select_kept
+from confkv.store.promotion import merge_in_position_order, promoted_region
 from confkv.store.hot_tier import Region
 from confkv.tiers.cold import ColdTier
 

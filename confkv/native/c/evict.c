@@ -155,3 +155,51 @@ int confkv_age_evict_rows(int64_t B, int64_t H, int64_t L_old, int64_t L_recent,
     return split_rows(B, H, L_old, L_recent, aged, drop, scores, positions, current, protect, sinks, count, old_src,
                       recent_src, kept, dropped, recent_kept, row_bytes);
 }
+
+/* confkv_age_evict_rows with the priorities worked out here, where a policy's score is an EMA plus a recency bonus
+ * read from a table (ConfKVPolicy.scores, confkv/policies/confkv.py; CONF-KV, METHOD.md step 3): for slot s of the
+ * concatenation, age = max(current[b] - position[s], 0) with current[b] = seen[b] - 1, and
+ *   score[s] = ema[s] + weight * table[min(age, table_len - 1)]
+ * in float32, the product rounded before the sum as torch's two ops round them (the build's -ffp-contract=off keeps
+ * them apart). ema and positions are read from the older region ([B, H, L_old]) and the window's oldest `aged`
+ * slots ([B, H, L_recent]) in place, as the rows are; seen [B] int64 (real tokens seen); the table's last entry is
+ * 0. The same split, refusals and return values as confkv_age_evict_rows. */
+int confkv_age_evict_rows_ema(int64_t B, int64_t H, int64_t L_old, int64_t L_recent, int64_t aged, int64_t drop,
+                              const float *old_ema, const float *recent_ema, const int64_t *old_positions,
+                              const int64_t *recent_positions, const int64_t *seen, float weight, const float *table,
+                              int64_t table_len, int64_t protect, int64_t sinks, int64_t count,
+                              void *const *old_src, void *const *recent_src, void *const *kept,
+                              void *const *dropped, void *const *recent_kept, const int64_t *row_bytes) {
+    if (aged <= 0 || aged > L_recent || L_old < 0 || table_len <= 0 || B <= 0 || H <= 0) return 1;
+    const int64_t L = L_old + aged;
+    float *scores = malloc(sizeof(float) * (size_t)(B * H * L));
+    int64_t *positions = malloc(sizeof(int64_t) * (size_t)(B * H * L));
+    int64_t *current = malloc(sizeof(int64_t) * (size_t)B);
+    if (!scores || !positions || !current) {
+        free(scores);
+        free(positions);
+        free(current);
+        return 2;
+    }
+    for (int64_t b = 0; b < B; b++) current[b] = seen[b] - 1;
+    for (int64_t u = 0; u < B * H; u++) {
+        const int64_t now = current[u / H];
+        for (int64_t s = 0; s < L; s++) {
+            const int64_t at = s < L_old ? u * L_old + s : u * L_recent + (s - L_old);
+            const int64_t position = s < L_old ? old_positions[at] : recent_positions[at];
+            const float ema = s < L_old ? old_ema[at] : recent_ema[at];
+            int64_t age = now - position;
+            if (age < 0) age = 0;
+            if (age > table_len - 1) age = table_len - 1;
+            const float bonus = weight * table[age];
+            positions[u * L + s] = position;
+            scores[u * L + s] = ema + bonus;
+        }
+    }
+    const int status = split_rows(B, H, L_old, L_recent, aged, drop, scores, positions, current, protect, sinks, count,
+                                  old_src, recent_src, kept, dropped, recent_kept, row_bytes);
+    free(scores);
+    free(positions);
+    free(current);
+    return status;
+}

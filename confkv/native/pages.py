@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import struct
 from array import array
 from typing import Sequence
@@ -88,9 +89,9 @@ def _paged(segment, keep: list) -> tuple[list, list]:
     when every tensor pointed into is the segment's own or a copy of its page numbers and counts, and used again
     while every field they were worked out from is the same object (a segment copied field by field with one
     changed works them out again)."""
-    fields = tuple(getattr(segment, name, None) for name in _FIELDS)
+    fields = _fields_of(segment)
     cached = getattr(segment, "native_args", None)
-    if cached is not None and all(a is b for a, b in zip(cached[0], fields)):  # the fields it was worked out from
+    if cached is not None and all(map(operator.is_, cached[0], fields)):  # the fields it was worked out from
         keep += cached[3]
         return cached[1], cached[2]
     held: list[Tensor] = []
@@ -106,6 +107,15 @@ _OUTLIER_NAMES = ("key_outlier_index", "key_outlier_value", "value_outlier_index
 #: what :func:`_paged_args` reads of a segment: kept arguments serve a segment whose every one of these is the same object
 _FIELDS = ("index", "counts", "valid", "bits", "group_size", "head_dim", "rotation", "value_bits") + _STORAGE_NAMES + \
     _OUTLIER_NAMES
+_FIELD_GETTER = operator.attrgetter(*_FIELDS)
+
+
+def _fields_of(segment) -> tuple:
+    """The segment's :data:`_FIELDS` (None for one it lacks), in one C-level lookup where it has them all."""
+    try:
+        return _FIELD_GETTER(segment)
+    except AttributeError:
+        return tuple(getattr(segment, name, None) for name in _FIELDS)
 
 
 def _paged_args(segment, keep: list) -> tuple[list, list]:
@@ -260,7 +270,7 @@ def _read(lib: ctypes.CDLL, query: Tensor, segments: Sequence, scaling: float, n
         flat = torch.empty(rows * sum(lengths), dtype=torch.float32)
         mass, mass_ptrs, start, base = [], array("Q"), 0, flat.data_ptr()
         for length in lengths:
-            mass.append(flat.narrow(0, start, rows * length).view(batch, kv_heads, length))
+            mass.append(flat.as_strided((batch, kv_heads, length), (kv_heads * length, length, 1), start))
             mass_ptrs.append(base + 4 * start)
             start += rows * length
     status = lib.confkv_page_read(q.data_ptr(), batch, q_heads, queries, head_dim, kv_heads, len(segments),

@@ -60,6 +60,7 @@ class ColdTier(PageRead):
         #: let reads fold the format's rotation into the query and output (False: decode every page back)
         self.fold_rotation = True
         self.open: dict[str, Tensor] | None = None  # keys, values [B,H,S,D]; positions, attention [B,H,S]; valid [B,S]
+        self.open_known_valid: Tensor | None = None  # the open page's ``valid`` when demote saw it all True
         self.pages: dict[str, Tensor] = {}  # name -> [B, H, N, ...]; N = capacity
         self.num_pages = 0
         self.head_dim = 0
@@ -153,7 +154,8 @@ class ColdTier(PageRead):
                     "valid": valid, "attention": attention.float()}
         merged = {name: torch.cat([self.open[name], incoming[name]], dim=1 if name == "valid" else 2)
                   for name in self.open}
-        self.open = left_align(merged)
+        all_valid = bool(merged["valid"].all())
+        self.open = merged if all_valid else left_align(merged)
         page = self.config.page_size
         full = self.open_length // page
         if full:
@@ -162,6 +164,7 @@ class ColdTier(PageRead):
             self.open = {name: (t[..., full * page:] if name == "valid" else t[:, :, full * page:]).clone()
                          for name, t in self.open.items()}
             self._seal(sealed, full)
+        self.open_known_valid = self.open["valid"] if all_valid else None  # the read asks it again otherwise
         self._enforce_budget()
 
     def _seal(self, tokens: dict[str, Tensor], count: int) -> None:

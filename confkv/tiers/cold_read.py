@@ -20,6 +20,7 @@ from torch import Tensor
 
 from confkv import profiling
 from confkv.attention import KVSegment
+from confkv.config import ALL_PAGES
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
 from confkv.native.pages import InPlaceUpdate, decode_int8_rows, quantize_int8_rows
 
@@ -75,8 +76,8 @@ class PageRead:
             return None
         return self.format.read_rotation
 
-    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False,
-                 rotated: bool = False) -> list[KVSegment | PagedSegment]:
+    def segments(self, query: Tensor, read_pages: Tensor, paged: bool = False, rotated: bool = False,
+                 every_page: bool = False) -> list[KVSegment | PagedSegment]:
         """The open page and the ``read_pages[b]`` best pages of each sequence, as read segments.
 
         Args:
@@ -85,6 +86,8 @@ class PageRead:
             paged: hand the selected pages over as a :class:`PagedSegment` (still packed, for
                 a backend that reads pages itself: the Triton paged read) instead of
                 gathering and dequantizing them here.
+            every_page: ``read_pages`` is at least every page in every sequence (the ladder's reads), known
+                without reading the tensor.
         Returns:
             up to two segments: the open page (:class:`KVSegment`, model dtype), then the
             selected pages: a :class:`KVSegment` dequantized to float32 (invisible where a
@@ -110,18 +113,20 @@ class PageRead:
             keys, values = decoded_open(self.open, self.dtype)
             if rotation is not None:
                 keys, values = rotation.forward(keys), rotation.forward(values)
-            segments.append(KVSegment(keys, values, None if bool(valid.all()) else valid[:, None, None, :]))
+            all_valid = valid is self.open_known_valid or bool(valid.all())  # known: demote saw it
+            segments.append(KVSegment(keys, values, None if all_valid else valid[:, None, None, :]))
             self.bytes_read += open_nbytes(self.open)
-        want = int(read_pages.max()) if read_pages.numel() else 0
+        want = (ALL_PAGES if every_page else int(read_pages.max())) if read_pages.numel() else 0
         if self.num_pages and want:
-            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated))
+            segments.append(self._page_segment(query, read_pages, min(want, self.num_pages), paged, rotated,
+                                               every_page))
         return segments
 
     def _page_segment(self, query: Tensor, read_pages: Tensor, width: int, paged: bool,
-                      rotated: bool = False) -> KVSegment | PagedSegment:
+                      rotated: bool = False, every_page: bool = False) -> KVSegment | PagedSegment:
         batch, heads, count = self.pages["heat"].shape[0], self.pages["heat"].shape[1], self.num_pages
         device = query.device
-        every = int(read_pages.min()) >= count
+        every = every_page or int(read_pages.min()) >= count
         if every:  # every sequence reads every page: no ranking needed
             cached = self._every_page.segment.index if self._every_page is not None else None
             index = cached if cached is not None and cached.shape == (batch, heads, count) and cached.device == device \

@@ -142,7 +142,7 @@ class LadderTier:
         self._read_counts = []
         every = torch.full_like(read_pages, ALL_PAGES)
         for rung in self.rungs:
-            parts = rung.segments(query, every, paged=paged, rotated=rotated)
+            parts = rung.segments(query, every, paged=paged, rotated=rotated, every_page=True)
             self._read_counts.append(len(parts))
             out += parts
         return out

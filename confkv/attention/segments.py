@@ -136,6 +136,27 @@ def gather_pages(tensor: Tensor, index: Tensor) -> Tensor:
     return tensor.gather(2, expanded)
 
 
+def gather_pages_of(tensors: dict[str, Tensor], index: Tensor) -> dict[str, Tensor]:
+    """:func:`gather_pages` of each of ``tensors`` ([B, H, N, ...], the same B, H and N) at pages ``index`` [B, H, K],
+    the same values, with the rows to take worked out once for all of them (a cold tier's step-down gathers a dozen
+    tensors of its pages at the same index): one ``index_select`` each, of whole pages. A tensor that is not
+    contiguous (or shaped otherwise) goes through :func:`gather_pages`. Page numbers must be in [0, N)."""
+    batch, heads, _ = index.shape
+    out, rows = {}, None
+    for name, tensor in tensors.items():
+        if not (tensor.is_contiguous() and tensor.dim() >= 3 and tensor.shape[:2] == index.shape[:2]
+                and tensor.numel()):
+            out[name] = gather_pages(tensor, index)
+            continue
+        count = tensor.shape[2]
+        if rows is None or rows[0] != count:
+            offsets = torch.arange(batch * heads, device=index.device) * count
+            rows = (count, (index.reshape(batch * heads, -1) + offsets[:, None]).reshape(-1))
+        taken = tensor.reshape(batch * heads * count, -1).index_select(0, rows[1])
+        out[name] = taken.reshape(*index.shape, *tensor.shape[3:])
+    return out
+
+
 @dataclass
 class PagedSegment:
     """Selected cold pages of one layer, unread (see the module docstring for shapes)."""

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from confkv.native import pages as native_pages
 from confkv.tiers import lowbit
-from confkv.attention.segments import gather_pages as _gather_pages
+from confkv.attention.segments import gather_pages as _gather_pages, gather_pages_of
 from confkv.tiers.cold_read import PageRead, decoded_open, empty_open, encode_open, left_align, open_nbytes
 from confkv.config import ColdConfig
 from confkv.tiers.page_file import PageFile
@@ -212,6 +212,13 @@ class ColdTier(PageRead):
     def _append_pages(self, fresh: dict[str, Tensor], count: int) -> None:
         needed = self.num_pages + count
         capacity = self._capacity()
+        old = self.pages
+        if (self.exact_capacity and self.page_file is None and capacity == self.num_pages and old.keys() == fresh.keys()
+                and all(old[n].dtype == t.dtype and old[n].device == t.device for n, t in fresh.items())):
+            # exactly the pages and bytes of _grow then the copy below, in one call a tensor
+            self.pages = {name: torch.cat([old[name], tensor], dim=2) for name, tensor in fresh.items()}
+            self.num_pages = needed
+            return
         if needed > capacity:
             grown = needed if self.exact_capacity else max(needed, 2 * capacity, 8)
             self.pages = {name: _grow(self.pages.get(name), fresh[name], grown,
@@ -284,7 +291,7 @@ class ColdTier(PageRead):
         """
         live = {name: t.narrow(2, 0, self.num_pages) for name, t in self.pages.items()}
         keys, values = self._dequantized(live, index)
-        taken = {name: _gather_pages(live[name], index) for name in _METADATA if name in live}
+        taken = gather_pages_of({name: live[name] for name in _METADATA if name in live}, index)
         taken["keys"], taken["values"] = keys.float(), values.float()
         self.drop_pages(index)
         return taken

@@ -21,7 +21,7 @@ from torch import Tensor
 from confkv import profiling
 from confkv.attention import KVSegment
 from confkv.config import ALL_PAGES
-from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages
+from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages, gather_pages_of
 from confkv.native.pages import InPlaceUpdate, decode_int8_rows, quantize_int8_rows
 
 if TYPE_CHECKING:
@@ -194,8 +194,8 @@ class PageRead:
         (float32; the model's dtype at 16 bits)."""
         if self.config.bits == 16:
             return _gather_pages(live["keys"], index), _gather_pages(live["values"], index)
-        data = {name: _gather_pages(live[name], index) for name in self.format.storage}
-        return self.format.decode(data, _gather_pages(live["positions"], index))
+        data = gather_pages_of({name: live[name] for name in (*self.format.storage, "positions")}, index)
+        return self.format.decode(data, data.pop("positions"))
 
     def digest_bound(self, query: Tensor) -> Tensor:
         """Quest's upper bound of ``q . k`` per page: [B, Hq, Q, D] -> [B, H, N] float32.

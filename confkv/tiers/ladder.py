@@ -216,7 +216,7 @@ class LadderTier:
         """Bytes of one open-page slot for every sequence of the batch (the model's dtype, or INT8 and scales)."""
         top = self.top
         batch, heads, _, head_dim = top.open["keys"].shape
-        size = torch.empty((), dtype=top.dtype).element_size()
+        size = top.dtype.itemsize
         return batch * open_slot_bytes(heads, head_dim, size, self.storage.open_bits)
 
     def _step_cost(self, rung: int, signal: str) -> float:
@@ -245,7 +245,7 @@ class LadderTier:
         """Bytes of one page on rung ``rung`` for every sequence of the batch."""
         top = self.top
         batch, heads = top.open["keys"].shape[:2]
-        size = torch.empty((), dtype=top.dtype).element_size()
+        size = top.dtype.itemsize
         config = self.rungs[rung].config
         return batch * lowbit.page_bytes(heads, top.head_dim, config.page_size, config.bits, config.group_size,
                                          size, digest=False)

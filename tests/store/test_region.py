@@ -224,3 +224,23 @@ def test_take_rows_is_the_elementwise_gather_of_whole_rows(dtype):
         want = t.gather(2, index[..., None].expand(-1, -1, -1, t.shape[-1]))
         got = take_rows(t, index)
         assert got.shape == want.shape and got.dtype == dtype and torch.equal(got, want)
+
+
+def test_gather_pages_of_is_gather_pages_of_each_tensor():
+    """A cold tier's page tensors gathered at one index with the rows worked out once (gather_pages_of) hold what
+    gather_pages gives each alone: 3-, 4- and 5-dimensional tensors of several dtypes, two page counts in one call
+    (the rows worked out again), a tensor that is not contiguous, batch 2, repeated and unordered pages."""
+    from confkv.attention.segments import gather_pages, gather_pages_of
+
+    gen = torch.Generator().manual_seed(3)
+    pages = {"heat": torch.rand(2, 3, 9, generator=gen), "positions": torch.randint(0, 999, (2, 3, 9, 4), generator=gen),
+             "codes": torch.randint(0, 255, (2, 3, 9, 4, 6), generator=gen).to(torch.uint8),
+             "other_count": torch.randn(2, 3, 12, 5, generator=gen).to(torch.bfloat16),
+             "strided": torch.randn(2, 3, 9, 8, generator=gen)[..., ::2],
+             "after": torch.rand(2, 3, 9, generator=gen)}  # the first count again, after the other
+    index = torch.tensor([[[8, 0, 3], [2, 2, 5], [7, 6, 1]], [[1, 7, 6], [0, 4, 4], [5, 1, 8]]])
+    got = gather_pages_of(pages, index)
+    assert list(got) == list(pages)
+    for name, tensor in pages.items():
+        want = gather_pages(tensor, index)
+        assert got[name].dtype == want.dtype and got[name].shape == want.shape and torch.equal(got[name], want), name

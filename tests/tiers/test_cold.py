@@ -972,3 +972,32 @@ def test_dropped_pages_of_an_exact_capacity_tier_leave_the_rest_in_order_and_no_
         for head, pages in kept.items():
             assert torch.equal(tensor[0, head], before[name][0, head, pages]), (name, head)
     assert tier.pages["positions"][0, :, :, 0].tolist() == [[0, 8, 12, 20], [4, 8, 12, 16]]
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_a_tier_of_exact_capacity_holds_the_pages_a_growing_tier_holds_in_the_order_they_came(bits):
+    """A ladder's rung keeps no spare page (``exact_capacity``: each page added joins the tensors in one cat); its
+    pages, metadata and order (sealed, then put from another tier, then sealed again) are a doubling tier's, byte for
+    byte: the order is the seal order that breaks ties between unread pages."""
+    def demote(tier: ColdTier, tokens: int, start: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        tier.demote(torch.randn(2, 2, tokens, DIM, generator=gen), torch.randn(2, 2, tokens, DIM, generator=gen),
+                    (start + torch.arange(tokens)).expand(2, 2, tokens).clone(), torch.ones(2, tokens, dtype=torch.bool))
+
+    def filled(exact: bool) -> ColdTier:
+        tier = ColdTier(ColdConfig(bits=bits, page_size=PAGE, group_size=PAGE, k_high=2, k_low=2))
+        tier.exact_capacity = exact
+        demote(tier, PAGE, 0, seed=4)
+        demote(tier, 2 * PAGE, PAGE, seed=5)  # a page at a time, then two at once
+        source, _, _ = _tier(bits=bits, batch=2, tokens=3 * PAGE, seed=5)
+        tier.put_pages(source.take_pages(torch.tensor([[[2, 0], [1, 2]], [[0, 1], [2, 1]]])), torch.float32)
+        demote(tier, PAGE, 100, seed=6)
+        return tier
+
+    exact, doubling = filled(True), filled(False)
+    assert exact.num_pages == doubling.num_pages == 6
+    assert all(t.shape[2] == 6 for t in exact.pages.values()) and doubling.pages["valid"].shape[2] == 8
+    for name, tensor in exact.pages.items():
+        assert torch.equal(tensor, doubling.pages[name].narrow(2, 0, 6)), name
+    first = exact.pages["positions"][..., 0]  # each page's first position: seals, the pages put, a seal again
+    assert first[0, 0].tolist() == [0, 4, 8, 8, 0, 100] and first[1, 1].tolist() == [0, 4, 8, 8, 4, 100]

@@ -92,11 +92,14 @@ class ConfKVPolicy(Policy):
         return stats["ema"] + self.recency_weight * recency
 
     def recency_scores(self, device: torch.device) -> tuple[str, float, torch.Tensor] | None:
-        if type(self).scores is not ConfKVPolicy.scores:  # a subclass that ranks otherwise
+        if type(self).scores is not _TABLE_SCORES:  # a subclass that ranks otherwise (or scores replaced on the class)
             return None
         table, complete = recency_table(self.recency_halflife, device)
         return ("ema", self.recency_weight, table) if complete else None
 
+
+#: the scores the C eviction reproduces (``recency_scores``): this function itself, whatever the class holds later
+_TABLE_SCORES = ConfKVPolicy.scores
 
 #: the longest recency table (floats): a half-life of up to ~430 tokens reaches 0 within it
 RECENCY_TABLE_MAX = 1 << 16

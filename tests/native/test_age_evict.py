@@ -305,3 +305,19 @@ def test_without_the_scoring_call_the_policy_scores_and_the_split_is_the_same(mo
     assert answers == [False]
     _assert_same_region(store.old, want.old)
     _assert_same_region(store.recent, want.recent)
+
+
+def test_scores_replaced_on_the_class_are_the_ones_ranked(monkeypatch):
+    """``ConfKVPolicy.scores`` replaced (a user's patch, the quality guard's backwards ranking): the C call that
+    scores the table's way is not taken, and the slots leave by the replacement's scores."""
+    from confkv.policies.confkv import ConfKVPolicy
+
+    original = ConfKVPolicy.scores
+    monkeypatch.setattr(ConfKVPolicy, "scores", lambda self, *args: -original(self, *args))
+    store = _store(2, 3, 40, 5, seed=11)
+    want = _two_steps(store, torch.full((2,), 43))
+    answers = _scored_in_c(monkeypatch)
+    assert age_and_evict_at_once(store, torch.full((2,), 43))
+    assert answers == [False]
+    _assert_same_region(store.old, want.old)
+    _assert_same_region(store.recent, want.recent)

@@ -17,6 +17,9 @@ The shortcuts, each of which leaves the store byte for byte as the path it short
   (``native.page_encode``); off, the torch code.
 * ``scores_in_c`` (stop 67): the one-call ageing's C call works out the EMA + recency scores itself
   (``hot_tier._age_split_scored``, ``confkv_age_evict_rows_ema``); off, torch scores the concatenated regions.
+* ``step_down`` (stop 67): a ladder's step-down gathers its pages' tensors at one index with the rows worked out
+  once (``gather_pages_of``) and grows a rung of exact capacity by one ``cat`` a tensor (``cold._joined_pages``);
+  off, a gather a tensor and ``_grow`` then a copy.
 
 ``--off`` names the shortcuts the "off" variant turns off (default: all of them). The cache is the preset
 (``memory=0.25``; ``--policy`` and ``--param open_bits=8`` for another setting) through the lean decoder with INT8
@@ -39,13 +42,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from preset_step_profile import add_setting_arguments, prefilled_preset, setting_of  # noqa: E402
 
+from confkv.attention.segments import gather_pages  # noqa: E402
 from confkv.native import page_encode  # noqa: E402
 from confkv.native import pages as native_pages  # noqa: E402
 from confkv.store import hot_tier  # noqa: E402
 from confkv.store.read import AttentionRead  # noqa: E402
+from confkv.tiers import cold, cold_read  # noqa: E402
 from confkv.tiers.cold_read import EveryPageRead  # noqa: E402
 
-SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages", "page_codec", "scores_in_c")
+SHORTCUTS = ("age_evict", "every_page", "append_one", "read_updates", "keep_pages", "page_codec", "scores_in_c", "step_down")
 
 
 def _two_calls(self, keys, values, query, *, scaling):
@@ -54,6 +59,11 @@ def _two_calls(self, keys, values, query, *, scaling):
         return self._decode_in_place(keys, values, query, scaling)
     self.append(keys, values)
     return self.attend(query, scaling=scaling)
+
+
+def _gather_each(tensors: dict, index):
+    """``gather_pages_of`` as a gather a tensor (what it replaced)."""
+    return {name: gather_pages(tensor, index) for name, tensor in tensors.items()}
 
 
 def switch(off: set[str]) -> dict:
@@ -65,13 +75,19 @@ def switch(off: set[str]) -> dict:
              "keep_pages": (native_pages, "keep_pages", native_pages.keep_pages),
              "page_codec": (page_encode, "encode_kivi", page_encode.encode_kivi),
              "page_decode": (page_encode, "decode_kivi", page_encode.decode_kivi),
-             "scores_in_c": (hot_tier, "_age_split_scored", hot_tier._age_split_scored)}
+             "scores_in_c": (hot_tier, "_age_split_scored", hot_tier._age_split_scored),
+             "step_down": (cold, "_joined_pages", cold._joined_pages),
+             "gather_once": (cold, "gather_pages_of", cold.gather_pages_of),
+             "gather_once_read": (cold_read, "gather_pages_of", cold_read.gather_pages_of)}
     replacement = {"age_evict": lambda store, budget: False, "every_page": lambda self, *args: False,
                    "append_one": _two_calls, "read_updates": lambda self, *args: None,
                    "keep_pages": lambda *args: None, "page_codec": lambda *args: None, "page_decode": lambda *args: None,
-                   "scores_in_c": lambda *args: False}
+                   "scores_in_c": lambda *args: False, "step_down": lambda *args: None,
+                   "gather_once": _gather_each, "gather_once_read": _gather_each}
     if "page_codec" in off:  # both halves of the codec (decode too)
         off = off | {"page_decode"}
+    if "step_down" in off:  # the gathers too, in both modules that make them
+        off = off | {"gather_once", "gather_once_read"}
     for name in off:
         owner, attribute, _ = saved[name]
         setattr(owner, attribute, replacement[name])

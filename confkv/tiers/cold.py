@@ -212,13 +212,11 @@ class ColdTier(PageRead):
     def _append_pages(self, fresh: dict[str, Tensor], count: int) -> None:
         needed = self.num_pages + count
         capacity = self._capacity()
-        old = self.pages
-        if (self.exact_capacity and self.page_file is None and capacity == self.num_pages and old.keys() == fresh.keys()
-                and all(old[n].dtype == t.dtype and old[n].device == t.device for n, t in fresh.items())):
-            # exactly the pages and bytes of _grow then the copy below, in one call a tensor
-            self.pages = {name: torch.cat([old[name], tensor], dim=2) for name, tensor in fresh.items()}
-            self.num_pages = needed
-            return
+        if self.exact_capacity and self.page_file is None and capacity == self.num_pages:
+            joined = _joined_pages(self.pages, fresh)
+            if joined is not None:
+                self.pages, self.num_pages = joined, needed
+                return
         if needed > capacity:
             grown = needed if self.exact_capacity else max(needed, 2 * capacity, 8)
             self.pages = {name: _grow(self.pages.get(name), fresh[name], grown,
@@ -368,6 +366,15 @@ class ColdTier(PageRead):
             for name, t in self.pages.items():
                 twin.pages[name].copy_(t)
         return twin
+
+
+def _joined_pages(old: dict[str, Tensor], fresh: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """A tier of exact capacity's page tensors with ``fresh``'s pages after ``old``'s, one ``cat`` a tensor: the
+    pages and bytes of :func:`_grow` and the copy after it; None (the caller grows) where their names, dtypes or
+    devices differ."""
+    if old.keys() != fresh.keys() or any(old[n].dtype != t.dtype or old[n].device != t.device for n, t in fresh.items()):
+        return None
+    return {name: torch.cat([old[name], tensor], dim=2) for name, tensor in fresh.items()}
 
 
 def _grow(old: Tensor | None, like: Tensor, capacity: int, page_file: PageFile | None) -> Tensor:

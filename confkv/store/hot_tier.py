@@ -18,7 +18,7 @@ token keeps its bytes, its scales, its position and its policy statistics bit fo
 * A decode step's ageing with it (:func:`age_and_evict_at_once`, ``confkv_age_evict_rows``): in the steady state
   the window's oldest slots join the older region and the lowest ranked leave in the same call, the older region
   rewritten in place, where the store's ``_age`` and ``_evict`` copy it three times (stop 59, issue 32); an INT8
-  older region too, its aged slots quantized on the way in (stop 62).
+  older region too (stop 62); CONF-KV's scores worked out in the call, ``..._ema`` (stop 67).
 """
 
 from __future__ import annotations

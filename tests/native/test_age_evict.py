@@ -321,3 +321,48 @@ def test_scores_replaced_on_the_class_are_the_ones_ranked(monkeypatch):
     assert answers == [False]
     _assert_same_region(store.old, want.old)
     _assert_same_region(store.recent, want.recent)
+
+
+def _ema_call(aged: int, old_length: int, drop: int, table_len: int = 4, batch: int = 1, heads: int = 1,
+              old_ema=None, recent_ema=None):
+    """``confkv_age_evict_rows_ema`` over an older region of ``old_length`` (rows 0..5) and a window of 3 (rows 7):
+    (status, kept, dropped, left) with the outputs filled with -1 before the call."""
+    evict = hot_tier._native("confkv_age_evict_rows_ema")
+    rows = max(batch * heads, 1)
+    old = torch.arange(6, dtype=torch.float32).repeat(rows).view(rows, 1, 6, 1)
+    recent = torch.full((rows, 1, 3, 1), 7.0)
+    # distinct scores by default: a split these arguments allowed would be unique, so only the checks refuse
+    old_ema = (1 + 0.1 * torch.arange(6.0)).repeat(rows, 1) if old_ema is None else old_ema
+    recent_ema = torch.full((rows, 3), 5.0) if recent_ema is None else recent_ema
+    old_positions = torch.arange(6).repeat(rows, 1)
+    recent_positions = (6 + torch.arange(3)).repeat(rows, 1)
+    seen, table = torch.full((max(batch, 1),), 9), torch.tensor([1.0, 0.5, 0.25, 0.0])
+    kept, dropped, left = (torch.full((rows, 1, 12, 1), -1.0) for _ in range(3))
+    pointers = ctypes.c_void_p * 1  # every tensor held here: the call reads and writes their memory
+    status = evict(batch, heads, old_length, 3, aged, drop, old_ema.data_ptr(), recent_ema.data_ptr(),
+                   old_positions.data_ptr(), recent_positions.data_ptr(), seen.data_ptr(), 0.01, table.data_ptr(),
+                   table_len, 0, 0, 1, pointers(old.data_ptr()), pointers(recent.data_ptr()),
+                   pointers(kept.data_ptr()), pointers(dropped.data_ptr()), pointers(left.data_ptr()),
+                   (ctypes.c_int64 * 1)(4))
+    return status, kept, dropped, left
+
+
+@pytest.mark.parametrize("aged,old_length,drop,table_len,batch,heads", [
+    (0, 6, 1, 4, 1, 1), (-1, 6, 1, 4, 1, 1), (4, 6, 1, 4, 1, 1), (2, -1, 1, 4, 1, 1), (2, 6, 0, 4, 1, 1),
+    (2, 6, 8, 4, 1, 1), (2, 6, 1, 0, 1, 1), (2, 6, 1, 4, 0, 1), (2, 6, 1, 4, 1, 0)])
+def test_the_scoring_call_refuses_what_it_cannot_split_and_writes_nothing(aged, old_length, drop, table_len, batch,
+                                                                         heads):
+    """No window slot to age or more than the window holds, a negative older region, a drop outside 1 .. L - 1, an
+    empty recency table, no sequence or no head: refused (1), every output as it was."""
+    status, *outputs = _ema_call(aged, old_length, drop, table_len, batch, heads)
+    assert status == 1 and all(bool((t == -1).all()) for t in outputs)
+
+
+def test_the_scoring_call_may_age_every_window_slot():
+    """aged == the window's length: the whole window joins the older region; the lowest score leaves (the oldest
+    slot: its EMA is the lowest and its recency bonus 0, past the table)."""
+    status, kept, dropped, left = _ema_call(3, 6, 1, old_ema=torch.tensor([[0.0, 5, 5, 5, 5, 5]]),
+                                            recent_ema=torch.full((1, 3), 5.0))
+    assert status == 0
+    assert kept.flatten()[:8].tolist() == [1, 2, 3, 4, 5, 7, 7, 7] and dropped.flatten()[0].item() == 0
+    assert bool((left == -1).all())

@@ -119,8 +119,16 @@ def take_rows(t: Tensor, index: Tensor) -> Tensor:
     in [0, L): unlike ``gather``, a slot past L is not refused but read from the next head's rows (the callers' indices
     are in range by construction). Also ``confkv.store.hot_tier.take_rows``."""
     batch, heads, length, dim = t.shape
-    rows = index.reshape(batch * heads, -1) + (torch.arange(batch * heads, device=index.device) * length)[:, None]
-    return t.reshape(batch * heads * length, dim).index_select(0, rows.reshape(-1)).reshape(batch, heads, -1, dim)
+    return t.reshape(batch * heads * length, dim).index_select(0, _flat_rows(index, length)).reshape(
+        batch, heads, -1, dim)
+
+
+def _flat_rows(index: Tensor, length: int) -> Tensor:
+    """[B * H * K] the rows of ``index`` [B, H, K] (slots or pages of each head, in [0, length)) in a [B * H * length,
+    ...] view of their tensor: :func:`take_rows`' and :func:`gather_pages_of`' ``index_select``."""
+    batch, heads = index.shape[:2]
+    return (index.reshape(batch * heads, -1) + (torch.arange(batch * heads, device=index.device) * length)[:, None]
+            ).reshape(-1)
 
 
 def gather_pages(tensor: Tensor, index: Tensor) -> Tensor:
@@ -150,8 +158,7 @@ def gather_pages_of(tensors: dict[str, Tensor], index: Tensor) -> dict[str, Tens
             continue
         count = tensor.shape[2]
         if rows is None or rows[0] != count:
-            offsets = torch.arange(batch * heads, device=index.device) * count
-            rows = (count, (index.reshape(batch * heads, -1) + offsets[:, None]).reshape(-1))
+            rows = (count, _flat_rows(index, count))
         taken = tensor.reshape(batch * heads * count, -1).index_select(0, rows[1])
         out[name] = taken.reshape(*index.shape, *tensor.shape[3:])
     return out

@@ -103,5 +103,9 @@ def test_the_recency_bonus_is_two_to_the_minus_age_over_the_half_life_at_every_a
     assert bool((scores[tiny] <= 2.0 ** -149).all())
     relative = ((scores - want).abs() / want)[want > 2.0 ** -126]  # normal floats: a few units in the last place
     assert float(relative.max()) < 3e-7
+    if halflife == 64.0:  # the preset's: the table ends at the first age that rounds to 0, 9,601 entries
+        from confkv.policies.confkv import recency_table
+        table, complete = recency_table(halflife, torch.device("cpu"))
+        assert complete and table.shape[0] == 9601 and table[-1] == 0 and table[-2] > 0
     subnormal = ~tiny & (want <= 2.0 ** -126)
     assert bool(((scores[subnormal] - want[subnormal]).abs() <= 2.0 ** -149).all())

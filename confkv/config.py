@@ -189,7 +189,8 @@ class ColdConfig:
       KIVI, the default) or ``"kivi"`` plus techniques joined by ``+``: ``hadamard`` (rotated
       channels), ``outliers`` (the most extreme entries kept in 16 bits), ``codebook``
       (non-uniform levels per layer), ``prerope`` (keys stored before the rotary embedding),
-      e.g. ``"hadamard+codebook"``. Ignored at ``bits=16``.
+      ``channel_bits`` (each key channel at its own width, the same bytes), e.g. ``"hadamard+codebook"``.
+      Ignored at ``bits=16``.
     - ``outlier_fraction``: with ``outliers``, the share of each page's entries kept apart.
     - ``value_bits``: values at this width (2, 3, 4 or 8) while keys stay at ``bits`` (None: values at
       ``bits`` too). Keys decide which tokens a query finds and carry more of the loss, so 4-bit keys with

@@ -35,6 +35,10 @@ the only format the Triton paged read takes packed) or ``"kivi"`` plus any of th
   (``kivi+clip`` as ``kivi``, ``kivi+hadamard+clip`` as ``kivi+hadamard``). It lowers perplexity and loses
   exact recall: on the 8/4/3 ladder at 25% it found 10 of 20 needles at 4K where the preset found 16 of the same 20
   (results/memory/README.md, "Points 2 and 3 (stop 38)"), so no preset uses it.
+- ``channel_bits``: each key channel of a page at its own width, the page's key bits shared out by the error they
+  remove (:mod:`confkv.tiers.channel_bits`; the widths stored with the page, at most KIVI's bytes at ``bits``). The
+  keys are never rotated (with ``hadamard`` only the values are), and the pages are read through :meth:`decode`.
+  Not with ``codebook`` or ``clip`` (a channel's levels are set by its width).
 
 At ``bits=16`` every format is the unquantized page in the model's dtype (:class:`FullPrecisionFormat`).
 """
@@ -48,13 +52,14 @@ from torch import Tensor
 
 from confkv.native import page_encode
 from confkv.tiers import lowbit
+from confkv.tiers import channel_bits as _channel_bits
 from confkv.tiers import clipping as _clipping
 from confkv.tiers import codebook as _codebook
 from confkv.tiers import outliers as _outliers
 from confkv.tiers.hadamard import shared_rotation
 
 #: the techniques a format may add to KIVI
-TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope", "clip")
+TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope", "clip", "channel_bits")
 #: techniques that change only how codes are chosen, not what is stored or how it is read
 STORAGE_NEUTRAL = frozenset({"clip"})
 #: the techniques whose pages the C codec (confkv/native/page_encode.py) encodes and decodes: those that only change
@@ -78,7 +83,16 @@ def parse_format(name: str) -> frozenset[str]:
         raise ValueError(f"format: unknown part(s) {', '.join(map(repr, unknown))} in {name!r}; known: 'kivi', "
                          f"or 'kivi' plus any of {', '.join(map(repr, TECHNIQUES))} joined by '+' "
                          "(e.g. 'hadamard+outliers')")
-    return frozenset(part for part in parts if part != "kivi")
+    techniques = frozenset(part for part in parts if part != "kivi")
+    _check_combination(techniques)
+    return techniques
+
+
+def _check_combination(techniques: frozenset[str]) -> None:
+    clash = sorted({"codebook", "clip"} & techniques) if "channel_bits" in techniques else []
+    if clash:
+        raise ValueError(f"format: 'channel_bits' sets each key channel's levels by its width; it cannot be "
+                         f"combined with {' or '.join(map(repr, clash))}: drop one of them")
 
 
 def canonical_name(techniques: frozenset[str]) -> str:
@@ -184,6 +198,7 @@ class KiviFormat(PageFormat):
             raise ValueError(f"format: unknown techniques {sorted(unknown)}; known: {TECHNIQUES}")
         self.bits, self.group_size, self.head_dim = bits, group_size, head_dim
         self.techniques = frozenset(techniques)
+        _check_combination(self.techniques)
         self.name = canonical_name(self.techniques)
         # what changes the pages' storage or read beyond what a PagedSegment carries (outliers and two widths it
         # carries: the native page read takes them, the Triton read leaves them to the torch read)
@@ -194,12 +209,15 @@ class KiviFormat(PageFormat):
         self.rotation = shared_rotation(head_dim) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
         self._needs_rope = "prerope" in techniques  # checked at encode/decode (sizes need no rope)
-        self.read_rotation = None if self._needs_rope else self.rotation  # pre-RoPE keys must come back to turn
+        # pre-RoPE keys must come back to turn; per-channel widths leave the keys unrotated (no common basis)
+        self.read_rotation = None if self._needs_rope or "channel_bits" in techniques else self.rotation
         self.levels: dict[str, Tensor | None] = {"key": None, "value": None}  # fitted codebooks
         self._tables: dict[tuple[str, torch.device], Tensor] = {}
         names = list(KIVI_STORAGE)
         if "outliers" in techniques:
             names += ["key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value"]
+        if "channel_bits" in techniques:
+            names.append("key_widths")
         self.storage = tuple(names)
 
     # -- sizes ------------------------------------------------------------------------------------
@@ -213,6 +231,9 @@ class KiviFormat(PageFormat):
         if self.widths["value"] != self.bits:  # the value codes at their own width; scales and minima alike
             total += kv_heads * page_size * (lowbit.packed_width(head_dim, self.widths["value"])
                                              - lowbit.packed_width(head_dim, self.bits))
+        if "channel_bits" in self.techniques:  # each token's codes shorter; the page's widths a byte a channel
+            shorter = lowbit.packed_width(head_dim, self.bits) - _channel_bits.row_bytes(self.bits, head_dim, page_size)
+            total += kv_heads * (head_dim - page_size * shorter)
         return total + 2 * kv_heads * self.outliers_per_page(page_size) * _outliers.ENTRY_BYTES
 
     def layer_nbytes(self):
@@ -234,7 +255,9 @@ class KiviFormat(PageFormat):
         if self.rope is not None:
             keys = self.rope.unrotate(keys, _need_positions(positions))
         if self.rotation is not None:
-            keys, values = self.rotation.forward(keys), self.rotation.forward(values)
+            values = self.rotation.forward(values)
+            if "channel_bits" not in self.techniques:
+                keys = self.rotation.forward(keys)
         return keys, values
 
     def encode(self, keys, values, valid, positions=None):
@@ -269,10 +292,21 @@ class KiviFormat(PageFormat):
                 out[f"{which}_outlier_value"] = _outliers.gather(grouped, index)
                 kept[which] = kept[which] & ~picked
         for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
-            codes, scale, minimum = self._quantize(which, grouped, kept[which], axis)
-            out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim), self.widths[which])
+            if which == "key" and "channel_bits" in self.techniques:
+                width_bytes = _channel_bits.row_bytes(self.bits, dim, page)
+                widths = _channel_bits.allocate(_channel_bits.page_width_errors(grouped, kept["key"]), 8 * width_bytes)
+                codes, scale, minimum = _channel_bits.quantize_groups(grouped, kept["key"],
+                                                                      widths[:, :, :, None, None, :], axis)
+                out["key_codes"] = _channel_bits.pack(codes.reshape(batch, heads, count, page, dim), widths,
+                                                      width_bytes)
+                out["key_widths"] = widths.to(torch.uint8)
+            else:
+                codes, scale, minimum = self._quantize(which, grouped, kept[which], axis)
+                out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim),
+                                                    self.widths[which])
             out[f"{which}_scale"], out[f"{which}_min"] = scale.squeeze(axis), minimum.squeeze(axis)
         return out
+
 
     def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
         """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries) at ``which``'s width:
@@ -313,15 +347,17 @@ class KiviFormat(PageFormat):
                                           min(self.group_size, self.head_dim))
                   if self.techniques <= _NATIVE_CODEC else None)
         keys, values = native if native is not None else self._decoded(data)
-        if self.rotation is not None and not rotated:
-            keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
+        if self.rotation is not None and not rotated:  # (per-channel widths: the keys were not rotated)
+            values = self.rotation.inverse(values)
+            keys = keys if "channel_bits" in self.techniques else self.rotation.inverse(keys)
         if self.rope is not None:
             keys = self.rope.rotate(keys, _need_positions(positions))
         return keys, values
 
     def _decoded(self, data: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """Keys and values [..., P, D] float32 in the pages' basis, by torch."""
-        key_codes = self._codes("key", data["key_codes"])
+        key_codes = (_channel_bits.unpack(data["key_codes"], data["key_widths"]) if "channel_bits" in self.techniques
+                     else self._codes("key", data["key_codes"]))
         *lead, page, dim = key_codes.shape
         group, vgroup = self.group_size, min(self.group_size, dim)
         grouped = key_codes.reshape(*lead, page // group, group, dim)

@@ -43,6 +43,8 @@ FORMATS = ["kivi", "hadamard", "outliers", "codebook", "prerope", "hadamard+outl
 #: a rotary embedding of head_dim 32 (theta 10,000, as Llama's)
 ROPE = Rope(1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32)))
 FP16_EPS = 2.0 ** -11  # float16 relative rounding (round to nearest)
+#: formats with per-channel key widths (their bounds: tests/tiers/test_channel_bits.py)
+CHANNEL_FORMATS = ["channel_bits", "hadamard+outliers+channel_bits", "prerope+channel_bits"]
 
 
 def _pages(seed: int, batch=1, heads=2, count=3, page=16, dim=32, spikes=True):
@@ -254,11 +256,12 @@ def _held_bytes(tier: ColdTier) -> int:
     for levels in getattr(tier.format, "levels", {}).values():
         if levels is not None:
             held += levels.nbytes
-    return held
+    layout = getattr(tier.format, "channel_layout", None)
+    return held + (layout.widths.nbytes if layout is not None else 0)
 
 
 @pytest.mark.parametrize("read_all", [True, False])
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", FORMATS + CHANNEL_FORMATS)
 def test_kv_bytes_are_the_tensors_held(name, read_all):
     keys, values, _, positions = _pages(5, count=4)
     tier = _tier(name, 3, read_all)
@@ -270,7 +273,7 @@ def test_kv_bytes_are_the_tensors_held(name, read_all):
     assert set(tier.format.storage) <= set(tier.pages)
 
 
-@pytest.mark.parametrize("name", ["codebook", "prerope", "hadamard+outliers+codebook"])
+@pytest.mark.parametrize("name", ["codebook", "prerope", "hadamard+outliers+codebook", *CHANNEL_FORMATS])
 def test_a_format_pages_read_through_the_decode_on_every_backend(name):
     """Pages of formats other than KIVI codes (maybe rotated, maybe with outliers) reach the read decoded (also
     when a backend asks for packed pages)."""

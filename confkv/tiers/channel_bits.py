@@ -1,0 +1,177 @@
+"""Per-channel key widths: each page's key bits shared out among its channels by the error each bit removes.
+
+KIVI quantizes keys per channel (each channel's group of tokens has its own float16 minimum and scale) but
+gives every channel the same width. A head's key channels differ in spread by orders of magnitude (a few
+large rotary channels, many nearly constant), so at the same bytes the page's squared error is lower when
+the wide channels get more bits and the narrow ones fewer, down to none: the bit allocation of transform
+coding (reverse water-filling; for KV caches: SVDq, Yankun et al. 2025, and KVQuant's per-channel
+sensitivity, Hooper et al. 2024). Here it is done on the channels as they are, with no change of basis.
+
+Per page and KV head, :func:`page_width_errors` measures each channel's squared error at every width 0-8 with
+the quantizer below; :func:`allocate` gives the channels the widths of least total error within the page's
+bits (the Lagrangian solution: each channel at the width minimising ``error + lambda * width``, ``lambda``
+the least that fits, then the bits left given one step at a time to the step that removes the most error per
+bit). The widths are stored with the page, one byte a channel, paid for by the codes: each token's row is
+``ceil(D / P)`` bytes shorter than KIVI's (``bits * D / 8``), so a page costs at most KIVI's bytes at ``bits``.
+
+The quantizer of a channel's group (``x ~= min + code * scale``, the stored form of KIVI, so the decode is
+KIVI's):
+
+- width 0: the group's mean (``scale`` 0, no code bits);
+- width 1: the mean minus / plus the mean absolute deviation (two levels placed by the data: a min-max
+  range would put them at the extremes, worse than the mean alone);
+- widths 2-8: KIVI's even levels from the group's minimum to its maximum.
+
+Codes are packed per token, channel after channel, each in its width's bits (least significant first). Shapes:
+key pages [B, H, N, P, D]; widths [B, H, N, D] (uint8 as stored).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from confkv.tiers.lowbit import SCALE_DTYPE
+
+#: the widest channel
+MAX_WIDTH = 8
+#: bisection steps of the Lagrangian's multiplier (a factor of 2**-40 of its range: below float32's resolution)
+_BISECTIONS = 40
+
+
+def row_bytes(bits: int, head_dim: int, page_size: int) -> int:
+    """Bytes of one token's key codes: KIVI's ``bits * D / 8`` less the share of the page's widths.
+
+    Raises:
+        ValueError: no byte is left for the codes (pages too short for the head's widths).
+    """
+    left = bits * head_dim // 8 - math.ceil(head_dim / page_size)
+    if left <= 0:
+        raise ValueError(f"format: 'channel_bits' at {bits} bits needs pages of more than {page_size} tokens for "
+                         f"head_dim {head_dim} (the widths take every code byte); use longer pages or drop it")
+    return left
+
+
+def quantize_groups(x: Tensor, valid: Tensor, widths: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Codes, scale and minimum of each group of ``x`` over ``axis``, each channel (last dim) at its width.
+
+    Args:
+        x: float32 [..., D] grouped so that ``axis`` (not the last) runs over a group's tokens.
+        valid: bool, ``x``'s shape: the entries that set a group's range (others are coded but not measured).
+        widths: integer, broadcastable to ``x`` with ``axis`` of size 1.
+    Returns:
+        codes uint8 (``x``'s shape), scale and minimum float16 (``axis`` kept as size 1).
+    """
+    count = valid.sum(axis, keepdim=True).clamp_min(1)
+    mean = torch.where(valid, x, 0).sum(axis, keepdim=True) / count
+    spread = torch.where(valid, (x - mean).abs(), 0).sum(axis, keepdim=True) / count
+    top = x.masked_fill(~valid, float("-inf")).amax(axis, keepdim=True)
+    bottom = x.masked_fill(~valid, float("inf")).amin(axis, keepdim=True)
+    empty = ~torch.isfinite(top)
+    top, bottom = torch.where(empty, 0, top), torch.where(empty, 0, bottom)
+    top, bottom, mean, spread = torch.broadcast_tensors(top, bottom, mean, spread, widths)[:4]
+    w = widths.to(torch.int64).expand_as(top)
+    low = torch.where(w == 0, mean, torch.where(w == 1, mean - spread, bottom)).to(SCALE_DTYPE)
+    levels = (2 ** w - 1).clamp_min(1).float()
+    span = torch.where(w == 1, 2 * spread, top - low.float())
+    scale = torch.where(w == 0, 0, span / levels).to(SCALE_DTYPE)
+    safe = torch.where(scale > 0, scale.float(), 1)
+    codes = torch.round(((x - low.float()) / safe).clamp(min=0).minimum(levels))
+    return torch.where(w == 0, 0, codes).to(torch.uint8), scale, low
+
+
+def dequantize_groups(codes: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """``min + code * scale`` in float32 (codes float or integer, shapes broadcast)."""
+    return torch.addcmul(minimum.float(), codes.float(), scale.float())
+
+
+def page_width_errors(grouped: Tensor, kept: Tensor) -> Tensor:
+    """[B, H, N, D, MAX_WIDTH + 1] float32: each page's and channel's summed squared error at widths 0..MAX_WIDTH.
+
+    Args:
+        grouped: [B, H, N, G, group, D] float32 keys, groups of tokens on dim -2; kept: bool, the same shape
+            (the entries that count: valid, not kept apart as outliers).
+    """
+    widths = torch.arange(MAX_WIDTH + 1, device=grouped.device).reshape(-1, *[1] * grouped.dim())
+    codes, scale, low = quantize_groups(grouped[None], kept[None], widths, -2)  # every width at once, dim 0
+    squared = torch.where(kept, (dequantize_groups(codes, scale, low) - grouped) ** 2, 0)
+    return squared.sum((4, 5)).movedim(0, -1)
+
+
+def allocate(errors: Tensor, budget: int) -> Tensor:
+    """[..., D] int64 widths of least total error with at most ``budget`` bits a token (widths summed).
+
+    First each channel takes the width minimising ``error + lambda * width`` for the least ``lambda`` whose
+    widths fit (bisected); then, while a step fits, the one step (a channel to a wider width) that removes the most
+    error per bit is taken. For errors that fall by less with every bit this is the least total error of all
+    allocations (marginal analysis); otherwise a near one (steps that do not lower the error are jumped over).
+
+    Args:
+        errors: [..., D, MAX_WIDTH + 1], each channel's error at each width (:func:`page_width_errors`).
+        budget: bits a token for the D channels (at most ``MAX_WIDTH * D`` are used).
+    """
+    errors = errors.double()
+    *lead, dim, options = errors.shape
+    cost = torch.arange(options, dtype=torch.float64, device=errors.device)
+    widths = lagrangian_widths(errors, budget)
+    left = budget - widths.sum(-1)  # [...]
+    taken = errors.gather(-1, widths[..., None])[..., 0]  # [..., D]
+    for _ in range(options * dim):  # each round widens at least one channel of a page, or stops
+        extra = cost - widths[..., None]  # [..., D, options]: bits of a step to each width
+        gain = (taken[..., None] - errors) / extra.clamp_min(1)
+        gain = gain.masked_fill((extra <= 0) | (extra > left[..., None, None]) | (gain <= 0), -1.0)
+        best, at = gain.flatten(-2).max(-1)
+        go = best > 0
+        if not bool(go.any()):
+            break
+        channel, width = at // options, at % options
+        new = torch.where(go, width, widths.gather(-1, channel[..., None])[..., 0])
+        left = left - torch.where(go, new - widths.gather(-1, channel[..., None])[..., 0], 0)
+        widths = widths.scatter(-1, channel[..., None], new[..., None])
+        taken = errors.gather(-1, widths[..., None])[..., 0]
+    return widths
+
+
+def lagrangian_widths(errors: Tensor, budget: int) -> Tensor:
+    """[..., D] int64: each channel at the width minimising ``error + lambda * width``, for the least ``lambda``
+    (bisected per page) whose widths fit ``budget`` bits; the first stage of :func:`allocate`."""
+    errors = errors.double()
+    cost = torch.arange(errors.shape[-1], dtype=torch.float64, device=errors.device)
+
+    def widths_at(multiplier: Tensor) -> Tensor:
+        return (errors + multiplier[..., None, None] * cost).argmin(-1)
+
+    # lambda at `high` always fits (every channel at 0 when lambda exceeds every error per bit)
+    low = torch.zeros(errors.shape[:-2], dtype=torch.float64, device=errors.device)
+    high = errors.amax((-1, -2)) + 1.0
+    for _ in range(_BISECTIONS):
+        middle = (low + high) / 2
+        fits = widths_at(middle).sum(-1) <= budget
+        high, low = torch.where(fits, middle, high), torch.where(fits, low, middle)
+    return widths_at(high)
+
+
+def pack(codes: Tensor, widths: Tensor, width_bytes: int) -> Tensor:
+    """[B, H, N, P, D] integer codes (each below 2**width), widths [B, H, N, D] -> [B, H, N, P, width_bytes] uint8."""
+    wide = widths.to(torch.int64)[:, :, :, None, :]  # [B, H, N, 1, D]
+    first = wide.cumsum(-1) - wide
+    shifted = codes.to(torch.int64) << (first % 8)  # at most 15 bits: two bytes
+    byte = (first // 8).expand_as(shifted)  # width-0 channels past the last code add 0 to the spare byte
+    row = torch.zeros(*codes.shape[:-1], width_bytes + 1, dtype=torch.int64, device=codes.device)
+    row.scatter_add_(-1, byte.clamp_max(width_bytes), shifted & 0xFF)  # no bit is set twice
+    row.scatter_add_(-1, (byte + 1).clamp_max(width_bytes), shifted >> 8)
+    return row[..., :width_bytes].to(torch.uint8)
+
+
+def unpack(packed: Tensor, widths: Tensor) -> Tensor:
+    """Inverse of :func:`pack`: [B, H, N, P, width_bytes] uint8, widths [B, H, N, D] -> [B, H, N, P, D] float32."""
+    wide = widths.to(torch.int64)[:, :, :, None, :]
+    first = wide.cumsum(-1) - wide
+    last = packed.shape[-1] - 1
+    shape = (*packed.shape[:-1], wide.shape[-1])
+    rows = packed.to(torch.int64)
+    low = rows.gather(-1, (first // 8).clamp_max(last).expand(shape))
+    high = rows.gather(-1, (first // 8 + 1).clamp_max(last).expand(shape))  # only read where a code spans it
+    return (((low | (high << 8)) >> (first % 8)) & ((1 << wide) - 1)).float()

@@ -37,8 +37,8 @@ the only format the Triton paged read takes packed) or ``"kivi"`` plus any of th
   (results/memory/README.md, "Points 2 and 3 (stop 38)"), so no preset uses it.
 - ``channel_bits``: each key channel of a page at its own width, the page's key bits shared out by the error they
   remove (:mod:`confkv.tiers.channel_bits`; the widths stored with the page, at most KIVI's bytes at ``bits``). The
-  keys are never rotated (with ``hadamard`` only the values are), and the pages are read through :meth:`decode`.
-  Not with ``codebook`` or ``clip`` (a channel's levels are set by its width).
+  keys are never rotated (with ``hadamard`` only the values are, with ``clip`` only the values' ranges are clipped),
+  and the pages are read through :meth:`decode`. Not with ``codebook`` (a channel's levels are set by its width).
 
 At ``bits=16`` every format is the unquantized page in the model's dtype (:class:`FullPrecisionFormat`).
 """
@@ -89,10 +89,9 @@ def parse_format(name: str) -> frozenset[str]:
 
 
 def _check_combination(techniques: frozenset[str]) -> None:
-    clash = sorted({"codebook", "clip"} & techniques) if "channel_bits" in techniques else []
-    if clash:
-        raise ValueError(f"format: 'channel_bits' sets each key channel's levels by its width; it cannot be "
-                         f"combined with {' or '.join(map(repr, clash))}: drop one of them")
+    if {"channel_bits", "codebook"} <= techniques:
+        raise ValueError("format: 'channel_bits' sets each key channel's levels by its width; it cannot be "
+                         "combined with 'codebook': drop one of them")
 
 
 def canonical_name(techniques: frozenset[str]) -> str:

@@ -12,7 +12,7 @@ Each test was seen to fail with a bug put in by hand (then removed):
 - KIVI equality / bound: the scale divided by 2**w instead of 2**w - 1.
 - layout round trip: a channel's bits written most significant first; the unused bits not cleared; the unpacking
   window's two bytes swapped; a code's second byte never read.
-- format: keys rotated with the values under ``hadamard``; every page given the first page's widths; the widths
+- format: keys rotated with the values under ``hadamard``; the values not clipped under ``clip``; every page given the first page's widths; the widths
   left out of the page's bytes.
 """
 
@@ -204,10 +204,12 @@ def test_each_key_entry_decodes_within_its_channels_bound():
     assert (widths == 0).any() and (widths >= 4).any()  # the test sees both ends
 
 
-def test_with_hadamard_the_values_turn_and_the_keys_do_not():
+@pytest.mark.parametrize("extra", ["", "+clip"])
+def test_with_hadamard_the_values_turn_and_the_keys_do_not(extra):
+    """... and with ``clip`` the values' ranges are clipped (as ``hadamard+clip`` clips them), the keys' are not."""
     keys, values, valid = _skewed_pages(4)
-    fmt = build_format(2, 8, 32, torch.bfloat16, "hadamard+channel_bits")
-    rotated = build_format(2, 8, 32, torch.bfloat16, "hadamard")
+    fmt = build_format(2, 8, 32, torch.bfloat16, "hadamard+channel_bits" + extra)
+    rotated = build_format(2, 8, 32, torch.bfloat16, "hadamard" + extra)
     unrotated = build_format(2, 8, 32, torch.bfloat16, "channel_bits")
     data = fmt.encode(keys, values, valid, None)
     got_keys, got_values = fmt.decode(data, None)
@@ -230,7 +232,6 @@ def test_pages_too_short_for_their_widths_and_clashing_techniques_are_refused():
     keys, values, valid = _skewed_pages(6, page=4, dim=32)
     with pytest.raises(ValueError, match="pages of more than 4 tokens"):
         build_format(2, 4, 32, torch.bfloat16, "channel_bits").encode(keys, values, valid, None)
-    for clash in ("codebook", "clip"):
-        with pytest.raises(ConfigError, match=f"'channel_bits'.*'{clash}'.*drop one"):
-            ColdConfig(format=f"{clash}+channel_bits")
+    with pytest.raises(ConfigError, match="'channel_bits'.*'codebook'.*drop one"):
+        ColdConfig(format="codebook+channel_bits")
     assert ColdConfig(format="hadamard+outliers+channel_bits").format == "hadamard+outliers+channel_bits"

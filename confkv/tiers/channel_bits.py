@@ -4,7 +4,7 @@ KIVI quantizes keys per channel (each channel's group of tokens has its own floa
 gives every channel the same width. A head's key channels differ in spread by orders of magnitude (a few
 large rotary channels, many nearly constant), so at the same bytes the page's squared error is lower when
 the wide channels get more bits and the narrow ones fewer, down to none: the bit allocation of transform
-coding (reverse water-filling; for KV caches: SVDq, Yankun et al. 2025, and KVQuant's per-channel
+coding (reverse water-filling; for KV caches: SVDq, 2025, on SVD channels, and KVQuant's per-channel
 sensitivity, Hooper et al. 2024). Here it is done on the channels as they are, with no change of basis.
 
 Per page and KV head, :func:`page_width_errors` measures each channel's squared error at every width 0-8 with
@@ -113,7 +113,7 @@ def allocate(errors: Tensor, budget: int) -> Tensor:
         budget: bits a token for the D channels (at most ``MAX_WIDTH * D`` are used).
     """
     errors = errors.double()
-    *lead, dim, options = errors.shape
+    dim, options = errors.shape[-2:]
     cost = torch.arange(options, dtype=torch.float64, device=errors.device)
     widths = lagrangian_widths(errors, budget)
     left = budget - widths.sum(-1)  # [...]

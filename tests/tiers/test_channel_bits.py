@@ -10,8 +10,8 @@ Each test was seen to fail with a bug put in by hand (then removed):
   gains measured from width 0 instead of the channel's width.
 - quantizer levels: width 1 split at its lower level instead of the mean; width 0 the group's minimum.
 - KIVI equality / bound: the scale divided by 2**w instead of 2**w - 1.
-- layout round trip: a channel's bits written most significant first; the unused bits not cleared; the unpacking
-  window's two bytes swapped; a code's second byte never read.
+- packing round trip: a channel's bits written most significant first; a code's second byte never read.
+- a page's errors: the entries not kept (padding, outliers) summed in.
 - format: keys rotated with the values under ``hadamard``; the values not clipped under ``clip``; every page given the first page's widths; the widths
   left out of the page's bytes.
 """

@@ -33,7 +33,7 @@ import math
 import torch
 from torch import Tensor
 
-from confkv.tiers.lowbit import SCALE_DTYPE
+from confkv.tiers.lowbit import SCALE_DTYPE, masked_extremes
 
 #: the widest channel
 MAX_WIDTH = 8
@@ -67,10 +67,7 @@ def quantize_groups(x: Tensor, valid: Tensor, widths: Tensor, axis: int) -> tupl
     count = valid.sum(axis, keepdim=True).clamp_min(1)
     mean = torch.where(valid, x, 0).sum(axis, keepdim=True) / count
     spread = torch.where(valid, (x - mean).abs(), 0).sum(axis, keepdim=True) / count
-    top = x.masked_fill(~valid, float("-inf")).amax(axis, keepdim=True)
-    bottom = x.masked_fill(~valid, float("inf")).amin(axis, keepdim=True)
-    empty = ~torch.isfinite(top)
-    top, bottom = torch.where(empty, 0, top), torch.where(empty, 0, bottom)
+    bottom, top = masked_extremes(x, valid, axis)
     top, bottom, mean, spread = torch.broadcast_tensors(top, bottom, mean, spread, widths)[:4]
     w = widths.to(torch.int64).expand_as(top)
     low = torch.where(w == 0, mean, torch.where(w == 1, mean - spread, bottom)).to(SCALE_DTYPE)

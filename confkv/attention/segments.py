@@ -28,6 +28,9 @@ Shapes (``B`` sequences, ``H`` KV heads, ``N`` pages of storage, ``P`` tokens pe
     outliers:   key_outlier_index, key_outlier_value, value_outlier_index, value_outlier_value
                 [B, H, N, O] int16 / float16 (a format with ``outliers``, :mod:`confkv.tiers.outliers`):
                 entry ``t * D + d`` of a page is written over the dequantized page, O per page and tensor
+    key_widths: [B, H, N, D] uint8 (a format with ``channel_bits``, :mod:`confkv.tiers.channel_bits`): each key
+                channel's width in its page, the key codes ``C = row_bytes(bits, D, P)`` bytes a token; the keys
+                are then never rotated (a ``rotation`` turns the values only)
 
 The segment's slots are the ``K * P`` slots of the selected pages in rank order (slot
 ``j * P + t`` is token ``t`` of the rank-``j`` page), so its attention mass is
@@ -42,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from confkv.tiers import lowbit
+from confkv.tiers import channel_bits, lowbit
 from confkv.tiers.outliers import restore
 
 #: the optional outlier storage of a :class:`PagedSegment` (all four or none)
@@ -192,6 +195,8 @@ class PagedSegment:
     key_outlier_value: Tensor | None = None
     value_outlier_index: Tensor | None = None
     value_outlier_value: Tensor | None = None
+    #: [B, H, N, D] uint8 each key channel's width in its page (format ``channel_bits``), or None (one width)
+    key_widths: Tensor | None = None
     #: what the native page read worked out from this segment (its pointers and layout, :mod:`confkv.native.pages`),
     #: kept for the next read of the same segment object (a decode step's cold tier hands the same one over while
     #: its pages do not change); None until the first native read
@@ -209,7 +214,7 @@ class PagedSegment:
     @property
     def plain(self) -> bool:
         """One width and no outliers: the storage the Triton paged read takes."""
-        return self.widths[0] == self.widths[1] and not self.has_outliers
+        return self.widths[0] == self.widths[1] and not self.has_outliers and self.key_widths is None
 
     @property
     def page_size(self) -> int:
@@ -219,8 +224,8 @@ class PagedSegment:
     def read_kind(self) -> tuple:
         """What a read plan looks at in these pages (widths, outliers, device, head size, the rotation object's
         identity): pages of one kind go the same way (:func:`confkv.attention.read_plan.plan`)."""
-        return ("pages", self.widths, self.has_outliers, self.valid.device, self.head_dim,
-                None if self.rotation is None else id(self.rotation))
+        return ("pages", self.widths, self.has_outliers, self.key_widths is not None, self.valid.device,
+                self.head_dim, None if self.rotation is None else id(self.rotation))
 
     @property
     def width(self) -> int:
@@ -280,7 +285,14 @@ class PagedSegment:
             bits, group, dim = self.bits, self.group_size, self.head_dim
             qk = lowbit.Quantized(*(gather_pages(t, index) for t in (self.key_codes, self.key_scale, self.key_min)))
             qv = lowbit.Quantized(*(gather_pages(t, index) for t in (self.value_codes, self.value_scale, self.value_min)))
-            keys = lowbit.dequantize_keys(qk, bits, dim, group)
+            if self.key_widths is None:
+                keys = lowbit.dequantize_keys(qk, bits, dim, group)
+            else:  # each channel at its page's width; scale and minimum per channel and group, as KIVI's
+                codes = channel_bits.unpack(qk.codes, gather_pages(self.key_widths, index))
+                lead = codes.shape[:-2]
+                grouped = codes.reshape(*lead, codes.shape[-2] // group, group, dim)
+                keys = channel_bits.dequantize_groups(grouped, qk.scale.unsqueeze(-2),
+                                                      qk.minimum.unsqueeze(-2)).reshape(codes.shape)
             values = lowbit.dequantize_values(qv, self.widths[1], dim, group)
             if self.has_outliers:
                 keys = restore(keys, gather_pages(self.key_outlier_index, index),
@@ -288,7 +300,8 @@ class PagedSegment:
                 values = restore(values, gather_pages(self.value_outlier_index, index),
                                  gather_pages(self.value_outlier_value, index))
         if self.rotation is not None:
-            keys, values = self.rotation.inverse(keys), self.rotation.inverse(values)
+            values = self.rotation.inverse(values)
+            keys = keys if self.key_widths is not None else self.rotation.inverse(keys)
         shape = (batch, heads, width * self.page_size, self.head_dim)
         return KVSegment(keys.reshape(shape), values.reshape(shape), self.visible())
 

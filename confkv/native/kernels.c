@@ -18,6 +18,7 @@
 #include "c/page_codes.c" /* its fast path: codes unpacked in plane order, 64 codes a multishift */
 #include "c/page_simd.c"  /* its fastest path (AVX-512): dequantization folded into the sums */
 #include "c/page_avx2.c"  /* the same on AVX2 CPUs without AVX-512 VBMI */
+#include "c/page_widths.c" /* keys at a width per channel (format channel_bits) */
 #include "c/page_tasks.c" /* its tasks (slices of a unit's pages) and entry point */
 #include "c/prefill.c"    /* the read of a prefill chunk: many query rows, dense bfloat16 segments, masks */
 #include "c/rows.c"       /* the confidence's terms, RMSNorm, rotary */

@@ -85,7 +85,7 @@ def rotation_matrix(segments: Sequence) -> Tensor | None:
     return rotations[0].to(torch.float32).contiguous() if rotations else None
 
 
-READERS = ("row by row", "plane order", "avx512", "avx2")  #: confkv_page_reader's answers, by number
+READERS = ("row by row", "plane order", "avx512", "avx2", "channel widths")  #: confkv_page_reader's answers, by number
 
 
 def reader_of(query: Tensor, segment) -> str:

@@ -12,7 +12,8 @@ The checked entry (:func:`page_read`, :func:`unsupported`, which the read plan a
 :func:`reader_of`) is :mod:`confkv.native.page_entry`; this module is what a decode step
 runs: the call (:class:`PageReader`, with its in-place updates, :class:`InPlaceUpdate`), a cold tier's pages
 dropped in one C call (:func:`keep_pages`), and INT8 token rows quantized and decoded in one C call each
-(:func:`quantize_int8_rows`, :func:`decode_int8_rows`: the hot tier's and the open page's).
+(:func:`quantize_int8_rows`, :func:`decode_int8_rows`: the hot tier's and the open page's). What a page segment
+carries beyond its codes (outliers, per-channel key widths) is laid out by :mod:`confkv.native.page_extras`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from torch import Tensor
 
 from confkv.native import _sum_lanes, loader
 from confkv.native.loader import library
+from confkv.native.page_extras import OUTLIER_NAMES as _OUTLIER_NAMES, inner_contiguous, key_widths, outlier_tensors
 
 _CODES = {torch.float32: 0, torch.bfloat16: 1}
-_PTRS, _META = 13, 48  # a segment's own entries (kernels.c's PR_PTRS, PR_META less the update's)
+_PTRS, _META = 14, 52  # a segment's own entries (kernels.c's PR_PTRS, PR_META less the update's)
 _UPDATE_META = 5  # kernels.c's PR_UPDATE_META: then the update's entries, and its target as the last pointer
 UPDATE_STATISTIC, UPDATE_PAGE_HEAT = 1, 2  # kernels.c's UPDATE_*
 _NO_UPDATE = [0] * _UPDATE_META
@@ -39,23 +41,11 @@ _REFUSED = "confkv native page read: a page segment's bits, group size or outlie
 #: bit widths of the packed pages the kernel reads
 BITS = (2, 3, 4, 8)
 _META_PADDING = [0] * _META
+_WIDTHS_AT = 48  # kernels.c's meta[48]: keys at per-channel widths (then their strides)
 
 
 def _is_paged(segment) -> bool:
     return hasattr(segment, "index") and hasattr(segment, "counts")
-
-
-def _inner_contiguous(t: Tensor, lead: int) -> Tensor:
-    """``t`` itself when its dimensions past the first ``lead`` are contiguous (row-major), else a copy."""
-    if t.is_contiguous():  # the usual case, checked in C
-        return t
-    expected, step = [], 1
-    for size in reversed(t.shape[lead:]):
-        expected.append(step)
-        step *= size
-    actual = [s for s, n in zip(reversed(t.stride()[lead:]), reversed(t.shape[lead:]))]
-    ok = all(a == e or n == 1 for a, e, n in zip(actual, expected, reversed(t.shape[lead:])))
-    return t if ok else t.contiguous()
 
 
 def _dense(segment, batch: int, kv_heads: int, queries: int, keep: list) -> tuple[list, list]:
@@ -103,10 +93,9 @@ def _paged(segment, keep: list) -> tuple[list, list]:
 
 
 _STORAGE_NAMES = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
-_OUTLIER_NAMES = ("key_outlier_index", "key_outlier_value", "value_outlier_index", "value_outlier_value")
 #: what :func:`_paged_args` reads of a segment: kept arguments serve a segment whose every one of these is the same object
 _FIELDS = ("index", "counts", "valid", "bits", "group_size", "head_dim", "rotation", "value_bits") + _STORAGE_NAMES + \
-    _OUTLIER_NAMES
+    _OUTLIER_NAMES + ("key_widths",)
 _FIELD_GETTER = operator.attrgetter(*_FIELDS)
 
 
@@ -121,8 +110,8 @@ def _fields_of(segment) -> tuple:
 def _paged_args(segment, keep: list) -> tuple[list, list]:
     index = segment.index.to(torch.int64).contiguous()
     counts = segment.counts.to(device="cpu", dtype=torch.int64).contiguous()
-    valid = _inner_contiguous(segment.valid.to(torch.bool), 3)
-    storage = [_inner_contiguous(getattr(segment, name), 3) for name in _STORAGE_NAMES]
+    valid = inner_contiguous(segment.valid.to(torch.bool), 3)
+    storage = [inner_contiguous(getattr(segment, name), 3) for name in _STORAGE_NAMES]
     if any(t.dtype != torch.float16 for t in storage[1:3] + storage[4:]) or any(
             t.dtype != torch.uint8 for t in (storage[0], storage[3])):
         raise ValueError("packed pages: codes must be uint8 and scales / minima float16")
@@ -132,29 +121,21 @@ def _paged_args(segment, keep: list) -> tuple[list, list]:
             storage[0].shape[-1], index.stride(0), index.stride(1), counts.stride(0), *valid.stride()[:3]]
     for t in storage:
         meta += list(t.stride()[:3])
-    meta.append(int(segment.rotation is not None))  # [32]: coded in the call's rotation
+    # [32]: 1 keys and values coded in the call's rotation, 2 the values only (keys at per-channel widths)
+    meta.append(0 if segment.rotation is None else 2 if getattr(segment, "key_widths", None) is not None else 1)
     meta += [value_bits, storage[3].shape[-1]]  # [33] value bits, [34] packed value bytes per row
-    outliers = _outliers(segment)
+    outliers = outlier_tensors(segment)
     meta.append(outliers[0].shape[-1] if outliers else 0)  # [35] outliers per page and tensor
     for t in outliers:
         meta += list(t.stride()[:3])
     keep += [index, counts, valid, *storage, *outliers]
     ptrs = [index.data_ptr(), counts.data_ptr(), valid.data_ptr()] + [t.data_ptr() for t in storage + outliers]
-    return ptrs + [0] * (_PTRS - len(ptrs)), meta
-
-
-def _outliers(segment) -> list[Tensor]:
-    """The segment's outlier storage (key index, key value, value index, value value) as the kernel reads it, or
-    [] for pages without outliers (or with none kept)."""
-    if getattr(segment, "key_outlier_index", None) is None:
-        return []
-    index_type, value_type = torch.int16, torch.float16
-    tensors = [_inner_contiguous(getattr(segment, name), 3) for name in _OUTLIER_NAMES]
-    if any(t.dtype != want for t, want in zip(tensors, (index_type, value_type) * 2)):
-        raise ValueError("packed pages: outlier indices must be int16 and outlier values float16")
-    if len({t.shape[-1] for t in tensors}) != 1:
-        raise ValueError("packed pages: keys and values must keep as many outliers per page")
-    return tensors if tensors[0].shape[-1] else []
+    widths = key_widths(segment)
+    if widths is None:
+        return ptrs + [0] * (_PTRS - len(ptrs)), meta
+    keep.append(widths)  # [48] keys at per-channel widths, [49..51] their strides (b, h, n); the last pointer
+    meta += [0] * (_WIDTHS_AT - len(meta)) + [1, *widths.stride()[:3]]
+    return ptrs + [0] * (_PTRS - 1 - len(ptrs)) + [widths.data_ptr()], meta
 
 
 class PageReader:

@@ -176,6 +176,8 @@ class PageRead:
         names = _STORAGE[self.config.bits == 16]
         if "key_outlier_index" in self.format.storage:
             names = names + OUTLIER_STORAGE
+        if "key_widths" in self.format.storage:
+            names = names + ("key_widths",)
         storage = {name: self.pages[name] for name in names}
         if every:
             tensors, cached = (*storage.values(), self.pages["valid"]), self._every_page

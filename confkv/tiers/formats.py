@@ -37,8 +37,10 @@ the only format the Triton paged read takes packed) or ``"kivi"`` plus any of th
   (results/memory/README.md, "Points 2 and 3 (stop 38)"), so no preset uses it.
 - ``channel_bits``: each key channel of a page at its own width, the page's key bits shared out by the error they
   remove (:mod:`confkv.tiers.channel_bits`; the widths stored with the page, at most KIVI's bytes at ``bits``). The
-  keys are never rotated (with ``hadamard`` only the values are, with ``clip`` only the values' ranges are clipped),
-  and the pages are read through :meth:`decode`. Not with ``codebook`` (a channel's levels are set by its width).
+  keys are never rotated (with ``hadamard`` only the values are, with ``clip`` only the values' ranges are clipped).
+  The native page read takes the pages packed (their widths carried by the segment, ``c/page_widths.c``; with
+  ``hadamard`` the kernel turns only their values' share of the output back); no rotation is folded into a read
+  of them. Not with ``codebook`` (a channel's levels are set by its width).
 
 At ``bits=16`` every format is the unquantized page in the model's dtype (:class:`FullPrecisionFormat`).
 """
@@ -199,9 +201,10 @@ class KiviFormat(PageFormat):
         self.techniques = frozenset(techniques)
         _check_combination(self.techniques)
         self.name = canonical_name(self.techniques)
-        # what changes the pages' storage or read beyond what a PagedSegment carries (outliers and two widths it
-        # carries: the native page read takes them, the Triton read leaves them to the torch read)
-        stored = self.techniques - STORAGE_NEUTRAL - {"outliers"}
+        # what changes the pages' storage or read beyond what a PagedSegment carries (outliers, two widths and
+        # per-channel key widths it carries: the native page read takes them, the Triton read leaves them to the
+        # torch read)
+        stored = self.techniques - STORAGE_NEUTRAL - {"outliers", "channel_bits"}
         self.paged = not stored
         self.paged_when_rotated = stored == frozenset({"hadamard"})  # KIVI codes of rotated K / V
         self.outlier_fraction = outlier_fraction

@@ -273,7 +273,7 @@ def test_kv_bytes_are_the_tensors_held(name, read_all):
     assert set(tier.format.storage) <= set(tier.pages)
 
 
-@pytest.mark.parametrize("name", ["codebook", "prerope", "hadamard+outliers+codebook", *CHANNEL_FORMATS])
+@pytest.mark.parametrize("name", ["codebook", "prerope", "hadamard+outliers+codebook", "prerope+channel_bits"])
 def test_a_format_pages_read_through_the_decode_on_every_backend(name):
     """Pages of formats other than KIVI codes (maybe rotated, maybe with outliers) reach the read decoded (also
     when a backend asks for packed pages)."""
@@ -313,6 +313,26 @@ def test_hadamard_pages_reach_a_packed_read_packed_with_their_rotation(name):
         torch.testing.assert_close(segment.values, expected_values.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
     (rotated,) = tier.segments(query, torch.tensor([ALL_PAGES]), paged=True, rotated=True)
     assert rotated.rotation is None  # a read in the rotated basis takes the codes as they are
+
+
+@pytest.mark.parametrize("name", ["channel_bits", "hadamard+outliers+channel_bits"])
+def test_pages_at_per_channel_widths_reach_a_packed_read_packed_with_their_widths(name):
+    """``channel_bits`` pages go to a packed read still packed, their key widths with them, and with ``hadamard``
+    the rotation of their values (the native read leaves the query unturned for their keys, which are not
+    rotated); decoded, they are the format's decode. No rotation is folded into a read of them."""
+    from confkv.attention.segments import PagedSegment
+
+    keys, values, _, positions = _pages(6, count=4)
+    tier = _tier(name, 4)
+    tier.demote(keys.reshape(1, 2, 64, 32), values.reshape(1, 2, 64, 32), positions.reshape(1, 2, 64),
+                torch.ones(1, 64, dtype=torch.bool))
+    expected_keys, expected_values = tier.format.decode({n: tier.pages[n][:, :, :4] for n in tier.format.storage})
+    (packed,) = tier.segments(torch.randn(1, 4, 1, 32), torch.tensor([ALL_PAGES]), paged=True)
+    assert isinstance(packed, PagedSegment) and packed.key_widths is tier.pages["key_widths"]
+    assert packed.rotation is tier.format.rotation and tier.read_rotation(turns_pages=False) is None
+    dense = packed.to_dense()
+    torch.testing.assert_close(dense.keys, expected_keys.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense.values, expected_values.reshape(1, 2, 64, 32), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", FORMATS)

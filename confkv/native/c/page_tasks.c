@@ -83,7 +83,10 @@ static void task_scores(const void *ctx, int64_t task) {
         } else {
             int64_t k0, k1;
             slice_pages(a, m[2], part, &k0, &k1);
-            const float *query = rot && m[32] ? w.query_turned : qf;
+            const float *query = rot && m[32] == 1 ? w.query_turned : qf;
+            if (m[48])
+                widths_scores(a, p, m, b, j, k0, k1, query, scores + offset, w.buf, outlier_scratch(a, w.buf));
+            else
 #if defined(CONFKV_VBMI)
             if (simd_pages_fit(m, R, D))
                 simd_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
@@ -327,7 +330,8 @@ static int page_meta_taken(const int64_t *m, int64_t D) {
         const int64_t bits = m[which ? 33 : 4];
         if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return 0;
     }
-    return !(m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0);
+    return !(m[5] < 1 || m[3] % m[5] || m[6] < 1 || D % m[6] || m[35] < 0 || m[32] < 0 || m[32] > 2 ||
+             m[48] < 0 || m[48] > 1 || (m[48] && m[7] < 1));
 }
 
 /* Softmax attention with attention mass over the concatenation of n_seg segments, each dense (keys / values
@@ -342,9 +346,10 @@ static int page_meta_taken(const int64_t *m, int64_t D) {
  *       over the G query heads of its KV head, summed over the Q queries; 0 where hidden. With its mass, a
  *       segment's statistic or page heat is updated in place when its last PR_UPDATE_META entries ask it
  *       (update_in_place).
- *   rotation [D, D] float32 row-major, an orthogonal matrix (or NULL): the pages whose meta[32] is set hold
+ *   rotation [D, D] float32 row-major, an orthogonal matrix (or NULL): the pages whose meta[32] is 1 hold
  *       keys and values coded as k @ rotation, v @ rotation (a Hadamard-rotated format, confkv.tiers.hadamard);
- *       their scores take (query @ rotation) and their weighted values are turned back by rotation^T.
+ *       their scores take (query @ rotation) and their weighted values are turned back by rotation^T. Pages
+ *       whose meta[32] is 2 hold only their values so (keys at per-channel widths, page_widths.c).
  * Scores (query * scaling) . key, one softmax and the weighted sum in float32 (every score held at once: B * Hq
  * * Q * total floats, which the read plan caps). The B * Hkv units, or their slices (page_parts), run on up to
  * `threads` threads (the GEMV's pool) when the read is big enough. Returns 0, 1 when out of memory, 2 for a
@@ -360,6 +365,7 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
             if (m[35] && !(ptrs[PR_PTRS * s + 9] && ptrs[PR_PTRS * s + 10] && ptrs[PR_PTRS * s + 11] &&
                            ptrs[PR_PTRS * s + 12]))
                 return 2;
+            if (m[48] && !ptrs[PR_PTRS * s + 13]) return 2;
             const int64_t outlier_need = m[35] ? m[3] * D + m[3] + m[35] : 0; /* a page's rows (P x D) or sort (P + O) */
             if (outlier_need > a.outlier_ints) a.outlier_ints = outlier_need;
         }
@@ -412,12 +418,14 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
 }
 
 /* Which reader confkv_page_read gives a page segment (meta m, PR_META entries as for the read) read by R = Hq / Hkv
- * * Q query rows of D channels: 2 the AVX-512 reader (page_simd.c), 3 the AVX2 reader (page_avx2.c, built where
- * the AVX-512 one is not), 1 the plane-order reader (page_codes.c), 0 the
+ * * Q query rows of D channels: 4 the channel-widths reader of its keys (page_widths.c), 2 the AVX-512 reader
+ * (page_simd.c), 3 the AVX2 reader (page_avx2.c, built where the AVX-512 one is not), 1 the plane-order reader
+ * (page_codes.c), 0 the
  * row-by-row reader (pages.c), -1 none (the read refuses the segment). The read's own dispatch, asked without
  * reading (tests, the bench). */
 int confkv_page_reader(const int64_t *m, int64_t R, int64_t D) {
     if (!page_meta_taken(m, D)) return -1;
+    if (m[48]) return 4; /* its keys; its values take the reader named for its other entries */
 #if defined(CONFKV_VBMI)
     if (simd_pages_fit(m, R, D)) return 2;
 #elif defined(CONFKV_AVX2_PAGES)

@@ -13,7 +13,7 @@
 
 /* a segment's entries: PR_META int64 and PR_PTRS pointers, of which the last PR_UPDATE_META and the last pointer say
  * what the read updates in place from the segment's masses (update_in_place, page_tasks.c) */
-enum { PR_META = 53, PR_PTRS = 14, PR_UPDATE_META = 5 };
+enum { PR_META = 57, PR_PTRS = 15, PR_UPDATE_META = 5 };
 enum { UPDATE_NONE = 0, UPDATE_STATISTIC = 1, UPDATE_PAGE_HEAT = 2 };
 enum { SEG_DENSE = 0, SEG_PAGES = 1 };
 
@@ -130,15 +130,18 @@ static void dense_values(const page_args *a, const void *const *p, const int64_t
  * row), [8..9] index strides (b, h), [10] counts stride, [11..13] valid strides (b, h, n),
  * [14..16] key codes, [17..19] key scale, [20..22] key min, [23..25] value codes, [26..28] value scale,
  * [29..31] value min strides (b, h, n), [32] 1: keys and values coded in the call's rotation (their scores
- * take the rotated query, their values add to the rotated output), [33] value bits, [34] Cv (packed value
+ * take the rotated query, their values add to the rotated output), 2: the values only (the keys in the model's
+ * basis), [33] value bits, [34] Cv (packed value
  * bytes per row), [35] O: outliers per page and tensor (0: none), [36..38] key outlier index, [39..41] key
- * outlier value, [42..44] value outlier index, [45..47] value outlier value strides (b, h, n); within a page
- * every tensor is contiguous.
+ * outlier value, [42..44] value outlier index, [45..47] value outlier value strides (b, h, n), [48] 1: each key
+ * channel at a width of its own (page_widths.c; C then the bytes of a row of them), [49..51] the key widths'
+ * strides (b, h, n); within a page every tensor is contiguous.
  * ptrs: index, counts, valid, key codes, key scale, key min, value codes, value scale, value min, key outlier
- * index, key outlier value, value outlier index, value outlier value (the last four NULL when O is 0).
- * Either kind, the update in place (update_in_place): [48] what (UPDATE_*), [49..50] the target's strides (b, h;
- * its slots or pages contiguous), [51..52] a statistic's scale and gain as float32 bits, or [51] the lanes of
- * torch's sum order for page heat; ptrs[13] the float32 target (a dense segment's statistic [B, Hkv, L], a page
+ * index, key outlier value, value outlier index, value outlier value (those four NULL when O is 0), key widths
+ * ([B, Hkv, N, D] uint8; NULL when meta[48] is 0).
+ * Either kind, the update in place (update_in_place): [52] what (UPDATE_*), [53..54] the target's strides (b, h;
+ * its slots or pages contiguous), [55..56] a statistic's scale and gain as float32 bits, or [55] the lanes of
+ * torch's sum order for page heat; ptrs[14] the float32 target (a dense segment's statistic [B, Hkv, L], a page
  * segment's heat [B, Hkv, N]). */
 static inline int64_t page_of(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k) {
     const int64_t page = ((const int64_t *)p[0])[b * m[8] + j * m[9] + k];

@@ -4,7 +4,8 @@ which must equal the format's own ``decode``), with test_native_page_formats.py'
 
 Each was seen to fail with a bug put in by hand (then removed): the query turned for keys that are not rotated
 (``m[32] == 1`` test dropped); the values left unrotated with the keys (the wrapper passing 1 for ``hadamard``);
-a code's second byte never read; each channel's offset one channel late;
+a code's second byte never read; each channel's offset one channel late; the byte after a padded row left 0
+(not the row's last, as the torch unpacking clamps it); the gather's byte scale 2;
 the key group's scale reloaded only once a page; the wrapper passing no key widths (refused: falls to the torch
 read); ``to_dense`` rotating the keys back.
 """
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from confkv.attention import KVSegment, read_plan
-from confkv.attention.segments import PagedSegment
+from confkv.attention.blockwise import blockwise_attention
+from confkv.attention.segments import PagedSegment, densify
 from confkv.native import page_entry
 from confkv.native.loader import available
 from confkv.tiers import channel_bits
@@ -87,18 +89,25 @@ def test_the_reference_read_is_the_formats_own_decode(page, dim, group):
     torch.testing.assert_close(dense.values, values.gather(2, order).reshape(shape), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("width", [7, 8])  # 7: codes cross into the byte after the row's last, clamped to the last
 @pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (64, 64, 64)])
-def test_widths_that_claim_more_bits_than_a_row_holds_read_inside_the_row(page, dim, group):
-    """The widths come from memory the kernel is handed: widths summing past a row's bytes (every channel at 8
-    bits in a row of fewer) are read with every byte index clamped to the row, as the torch unpacking clamps it,
-    so both reads agree and nothing outside the row is read (the sanitizer build would see it)."""
+def test_widths_that_claim_more_bits_than_a_row_holds_read_inside_the_row(page, dim, group, width):
+    """The widths come from memory the kernel is handed: widths summing past a row's bytes (every channel at 7 or
+    8 bits in a row of fewer) are read with every byte index clamped to the row, as the torch unpacking clamps it,
+    so both reads agree and nothing outside the row is read (``make sanitize-native``: with the low byte
+    unclamped, AddressSanitizer reported a heap-buffer-overflow here)."""
     gen = torch.Generator().manual_seed(page + dim)
     fmt = KiviFormat(2, group, dim, parse_format("channel_bits"))
     data, valid, _ = _encoded(gen, fmt, page, dim)
-    data["key_widths"] = torch.full_like(data["key_widths"], 8)
-    assert 8 * dim > 8 * data["key_codes"].shape[-1]
+    data["key_widths"] = torch.full_like(data["key_widths"], width)
+    assert width * dim > 8 * data["key_codes"].shape[-1]
     pages = _segment(fmt, data, valid, gen, "all")
-    _compare(torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen), [pages], dim ** -0.5)
+    query = torch.randn(BATCH, KV_HEADS, 1, dim, generator=gen)
+    out, (mass,) = page_entry.page_read(query, [pages], dim ** -0.5)
+    ref, (ref_mass,) = blockwise_attention(query, densify([pages]), dim ** -0.5)
+    # codes of up to 127 steps of a 2-bit scale: scores far larger than a real page's, bounds scaled to them
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=0)
 
 
 def test_key_widths_change_the_read():

@@ -5,39 +5,58 @@
  * Codes. A token's key codes are packed channel after channel, channel d's code in widths[d] bits (0-8) at bit
  * offset[d] = widths[0] + ... + widths[d - 1] of the row, least significant bit first (channel_bits.pack). A code
  * spans at most two bytes, and a code's bits lie inside its row, so code d is
- *     ((row[lo] | row[hi] << 8) >> (offset % 8)) & (2^width - 1),  lo = offset / 8, hi = lo + 1,
- * with both indices clamped to the row's last byte: the second byte is only needed when the code crosses into it,
- * and where it does not, the mask drops what it adds; a width-0 channel (code 0: its group's minimum holds the
- * mean) past the row's last code masks everything. So no read leaves the row, whatever the widths say.
+ *     ((row[lo] | row[lo + 1] << 8) >> (offset % 8)) & (2^width - 1),  lo = offset / 8,
+ * the second byte only needed when the code crosses into it (where it does not, the mask drops what it adds). Each
+ * row is copied into a padded buffer (pad_row) and 4 bytes are read at each code's low byte (8 codes a gather with
+ * AVX2); lo is clamped to the row's last byte, and the byte after the row repeats the last, as channel_bits.unpack
+ * clamps both indices. So no read leaves the row whatever the widths say, and a width-0 channel (code 0: its
+ * group's minimum holds the mean) masks everything.
  * Keys. Per channel and key group of G tokens a float16 scale and minimum, x = minimum + code * scale as the torch
  * decode computes it (channel_bits.dequantize_groups); outliers are written over the dequantized row; each row is
  * scored as the row-by-row reader scores it (pages.c: page_scores). */
 
-/* where each channel's code sits in a row of C bytes (a page's widths [D]): low and high byte, shift, mask */
+/* where each channel's code sits in a row of C bytes (a page's widths [D]): its low byte, shift and mask */
 typedef struct {
-    int32_t *lo, *hi, *shift;
-    uint32_t *mask;
+    int32_t *lo, *shift, *mask;
 } width_layout;
 
 static void layout_widths(const uint8_t *widths, int64_t D, int64_t C, width_layout *w) {
     int64_t at = 0;
     for (int64_t d = 0; d < D; d++) {
         const int width = widths[d] > 8 ? 8 : widths[d];
-        const int64_t lo = at / 8 < C - 1 ? at / 8 : C - 1;
-        w->lo[d] = (int32_t)lo;
-        w->hi[d] = (int32_t)(lo + 1 < C ? lo + 1 : C - 1);
+        w->lo[d] = (int32_t)(at / 8 < C - 1 ? at / 8 : C - 1);
         w->shift[d] = (int32_t)(at % 8);
-        w->mask[d] = (1u << width) - 1u;
+        w->mask[d] = (int32_t)((1u << width) - 1u);
         at += width;
     }
 }
 
-/* the D codes of one packed row, as floats in channel order */
-static inline void unpack_widths(const uint8_t *restrict row, const width_layout *w, int64_t D, float *restrict codes) {
-    const int32_t *restrict lo = w->lo, *restrict hi = w->hi, *restrict shift = w->shift;
-    const uint32_t *restrict mask = w->mask;
-    for (int64_t d = 0; d < D; d++)
-        codes[d] = (float)((((uint32_t)row[lo[d]] | (uint32_t)row[hi[d]] << 8) >> shift[d]) & mask[d]);
+/* a row of C bytes copied into pad (C + 4 bytes) so that 4 bytes can be read at any of its byte indices: the
+ * byte after it repeats its last (where a code's second byte would be clamped to the last, as channel_bits.unpack
+ * clamps it), then zeros (bits no mask keeps) */
+static inline void pad_row(const uint8_t *row, int64_t C, uint8_t *pad) {
+    memcpy(pad, row, (size_t)C);
+    pad[C] = row[C - 1];
+    pad[C + 1] = pad[C + 2] = pad[C + 3] = 0;
+}
+
+/* the D codes of one padded row, as floats in channel order */
+static inline void unpack_widths(const uint8_t *restrict pad, const width_layout *w, int64_t D, float *restrict codes) {
+    int64_t d = 0;
+#if defined(__AVX2__)
+    for (; d + 8 <= D; d += 8) { /* 8 codes: 4 bytes gathered at each low byte, shifted, masked */
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(w->lo + d));
+        const __m256i word = _mm256_i32gather_epi32((const int *)pad, lo, 1);
+        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_loadu_si256((const __m256i *)(w->shift + d))),
+                                              _mm256_loadu_si256((const __m256i *)(w->mask + d)));
+        _mm256_storeu_ps(codes + d, _mm256_cvtepi32_ps(code));
+    }
+#endif
+    for (; d < D; d++) {
+        uint32_t word;
+        memcpy(&word, pad + w->lo[d], 4);
+        codes[d] = (float)((word >> w->shift[d]) & (uint32_t)w->mask[d]);
+    }
 }
 
 /* the key widths of page `page` of sequence b, KV head j: [D] uint8 (meta [49..51] its strides, ptrs[13]) */
@@ -52,8 +71,8 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
                           int64_t k1, const float *qf, float *scores, float *buf, int32_t *scratch) {
     const int64_t P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total, O = m[35];
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
-    width_layout layout = {(int32_t *)(buf + 4 * D), (int32_t *)(buf + 5 * D), (int32_t *)(buf + 6 * D),
-                           (uint32_t *)(buf + 7 * D)};
+    width_layout layout = {(int32_t *)(buf + 4 * D), (int32_t *)(buf + 5 * D), (int32_t *)(buf + 6 * D)};
+    uint8_t *pad = (uint8_t *)(buf + 7 * D); /* C + 4 <= D + 4 bytes: within D floats (D >= 2) */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;
@@ -76,7 +95,8 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
                 load_f16_row(v.key_scale + loaded * D, D, scale);
                 load_f16_row(v.key_min + loaded * D, D, minimum);
             }
-            unpack_widths(v.key_codes + t * C, &layout, D, codes);
+            pad_row(v.key_codes + t * C, C, pad);
+            unpack_widths(pad, &layout, D, codes);
             for (int64_t d = 0; d < D; d++) key[d] = minimum[d] + codes[d] * scale[d];
             if (O) restore_outliers(&outliers, t, NULL, key);
             for (int64_t r = 0; r < R; r++) s[r * total + t] = dot_tree(qf + r * D, key, D);

@@ -158,7 +158,7 @@ ALL_PAGES = 2**31
 
 
 #: widths a cold tier's open page may have: 16 = the model's dtype (exact), 8 = INT8 codes per token and KV head
-OPEN_BITS = (16, 8)
+OPEN_BITS = (16, 8, 4)
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,8 @@ class ColdConfig:
       values at 2"). The native page read takes pages of two widths packed; the Triton read leaves them to
       the torch read.
     - ``open_bits``: the open page's storage: 16 = the model's dtype (exact), 8 = INT8 codes per token and KV
-      head (:mod:`confkv.tiers.cold_read`, the open page's storage; about half the bytes, under a memory target).
+      head (:mod:`confkv.tiers.cold_read`; about half the bytes, under a memory target), 4 = 4-bit codes per token
+      and KV head of its Hadamard-rotated channels (about a quarter; head_dim even).
     """
 
     bits: int = 2
@@ -228,7 +229,8 @@ class ColdConfig:
         _require(self.bits in (2, 3, 4, 8, 16) and not isinstance(self.bits, bool), "bits",
                  f"must be one of 2, 3, 4, 8 (KIVI-style) or 16 (unquantized), got {self.bits!r}")
         _require(self.open_bits in OPEN_BITS and not isinstance(self.open_bits, bool), "open_bits",
-                 f"must be 16 (the model's dtype) or 8 (INT8 per token), got {self.open_bits!r}")
+                 f"must be 16 (the model's dtype), 8 (INT8 per token) or 4 (4 bits per token, rotated), "
+                 f"got {self.open_bits!r}")
         if self.value_bits is not None:
             _require(self.value_bits in (2, 3, 4, 8) and not isinstance(self.value_bits, bool), "value_bits",
                      f"must be None (values at bits) or one of 2, 3, 4, 8, got {self.value_bits!r}")

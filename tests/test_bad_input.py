@@ -66,8 +66,9 @@ ROWS = [
      ConfigError, r"^hot_int8_window: must be None .* or a number of tokens >= 0"),
     ("storage-hot-slack", "Storage(hot_slack=1.0)", lambda: Storage(hot_slack=1.0),
      ConfigError, r"^hot_slack: must be a share of the hot tier's tokens kept by rank"),
-    ("storage-open-bits", "Storage(open_bits=4)", lambda: Storage(open_bits=4),
-     ConfigError, r"^open_bits: must be 16 \(the model's dtype\) or 8 \(INT8 per token\), got 4$"),
+    ("storage-open-bits", "Storage(open_bits=2)", lambda: Storage(open_bits=2),
+     ConfigError, r"^open_bits: must be 16 \(the model's dtype\), 8 \(INT8 per token\) or 4 \(4 bits per token, "
+                  r"rotated\), got 2$"),
     ("storage-ladder-slack", "Storage(ladder_slack=-0.1)", lambda: Storage(ladder_slack=-0.1),
      ConfigError, r"^ladder_slack: must be a share of the ladder's bytes, at least 0 and below 1 .*got -0.1$"),
     ("store-evict-slack", "StoreConfig(evict_slack=1.5)", lambda: StoreConfig(evict_slack=1.5),

@@ -169,8 +169,8 @@ class ColdTier(PageRead):
 
     def _seal(self, tokens: dict[str, Tensor], count: int) -> None:
         """Quantize ``count`` pages from ``tokens`` (``count * P`` slots) and append them."""
-        batch, heads, _, head_dim = tokens["keys"].shape
-        page = self.config.page_size
+        batch, heads = tokens["keys"].shape[:2]  # (codes of D / 2 bytes at open_bits=4: the head's D is head_dim)
+        page, head_dim = self.config.page_size, self.head_dim
         keys, values = (t.reshape(batch, heads, count, page, head_dim) for t in decoded_open(tokens, self.dtype))
         valid = tokens["valid"].reshape(batch, count, page)
         head_valid = valid[:, None].expand(batch, heads, count, page)

@@ -8,7 +8,7 @@ they received to each page's heat. The page a read liked best can go back to the
 
 The pages themselves (their layout, demotion, budget and the moves between rungs of a ladder) are
 :mod:`confkv.tiers.cold`'s; :class:`~confkv.tiers.cold.ColdTier` is this class plus that one, split by job. The open
-page's storage (in the model's dtype, or INT8 per token: ``open_bits``), which every read decodes, is at the end.
+page's storage (the model's dtype, or 8 or 4 bits per token: ``open_bits``), which every read decodes, is at the end.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from confkv.attention import KVSegment
 from confkv.config import ALL_PAGES
 from confkv.attention.segments import OUTLIER_STORAGE, PagedSegment, gather_pages as _gather_pages, gather_pages_of
 from confkv.native.pages import InPlaceUpdate, decode_int8_rows, quantize_int8_rows
+from confkv.tiers import open_nibbles
 
 if TYPE_CHECKING:
     from confkv.config import ColdConfig
@@ -309,33 +310,30 @@ class EveryPageRead:
 # read decodes it); the tier's demotion and sealing call it too. Layout (one layer; B sequences, H KV heads,
 # S < P slots, D channels):
 #
-#     keys, values             [B, H, S, D]  the model's dtype (open_bits=16), or int8 codes (open_bits=8)
-#     key_scale, value_scale   [B, H, S]     float16, open_bits=8 only: a slot's channels are code * scale
+#     keys, values             [B, H, S, D]  the model's dtype (open_bits=16), or int8 codes (open_bits=8), or
+#                              [B, H, S, D / 2] uint8, two 4-bit codes a byte (open_bits=4: confkv.tiers.open_nibbles)
+#     key_scale, value_scale   [B, H, S]     float16, open_bits 8 and 4: a slot's channels are code * scale
 #     positions, attention     [B, H, S]     int64 original positions; float32 attention received while hot
 #     valid                    [B, S]        bool
 #
-# With open_bits=8 each token is quantized on its own, per KV head, symmetric: scale = max_d |x_d| / 127 rounded to
-# float16, code = round(x / scale) in [-127, 127] (LMDeploy's INT8 KV cache also quantizes per token and head): a
-# token costs 2 * (D + 2) bytes per head where a 16-bit dtype costs 4 * D, so under a memory target the open page
-# takes about half the bytes it did (early in a run it was most of the target: results/memory/README.md, "The open
-# page in INT8"). A channel's error is at most scale / 2, plus what the float16 rounding of scale moves the largest
-# entry (worked out in tests/tiers/test_open_page.py). A page that fills is decoded to the model's dtype and sealed
-# at its rung's bits as before. Every tensor but valid has the slot axis at dim 2, so slicing, joining and
-# gathering slots treat them alike.
-
+# With open_bits=8 each token is quantized on its own, per KV head, symmetric: scale = max_d |x_d| / 127 in float16,
+# code = round(x / scale) in [-127, 127] (as LMDeploy's INT8 KV cache): 2 * (D + 2) bytes a token and head against
+# 4 * D in a 16-bit dtype (results/memory/README.md, "The open page in INT8"); a channel's error is at most scale / 2
+# plus what the float16 rounding of scale moves the largest entry (tests/tiers/test_open_page.py). A page that fills
+# is decoded to the model's dtype and sealed at its rung's bits. The slot axis is dim 2 of every tensor but valid.
 _OPEN_SCALES = {"keys": "key_scale", "values": "value_scale"}
 
 
 def empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                bits: int = 16) -> dict[str, Tensor]:
-    """An open page with no slot (``dtype``: the model's; int8 codes and float16 scales with ``bits=8``)."""
-    code_dtype = dtype if bits == 16 else torch.int8
-    out = {"keys": torch.empty(batch, heads, 0, head_dim, dtype=code_dtype, device=device),
-           "values": torch.empty(batch, heads, 0, head_dim, dtype=code_dtype, device=device),
+    """An open page with no slot (``dtype``: the model's; codes and float16 scales at ``bits`` 8 and 4)."""
+    code_dtype, width = {16: (dtype, head_dim), 8: (torch.int8, head_dim), 4: (torch.uint8, head_dim // 2)}[bits]
+    out = {"keys": torch.empty(batch, heads, 0, width, dtype=code_dtype, device=device),
+           "values": torch.empty(batch, heads, 0, width, dtype=code_dtype, device=device),
            "positions": torch.empty(batch, heads, 0, dtype=torch.int64, device=device),
            "attention": torch.empty(batch, heads, 0, dtype=torch.float32, device=device),
            "valid": torch.empty(batch, 0, dtype=torch.bool, device=device)}
-    if bits == 8:
+    if bits != 16:
         for scale in _OPEN_SCALES.values():
             out[scale] = torch.empty(batch, heads, 0, dtype=torch.float16, device=device)
     return out
@@ -343,9 +341,11 @@ def empty_open(batch: int, heads: int, head_dim: int, dtype: torch.dtype, device
 
 def encode_open(keys: Tensor, values: Tensor, dtype: torch.dtype, bits: int) -> dict[str, Tensor]:
     """Open-page storage of keys / values [B, H, M, D] (any float dtype): cast to ``dtype`` at ``bits=16``; INT8
-    codes and float16 scales [B, H, M] at ``bits=8`` (the section's comment above)."""
+    codes and float16 scales [B, H, M] at ``bits=8`` (the section's comment above), 4-bit ones at ``bits=4``."""
     if bits == 16:
         return {"keys": keys.to(dtype), "values": values.to(dtype)}
+    if bits == 4:
+        return open_nibbles.encode(keys, values)
     key_codes, value_codes = quantize_int8_rows(keys, half_scales=True), quantize_int8_rows(values, half_scales=True)
     if key_codes is not None and value_codes is not None:  # the same codes and scales, one C call each
         return {"keys": key_codes[0], "values": value_codes[0], "key_scale": key_codes[1],
@@ -362,6 +362,8 @@ def decoded_open(open_page: dict[str, Tensor], dtype: torch.dtype) -> tuple[Tens
     """(keys, values) [B, H, S, D] of an open page (or of slots cut from one) in ``dtype``."""
     if "key_scale" not in open_page:
         return open_page["keys"], open_page["values"]
+    if open_page["keys"].dtype == torch.uint8:  # 4-bit codes, two a byte
+        return open_nibbles.decode(open_page, dtype)
     native = [decode_int8_rows(open_page[name], open_page[_OPEN_SCALES[name]], dtype) for name in ("keys", "values")]
     if native[0] is not None and native[1] is not None:  # the same values, one C call each
         return native[0], native[1]
@@ -370,14 +372,14 @@ def decoded_open(open_page: dict[str, Tensor], dtype: torch.dtype) -> tuple[Tens
 
 
 def open_nbytes(open_page: dict[str, Tensor]) -> int:
-    """KV bytes of an open page: keys and values (codes or the model's dtype) and, at 8 bits, their scales."""
+    """KV bytes of an open page: keys and values (codes or the model's dtype) and, at 8 and 4 bits, their scales."""
     return sum(open_page[name].nbytes for name in ("keys", "values", *_OPEN_SCALES.values()) if name in open_page)
 
 
 def open_slot_bytes(heads: int, head_dim: int, element_size: int, bits: int) -> int:
     """KV bytes of one slot of one sequence (all KV heads): ``2 * H * D * element_size`` at 16 bits
-    (``element_size``: the model dtype's), ``2 * H * (D + 2)`` at 8 bits."""
-    return 2 * heads * head_dim * element_size if bits == 16 else 2 * heads * (head_dim + 2)
+    (``element_size``: the model dtype's), ``2 * H * (D + 2)`` at 8 bits, ``2 * H * (D / 2 + 2)`` at 4."""
+    return 2 * heads * (head_dim * element_size if bits == 16 else (head_dim if bits == 8 else head_dim // 2) + 2)
 
 
 def left_align(tokens: dict[str, Tensor]) -> dict[str, Tensor]:

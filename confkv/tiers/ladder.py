@@ -215,9 +215,9 @@ class LadderTier:
     def _open_slot_bytes(self) -> int:
         """Bytes of one open-page slot for every sequence of the batch (the model's dtype, or INT8 and scales)."""
         top = self.top
-        batch, heads, _, head_dim = top.open["keys"].shape
+        batch, heads = top.open["keys"].shape[:2]  # (its last dim is D / 2 at 4 bits: the head's is top.head_dim)
         size = top.dtype.itemsize
-        return batch * open_slot_bytes(heads, head_dim, size, self.storage.open_bits)
+        return batch * open_slot_bytes(heads, top.head_dim, size, self.storage.open_bits)
 
     def _step_cost(self, rung: int, signal: str) -> float:
         """The price of stepping rung ``rung``'s least valuable page one rung down (the lowest goes first).

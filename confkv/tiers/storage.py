@@ -93,7 +93,8 @@ class Storage:
         open_bits: the top rung's open page (the tokens the hot tier let go, waiting for a page to fill): 16 in
             the model's dtype; 8 in INT8 per token and KV head (:mod:`confkv.tiers.cold_read`), about half the
             bytes, so that early in a run, where the open page is most of the target, fewer sealed pages are
-            dropped (results/memory/README.md, "The open page in INT8").
+            dropped (results/memory/README.md, "The open page in INT8"); 4 in 4 bits per token and KV head of its
+            Hadamard-rotated channels, about a quarter.
         ladder_slack: when the ladder goes over its bytes, step pages down (or drop them) past that by this share
             of them, so that step-downs come several pages at a time every many steps instead of one page at most
             steps (each is a decode and an encode of the page); 0: to the bytes exactly. The target is held either

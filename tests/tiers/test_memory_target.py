@@ -413,7 +413,7 @@ BAD_STORAGE = [  # (field, value, the whole message after "field: ")
     ("offload_dir", "/nonexistent/confkv",
      "'/nonexistent/confkv' is not a writable directory; create it or pass another"),
     ("outlier_fraction", -0.1, "must be a share of a page's entries in [0, 0.25], got -0.1"),
-    ("open_bits", 4, "must be 16 (the model's dtype) or 8 (INT8 per token), got 4"),
+    ("open_bits", 2, "must be 16 (the model's dtype), 8 (INT8 per token) or 4 (4 bits per token, rotated), got 2"),
     ("ladder_slack", 1.0, "must be a share of the ladder's bytes, at least 0 and below 1 (0: to the bytes exactly; "
                           "e.g. 0.02), got 1.0"),
     ("ladder_slack", True, "must be a share of the ladder's bytes, at least 0 and below 1 (0: to the bytes exactly; "

@@ -7,7 +7,8 @@ Each was seen to fail with a bug put in by hand (then removed): the query turned
 a code's second byte never read; each channel's offset one channel late; the byte after a padded row left 0
 (not the row's last, as the torch unpacking clamps it); the gather's byte scale 2;
 the key group's scale reloaded only once a page; the wrapper passing no key widths (refused: falls to the torch
-read); ``to_dense`` rotating the keys back.
+read); ``to_dense`` rotating the keys back; in the fused scoring, an outlier's correction of the wrong sign, its entry
+at the channel's scale only (no minimum), one query row's sums given to every row.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def test_pages_at_per_channel_widths_are_read_natively_as_the_torch_read(bits, p
     assert read_plan.plan(query, segments, None, True, "auto") == read_plan.ReadPlan("native_pages")
     assert page_entry.reader_of(query, pages) == "channel widths"
     _compare(query, segments, dim ** -0.5)
+
+
+@pytest.mark.parametrize("bits, page, dim, group, gqa", [(2, 8, 20, 4, 3), (4, 20, 20, 10, 1), (3, 64, 64, 64, 9)])
+@pytest.mark.parametrize("format", ["channel_bits", "outliers+channel_bits"])
+def test_reads_the_fused_scoring_does_not_take_are_read_as_the_torch_read(bits, page, dim, group, gqa, format):
+    """Rows scored without the fused AVX2 scoring (page_widths.c's score_row_fused): heads of a channel count that is
+    not a multiple of 8 (20), and more query rows than it keeps in registers (GQA 9 x 2 queries = 18 > 16)."""
+    gen = torch.Generator().manual_seed(bits + page + dim + gqa + len(format))
+    fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.03)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    pages = _segment(fmt, data, valid, gen, "some")
+    query = torch.randn(BATCH, KV_HEADS * gqa, 2, dim, generator=gen)
+    assert page_entry.reader_of(query, pages) == "channel widths"
+    _compare(query, [_hot(gen, dim), pages], dim ** -0.5)
 
 
 @pytest.mark.parametrize("page, dim, group", SHAPES)

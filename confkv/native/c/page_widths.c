@@ -59,20 +59,66 @@ static inline void unpack_widths(const uint8_t *restrict pad, const width_layout
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+enum { WIDTHS_FUSED_ROWS = 16 }; /* query rows the fused scoring keeps in registers */
+
+/* whether rows of D channels for R query rows are scored by score_row_fused */
+static inline int widths_fused(int64_t R, int64_t D) { return R <= WIDTHS_FUSED_ROWS && D % 8 == 0; }
+
+/* one padded row's scores for the R query rows qf [R, D]: 8 channels a step, their codes gathered, dequantized
+ * (minimum + code * scale, one fused multiply-add) and multiplied into each query row's 8 running sums, which are
+ * then added (sum_lanes8). The row's outliers, when it has any, are added after as corrections
+ * q_d * (value - dequantized entry), the entry the torch read writes them over. */
+static void score_row_fused(const uint8_t *pad, const width_layout *w, const float *scale, const float *minimum,
+                            const float *qf, int64_t R, int64_t D, const page_outliers *outliers, int64_t t,
+                            float *out) {
+    __m256 acc[WIDTHS_FUSED_ROWS];
+    for (int64_t r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(w->lo + d));
+        const __m256i word = _mm256_i32gather_epi32((const int *)pad, lo, 1);
+        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_loadu_si256((const __m256i *)(w->shift + d))),
+                                              _mm256_loadu_si256((const __m256i *)(w->mask + d)));
+        const __m256 key = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(scale + d), _mm256_loadu_ps(minimum + d));
+        for (int64_t r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), key, acc[r]);
+    }
+    for (int64_t r = 0; r < R; r++) out[r] = sum_lanes8(acc[r]);
+    if (!outliers) return;
+    for (int32_t i = t ? outliers->end[t - 1] : 0; i < outliers->end[t]; i++) {
+        const int32_t e = outliers->order[i];
+        const int64_t d = outliers->index[e] - t * D;
+        uint32_t word;
+        memcpy(&word, pad + w->lo[d], 4);
+        const float entry = fmaf((float)((word >> w->shift[d]) & (uint32_t)w->mask[d]), scale[d], minimum[d]);
+        const float delta = f16_to_f32(outliers->value[e]) - entry;
+        for (int64_t r = 0; r < R; r++) out[r] = fmaf(qf[r * D + d], delta, out[r]);
+    }
+}
+#else
+static inline int widths_fused(int64_t R, int64_t D) { (void)R, (void)D; return 0; }
+static void score_row_fused(const uint8_t *pad, const width_layout *w, const float *scale, const float *minimum,
+                            const float *qf, int64_t R, int64_t D, const page_outliers *outliers, int64_t t,
+                            float *out) { (void)pad, (void)w, (void)scale, (void)minimum, (void)qf, (void)R, (void)D,
+                                          (void)outliers, (void)t, (void)out; }
+#endif
+
 /* the key widths of page `page` of sequence b, KV head j: [D] uint8 (meta [49..51] its strides, ptrs[13]) */
 static inline const uint8_t *page_widths(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t page) {
     return (const uint8_t *)p[13] + b * m[49] + j * m[50] + page * m[51];
 }
 
 /* scores of the selected pages [k0, k1) of a channel-widths page segment (meta m, pointers p: see pages.c) for the
- * R query rows qf [R, D] (pre-scaled): s[r * total + slot], hidden slots -inf. buf: the task's work buffer (8 * D
- * floats used: codes, scale, minimum, key, then the layout's four int arrays), scratch: its outlier scratch. */
+ * R query rows qf [R, D] (pre-scaled): s[r * total + slot], hidden slots -inf. buf: the task's work buffer (8 * D + R
+ * floats used: codes, scale, minimum, key, the layout's three int arrays, the padded row, the fused scores),
+ * scratch: its outlier scratch. */
 static void widths_scores(const page_args *a, const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0,
                           int64_t k1, const float *qf, float *scores, float *buf, int32_t *scratch) {
     const int64_t P = m[3], G = m[5], C = m[7], D = a->D, R = a->R, total = a->total, O = m[35];
     float *codes = buf, *scale = buf + D, *minimum = buf + 2 * D, *key = buf + 3 * D;
     width_layout layout = {(int32_t *)(buf + 4 * D), (int32_t *)(buf + 5 * D), (int32_t *)(buf + 6 * D)};
     uint8_t *pad = (uint8_t *)(buf + 7 * D); /* C + 4 <= D + 4 bytes: within D floats (D >= 2) */
+    const int fused = widths_fused(R, D);
+    float *row = buf + 8 * D; /* the fused scoring's R scores (R <= WIDTHS_FUSED_ROWS <= 2 * R * D) */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;
@@ -96,6 +142,11 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
                 load_f16_row(v.key_min + loaded * D, D, minimum);
             }
             pad_row(v.key_codes + t * C, C, pad);
+            if (fused) {
+                score_row_fused(pad, &layout, scale, minimum, qf, R, D, O ? &outliers : NULL, t, row);
+                for (int64_t r = 0; r < R; r++) s[r * total + t] = row[r];
+                continue;
+            }
             unpack_widths(pad, &layout, D, codes);
             for (int64_t d = 0; d < D; d++) key[d] = minimum[d] + codes[d] * scale[d];
             if (O) restore_outliers(&outliers, t, NULL, key);

@@ -8,7 +8,8 @@ a code's second byte never read; each channel's offset one channel late; the byt
 (not the row's last, as the torch unpacking clamps it); the gather's byte scale 2;
 the key group's scale reloaded only once a page; the wrapper passing no key widths (refused: falls to the torch
 read); ``to_dense`` rotating the keys back; in the fused scoring, an outlier's correction of the wrong sign, its entry
-at the channel's scale only (no minimum), one query row's sums given to every row.
+at the channel's scale only (no minimum), one query row's sums given to every row; in the build without AVX2, each
+code read unshifted.
 """
 
 from __future__ import annotations
@@ -216,3 +217,16 @@ def test_pages_at_per_channel_widths_give_the_same_bits_at_two_threads(page, dim
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
     same_bits_at_one_and_two_threads(lambda: page_entry.page_read(query, segments, dim ** -0.5), repeats=10)
     _compare(query, segments, dim ** -0.5)
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="-mno-avx2 is an x86 flag")
+def test_a_build_without_avx2_reads_these_pages_as_the_torch_read(tmp_path, monkeypatch):
+    """Built without AVX2 and FMA (no gather, no fused scoring: each code read as 4 bytes in C, the row dequantized
+    and scored as the row-by-row reader scores it): what an older CPU runs."""
+    from confkv.native import loader
+
+    plain = loader.build(tmp_path, [*loader.default_flags(), "-mno-avx512f", "-mno-avx2", "-mno-fma"])
+    monkeypatch.setitem(loader._state, "lib", loader.load(plain))
+    for format in ("channel_bits", "hadamard+outliers+channel_bits"):
+        test_pages_at_per_channel_widths_are_read_natively_as_the_torch_read(3, 64, 64, 64, format, "some", 3)
+        test_pages_at_per_channel_widths_are_read_natively_as_the_torch_read(2, 8, 32, 4, format, "all", 1)

@@ -12,8 +12,10 @@
  * clamps both indices. So no read leaves the row whatever the widths say, and a width-0 channel (code 0: its
  * group's minimum holds the mean) masks everything.
  * Keys. Per channel and key group of G tokens a float16 scale and minimum, x = minimum + code * scale as the torch
- * decode computes it (channel_bits.dequantize_groups); outliers are written over the dequantized row; each row is
- * scored as the row-by-row reader scores it (pages.c: page_scores). */
+ * decode computes it (channel_bits.dequantize_groups). With AVX2 and FMA, heads of a multiple of 8 channels and up
+ * to WIDTHS_FUSED_ROWS query rows, a row is unpacked, dequantized and scored in registers (score_row_fused, its
+ * outliers added as corrections); otherwise it is dequantized, its outliers written over it, and scored as the
+ * row-by-row reader scores it (pages.c: page_scores). Only the order of float32 sums differs from the torch read. */
 
 /* where each channel's code sits in a row of C bytes (a page's widths [D]): its low byte, shift and mask */
 typedef struct {
@@ -118,7 +120,7 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
     width_layout layout = {(int32_t *)(buf + 4 * D), (int32_t *)(buf + 5 * D), (int32_t *)(buf + 6 * D)};
     uint8_t *pad = (uint8_t *)(buf + 7 * D); /* C + 4 <= D + 4 bytes: within D floats (D >= 2) */
     const int fused = widths_fused(R, D);
-    float *row = buf + 8 * D; /* the fused scoring's R scores (R <= WIDTHS_FUSED_ROWS <= 2 * R * D) */
+    float *row = buf + 8 * D; /* the fused scoring's R scores: 8 * D + R floats fit the 7 * D + 2 * R * D it has */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
         float *s = scores + k * P;

@@ -42,17 +42,21 @@ static inline void pad_row(const uint8_t *row, int64_t C, uint8_t *pad) {
     pad[C + 1] = pad[C + 2] = pad[C + 3] = 0;
 }
 
+#if defined(__AVX2__)
+/* codes d .. d + 7 of a padded row as floats: 4 bytes gathered at each low byte, shifted, masked */
+static inline __m256 gather_codes(const uint8_t *pad, const width_layout *w, int64_t d) {
+    const __m256i word = _mm256_i32gather_epi32((const int *)pad, _mm256_loadu_si256((const __m256i *)(w->lo + d)), 1);
+    const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_loadu_si256((const __m256i *)(w->shift + d))),
+                                          _mm256_loadu_si256((const __m256i *)(w->mask + d)));
+    return _mm256_cvtepi32_ps(code);
+}
+#endif
+
 /* the D codes of one padded row, as floats in channel order */
 static inline void unpack_widths(const uint8_t *restrict pad, const width_layout *w, int64_t D, float *restrict codes) {
     int64_t d = 0;
 #if defined(__AVX2__)
-    for (; d + 8 <= D; d += 8) { /* 8 codes: 4 bytes gathered at each low byte, shifted, masked */
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)(w->lo + d));
-        const __m256i word = _mm256_i32gather_epi32((const int *)pad, lo, 1);
-        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_loadu_si256((const __m256i *)(w->shift + d))),
-                                              _mm256_loadu_si256((const __m256i *)(w->mask + d)));
-        _mm256_storeu_ps(codes + d, _mm256_cvtepi32_ps(code));
-    }
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(codes + d, gather_codes(pad, w, d));
 #endif
     for (; d < D; d++) {
         uint32_t word;
@@ -77,11 +81,7 @@ static void score_row_fused(const uint8_t *pad, const width_layout *w, const flo
     __m256 acc[WIDTHS_FUSED_ROWS];
     for (int64_t r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)(w->lo + d));
-        const __m256i word = _mm256_i32gather_epi32((const int *)pad, lo, 1);
-        const __m256i code = _mm256_and_si256(_mm256_srlv_epi32(word, _mm256_loadu_si256((const __m256i *)(w->shift + d))),
-                                              _mm256_loadu_si256((const __m256i *)(w->mask + d)));
-        const __m256 key = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_loadu_ps(scale + d), _mm256_loadu_ps(minimum + d));
+        const __m256 key = _mm256_fmadd_ps(gather_codes(pad, w, d), _mm256_loadu_ps(scale + d), _mm256_loadu_ps(minimum + d));
         for (int64_t r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + d), key, acc[r]);
     }
     for (int64_t r = 0; r < R; r++) out[r] = sum_lanes8(acc[r]);

@@ -12,7 +12,7 @@ import torch
 from confkv import native, quant
 from confkv.native import loader
 from confkv.native.pages import decode_int8_rows, quantize_int8_rows
-from confkv.tiers import cold_read as open_page
+from confkv.tiers import cold_read
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the call needs the library")
 
@@ -63,11 +63,11 @@ def test_the_hot_tiers_codes_scales_and_decoded_rows_are_torchs(dtype, seed):
 def test_the_open_pages_codes_scales_and_decoded_rows_are_torchs(dtype, seed):
     keys, values = _rows(dtype, seed), _rows(dtype, seed + 20)
     with loader.disabled():  # torch's own code
-        want = open_page.encode_open(keys, values, dtype, 8)
-        want_keys, want_values = open_page.decoded_open(want, dtype)
-    got = open_page.encode_open(keys, values, dtype, 8)  # the call, through the open page's own function
+        want = cold_read.encode_open(keys, values, dtype, 8)
+        want_keys, want_values = cold_read.decoded_open(want, dtype)
+    got = cold_read.encode_open(keys, values, dtype, 8)  # the call, through the open page's own function
     assert all(_same(got[name], want[name]) for name in want)
-    assert all(_same(a, b) for a, b in zip(open_page.decoded_open(got, dtype), (want_keys, want_values)))
+    assert all(_same(a, b) for a, b in zip(cold_read.decoded_open(got, dtype), (want_keys, want_values)))
     got_keys, got_key_scale = quantize_int8_rows(keys, half_scales=True)
     got_values, got_value_scale = quantize_int8_rows(values, half_scales=True)
     assert got_key_scale.dtype == torch.float16

@@ -1,6 +1,7 @@
 """The native page read of pages whose key channels each have a width of their own (format ``channel_bits``,
 confkv/tiers/channel_bits.py; confkv/native/c/page_widths.c), against the torch read (``PagedSegment.to_dense``,
-which must equal the format's own ``decode``), with test_native_page_formats.py's pages and bounds.
+which must equal the format's own ``decode``: test_native_page_formats.py checks it for these pages too), with
+test_native_page_formats.py's pages and bounds.
 
 Each was seen to fail with a bug put in by hand (then removed): the query turned for keys that are not rotated
 (``m[32] == 1`` test dropped); the values left unrotated with the keys (the wrapper passing 1 for ``hadamard``);
@@ -88,21 +89,6 @@ def test_a_ladder_of_rotated_kivi_pages_and_per_channel_widths_is_read_as_the_to
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
     assert len({id(s.rotation) for s in segments}) == 1
     _compare(query, segments, dim ** -0.5)
-
-
-@pytest.mark.parametrize("page, dim, group", SHAPES)
-def test_the_reference_read_is_the_formats_own_decode(page, dim, group):
-    """``to_dense`` gives what the format decodes: keys at their widths, left unrotated; values turned back."""
-    gen = torch.Generator().manual_seed(dim + group + 1)
-    fmt = KiviFormat(3, group, dim, parse_format("hadamard+outliers+channel_bits"), outlier_fraction=0.02)
-    data, valid, positions = _encoded(gen, fmt, page, dim)
-    pages = _segment(fmt, data, valid, gen, "all", rotation=fmt.rotation)
-    keys, values = fmt.decode(data, positions)
-    dense = pages.to_dense()
-    order = pages.index[..., None, None].expand(-1, -1, -1, page, dim)
-    shape = (BATCH, KV_HEADS, PAGES * page, dim)
-    torch.testing.assert_close(dense.keys, keys.gather(2, order).reshape(shape), atol=1e-5, rtol=0)
-    torch.testing.assert_close(dense.values, values.gather(2, order).reshape(shape), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("width", [7, 8])  # 7: codes cross into the byte after the row's last, clamped to the last

@@ -116,12 +116,15 @@ def test_a_ladder_of_plain_and_outlier_pages_of_several_widths_is_read_as_the_to
     _compare(query, segments, dim ** -0.5)
 
 
+@pytest.mark.parametrize("bits, value_bits, format", [(4, 2, "hadamard+outliers"),
+                                                      (3, None, "hadamard+outliers+channel_bits")])
 @pytest.mark.parametrize("page, dim, group", SHAPES)
-def test_the_reference_read_is_the_formats_own_decode(page, dim, group):
+def test_the_reference_read_is_the_formats_own_decode(page, dim, group, bits, value_bits, format):
     """``to_dense`` (the torch read of a PagedSegment) gives what the format decodes: two widths, outliers and
-    the rotation undone. Every page read, so its slots are the pages in rank order."""
+    the rotation undone; per-channel key widths (``channel_bits``: the keys left unrotated). Every page read, so its
+    slots are the pages in rank order."""
     gen = torch.Generator().manual_seed(dim + group)
-    fmt = KiviFormat(4, group, dim, parse_format("hadamard+outliers"), outlier_fraction=0.02, value_bits=2)
+    fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.02, value_bits=value_bits)
     data, valid, positions = _encoded(gen, fmt, page, dim)
     pages = _segment(fmt, data, valid, gen, "all", rotation=fmt.rotation)
     keys, values = fmt.decode(data, positions)

@@ -22,8 +22,12 @@ KIVI's):
   range would put them at the extremes, worse than the mean alone);
 - widths 2-8: KIVI's even levels from the group's minimum to its maximum.
 
-Codes are packed per token, channel after channel, each in its width's bits (least significant first). Shapes:
-key pages [B, H, N, P, D]; widths [B, H, N, D] (uint8 as stored).
+Codes are packed per page, channel after channel, each channel's P codes token after token in its width's bits
+(least significant first): code (t, d) sits at bit ``P * (w_0 + ... + w_{d-1}) + w_d * t`` of the page's
+``P * width_bytes`` bytes. With pages of a multiple of 8 tokens, 8 tokens of a channel are ``w_d`` whole bytes, so
+the native read unpacks them with one load and scores 8 tokens at a time (``confkv/native/c/page_widths.c``), and a
+channel of width 0 is skipped. Shapes: key pages [B, H, N, P, D]; packed [B, H, N, P, width_bytes] (the page's
+bytes as P rows); widths [B, H, N, D] (uint8 as stored).
 """
 
 from __future__ import annotations
@@ -150,25 +154,39 @@ def lagrangian_widths(errors: Tensor, budget: int) -> Tensor:
     return widths_at(high)
 
 
-def pack(codes: Tensor, widths: Tensor, width_bytes: int) -> Tensor:
-    """[B, H, N, P, D] integer codes (each below 2**width), widths [B, H, N, D] -> [B, H, N, P, width_bytes] uint8."""
-    wide = widths.to(torch.int64)[:, :, :, None, :]  # [B, H, N, 1, D]
+def _bit_positions(widths: Tensor, page_size: int) -> tuple[Tensor, Tensor]:
+    """(bit position [B, H, N, P, D] of each code in its page, widths [B, H, N, 1, D] int64), widths above
+    :data:`MAX_WIDTH` read as :data:`MAX_WIDTH` (as the native read reads them)."""
+    wide = widths.to(torch.int64).clamp(0, MAX_WIDTH)[:, :, :, None, :]  # [B, H, N, 1, D]
     first = wide.cumsum(-1) - wide
-    shifted = codes.to(torch.int64) << (first % 8)  # at most 15 bits: two bytes
-    byte = (first // 8).expand_as(shifted)  # width-0 channels past the last code add 0 to the spare byte
-    row = torch.zeros(*codes.shape[:-1], width_bytes + 1, dtype=torch.int64, device=codes.device)
-    row.scatter_add_(-1, byte.clamp_max(width_bytes), shifted & 0xFF)  # no bit is set twice
-    row.scatter_add_(-1, (byte + 1).clamp_max(width_bytes), shifted >> 8)
-    return row[..., :width_bytes].to(torch.uint8)
+    tokens = torch.arange(page_size, device=widths.device)[:, None]  # [P, 1]
+    return page_size * first + wide * tokens, wide
+
+
+def pack(codes: Tensor, widths: Tensor, width_bytes: int) -> Tensor:
+    """[B, H, N, P, D] integer codes (each below 2**width), widths [B, H, N, D] -> [B, H, N, P, width_bytes] uint8
+    (the page's bytes: channel after channel, see the module docstring)."""
+    batch, heads, count, page, dim = codes.shape
+    size = page * width_bytes
+    position, _ = _bit_positions(widths, page)
+    shifted = (codes.to(torch.int64) << (position % 8)).reshape(batch, heads, count, page * dim)  # at most 15 bits
+    byte = (position // 8).reshape(shifted.shape)  # width-0 channels past the last code add 0 to the spare byte
+    flat = torch.zeros(batch, heads, count, size + 1, dtype=torch.int64, device=codes.device)
+    flat.scatter_add_(-1, byte.clamp_max(size), shifted & 0xFF)  # no bit is set twice
+    flat.scatter_add_(-1, (byte + 1).clamp_max(size), shifted >> 8)
+    return flat[..., :size].to(torch.uint8).reshape(batch, heads, count, page, width_bytes)
 
 
 def unpack(packed: Tensor, widths: Tensor) -> Tensor:
-    """Inverse of :func:`pack`: [B, H, N, P, width_bytes] uint8, widths [B, H, N, D] -> [B, H, N, P, D] float32."""
-    wide = widths.to(torch.int64)[:, :, :, None, :]
-    first = wide.cumsum(-1) - wide
-    last = packed.shape[-1] - 1
-    shape = (*packed.shape[:-1], wide.shape[-1])
-    rows = packed.to(torch.int64)
-    low = rows.gather(-1, (first // 8).clamp_max(last).expand(shape))
-    high = rows.gather(-1, (first // 8 + 1).clamp_max(last).expand(shape))  # only read where a code spans it
-    return (((low | (high << 8)) >> (first % 8)) & ((1 << wide) - 1)).float()
+    """Inverse of :func:`pack`: [B, H, N, P, width_bytes] uint8, widths [B, H, N, D] -> [B, H, N, P, D] float32.
+
+    Byte indices past the page are clamped to its last byte (the native read reads widths that claim more bits
+    than a page holds the same way)."""
+    batch, heads, count, page, width_bytes = packed.shape
+    position, wide = _bit_positions(widths, page)
+    flat = packed.reshape(batch, heads, count, page * width_bytes).to(torch.int64)
+    last = page * width_bytes - 1
+    byte = (position // 8).reshape(batch, heads, count, -1)
+    low = flat.gather(-1, byte.clamp_max(last)).reshape(position.shape)
+    high = flat.gather(-1, (byte + 1).clamp_max(last)).reshape(position.shape)  # only read where a code spans it
+    return (((low | (high << 8)) >> (position % 8)) & ((1 << wide) - 1)).float()

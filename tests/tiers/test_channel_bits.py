@@ -133,6 +133,7 @@ def test_a_pages_errors_are_each_widths_squared_error_over_the_kept_entries(widt
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_codes_pack_channel_after_channel_and_unpack(bits):
+    """A page's codes: each channel's tokens in a run of its width's bits, the channels one after the other."""
     gen = torch.Generator().manual_seed(bits)
     dim, width_bytes = 16, bits * 2
     widths = torch.zeros(2, 2, 3, dim, dtype=torch.int64)  # [B, H, N, D]: each page its own
@@ -145,17 +146,18 @@ def test_codes_pack_channel_after_channel_and_unpack(bits):
     packed = channel_bits.pack(codes, widths, width_bytes)
     assert packed.dtype == torch.uint8 and packed.shape == (2, 2, 3, 4, width_bytes)
     assert torch.equal(channel_bits.unpack(packed, widths), codes.float())
-    used = int(widths[1, 1, 2].sum())  # that page leaves bits unused: they are 0
-    assert used < 8 * width_bytes
-    row_bits = (packed[1, 1, 2].long()[..., None] >> torch.arange(8)) & 1
-    assert (row_bits.flatten(-2)[..., used:] == 0).all()
-    # bit by bit: least significant first, channel after channel
+    used = 4 * int(widths[1, 1, 2].sum())  # that page leaves bits unused: they are 0
+    assert used < 4 * 8 * width_bytes
+    page_bits = (packed[1, 1, 2].long().flatten()[..., None] >> torch.arange(8)) & 1
+    assert (page_bits.flatten()[used:] == 0).all()
+    # bit by bit: least significant first, the page's 4 codes of a channel after each other, channel after channel
     for page in ((0, 0, 0), (0, 1, 1), (1, 1, 2)):
-        row, at, expected = codes[page][0], 0, 0
-        for c, code in enumerate(row):
-            expected |= int(code) << at
-            at += int(widths[page][c])
-        assert int.from_bytes(bytes(packed[page][0].tolist()), "little") == expected
+        expected, at = 0, 0
+        for c in range(dim):
+            for t in range(4):
+                expected |= int(codes[page][t, c]) << at
+                at += int(widths[page][c])
+        assert int.from_bytes(bytes(packed[page].flatten().tolist()), "little") == expected
 
 
 # ------------------------------------------------------------------ the page format

@@ -368,10 +368,12 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
             if (m[48] && !ptrs[PR_PTRS * s + 13]) return 2;
             const int64_t outlier_need = m[35] ? m[3] * D + m[3] + m[35] : 0; /* a page's rows (P x D) or sort (P + O) */
             if (outlier_need > a.outlier_ints) a.outlier_ints = outlier_need;
+            if (m[48] && widths_scratch(m, D, a.R) > a.outlier_ints) a.outlier_ints = widths_scratch(m, D, a.R);
         }
         a.total += m[1];
     }
     build_code_tables();
+    build_block_tables();
     simd_tables();
     const int64_t units = B * Hkv;
     a.parts = page_parts(units, units * a.R * a.total * D);

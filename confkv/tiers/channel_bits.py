@@ -41,8 +41,6 @@ from confkv.tiers.lowbit import SCALE_DTYPE, masked_extremes
 
 #: the widest channel
 MAX_WIDTH = 8
-#: bisection steps of the Lagrangian's multiplier (a factor of 2**-40 of its range: below float32's resolution)
-_BISECTIONS = 40
 
 
 def row_bytes(bits: int, head_dim: int, page_size: int) -> int:
@@ -105,8 +103,8 @@ def allocate(errors: Tensor, budget: int) -> Tensor:
     """[..., D] int64 widths of least total error with at most ``budget`` bits a token (widths summed).
 
     First each channel takes the width minimising ``error + lambda * width`` for the least ``lambda`` whose
-    widths fit (bisected); then, while a step fits, the one step (a channel to a wider width) that removes the most
-    error per bit is taken. For errors that fall by less with every bit this is the least total error of all
+    widths fit (worked out from the widths' slopes: :func:`lagrangian_widths`); then, while a step fits, the one
+    step (a channel to a wider width) that removes the most error per bit is taken. For errors that fall by less with every bit this is the least total error of all
     allocations (marginal analysis); otherwise a near one (steps that do not lower the error are jumped over).
 
     Args:
@@ -136,22 +134,39 @@ def allocate(errors: Tensor, budget: int) -> Tensor:
 
 
 def lagrangian_widths(errors: Tensor, budget: int) -> Tensor:
-    """[..., D] int64: each channel at the width minimising ``error + lambda * width``, for the least ``lambda``
-    (bisected per page) whose widths fit ``budget`` bits; the first stage of :func:`allocate`."""
+    """[..., D] int64: each channel at the width minimising ``error + lambda * width``, for the least ``lambda >= 0``
+    whose widths fit ``budget`` bits; the first stage of :func:`allocate`.
+
+    Worked out, not searched: width ``w`` is a channel's choice (the first on ties) for ``lambda`` in
+    ``[L_w, U_w)``, ``U_w`` the least slope ``(e_v - e_w) / (w - v)`` to a narrower width, ``L_w`` the largest to a
+    wider one; as ``lambda`` falls past a chosen width's ``U``, the channel widens to it. So the page's total width
+    at ``lambda`` is the sum of those steps whose ``U`` is above ``lambda``, the least ``lambda`` that fits is one of
+    the ``U`` (or 0), and the widths are read where that ``lambda`` holds: halfway to the next ``U`` above it, by the
+    argmin itself (so ties break as ever).
+    """
     errors = errors.double()
-    cost = torch.arange(errors.shape[-1], dtype=torch.float64, device=errors.device)
-
-    def widths_at(multiplier: Tensor) -> Tensor:
-        return (errors + multiplier[..., None, None] * cost).argmin(-1)
-
-    # lambda at `high` always fits (every channel at 0 when lambda exceeds every error per bit)
-    low = torch.zeros(errors.shape[:-2], dtype=torch.float64, device=errors.device)
-    high = errors.amax((-1, -2)) + 1.0
-    for _ in range(_BISECTIONS):
-        middle = (low + high) / 2
-        fits = widths_at(middle).sum(-1) <= budget
-        high, low = torch.where(fits, middle, high), torch.where(fits, low, middle)
-    return widths_at(high)
+    options = errors.shape[-1]
+    cost = torch.arange(options, dtype=torch.float64, device=errors.device)
+    gap = cost[None, :] - cost[:, None]  # [v, w]: w - v
+    slope = (errors[..., :, None] - errors[..., None, :]) / gap.where(gap != 0, 1)  # [..., D, v, w]
+    inf = torch.tensor(float("inf"), dtype=torch.float64, device=errors.device)
+    upper = slope.where(gap > 0, inf).amin(-2)  # [..., D, w]: U_w (over narrower v); width 0: +inf
+    lower = slope.where(gap < 0, -inf).amax(-2)  # L_w (over wider v); the widest: -inf
+    chosen = (lower < upper) & (cost > 0)  # widths some lambda picks, past the first (width 0 is always one)
+    index = torch.where(lower < upper, cost, -1.0)  # the chosen widths' own, then the nearest narrower chosen one
+    before = torch.cat([torch.zeros_like(index[..., :1]), index[..., :-1]], -1).cummax(-1).values
+    step = torch.where(chosen, cost - before, 0.0).flatten(-2)  # [..., D * options]: bits each widening adds
+    at = torch.where(chosen, upper, -inf).flatten(-2)  # the lambda below which it is taken
+    at, order = torch.sort(at, dim=-1, descending=True, stable=True)
+    taken = torch.cat([torch.zeros_like(step[..., :1]), step.gather(-1, order).cumsum(-1)], -1)
+    above = torch.searchsorted(-at.contiguous(), -at.contiguous(), side="left")  # how many U lie above each
+    fits = (taken.gather(-1, above) <= budget) & (at >= 0)
+    least = torch.where(fits, at, inf).amin(-1)  # the least U that fits, or +inf
+    zero_fits = taken.gather(-1, torch.searchsorted(-at.contiguous(), torch.zeros_like(at[..., :1]))) <= budget
+    least = torch.where(zero_fits[..., 0], torch.zeros_like(least), least)
+    following = torch.where(at > least[..., None], at, inf).amin(-1)  # the next U above it
+    multiplier = torch.where(torch.isinf(following), least + 1.0, (least + following) / 2)
+    return (errors + multiplier[..., None, None] * cost).argmin(-1)
 
 
 def _bit_positions(widths: Tensor, page_size: int) -> tuple[Tensor, Tensor]:

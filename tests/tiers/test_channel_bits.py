@@ -71,6 +71,52 @@ def test_the_bits_the_multiplier_leaves_go_step_by_step_to_the_most_error_remove
     assert channel_bits.allocate(errors, 2).tolist() == [[0, 1, 0]]
 
 
+def _bisected_widths(errors: torch.Tensor, budget: int, steps: int) -> torch.Tensor:
+    """The first stage as stop 68 searched it: ``lambda`` bisected ``steps`` times in [0, max error + 1]."""
+    errors = errors.double()
+    cost = torch.arange(errors.shape[-1], dtype=torch.float64)
+    low = torch.zeros(errors.shape[:-2], dtype=torch.float64)
+    high = errors.amax((-1, -2)) + 1.0
+    for _ in range(steps):
+        middle = (low + high) / 2
+        fits = (errors + middle[..., None, None] * cost).argmin(-1).sum(-1) <= budget
+        high, low = torch.where(fits, middle, high), torch.where(fits, low, middle)
+    return (errors + high[..., None, None] * cost).argmin(-1)
+
+
+def _pages_errors(seed: int, dim: int) -> torch.Tensor:
+    """Per-channel errors of real quantizers on random pages (channels of spreads over four orders of magnitude;
+    every other seed rounded keys, so that errors tie), or, every third seed, errors drawn at random (neither
+    falling nor convex)."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(2, 3, 2, 1, 32, dim, generator=gen) * torch.rand(dim, generator=gen) ** 3 * 5
+    if seed % 2:
+        keys = keys.round()
+    errors = channel_bits.page_width_errors(keys, torch.rand(keys.shape, generator=gen) > 0.1)
+    return torch.rand(errors.shape, generator=gen, dtype=torch.float64) if seed % 3 == 2 else errors
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dim", [8, 64])
+def test_the_worked_out_multiplier_is_the_least_that_fits(seed, dim):
+    """The first stage works the least fitting ``lambda`` out from the widths' slopes: the widths a bisection of
+    200 steps finds (beyond float64's resolution), for every budget from nothing to every width at 8 bits; and the
+    allocation is the one stop 68's 40-step bisection and the same second stage gave, whose stored pages the
+    quality figures of results/lowbit/ and results/memory/ come from."""
+    errors = _pages_errors(seed, dim)
+    for budget in (0, 1, dim - 1, 2 * dim, 3 * dim + 1, 8 * dim, 9 * dim):
+        widths = channel_bits.lagrangian_widths(errors, budget)
+        assert (widths.sum(-1) <= budget).all()
+        assert torch.equal(widths, _bisected_widths(errors, budget, 200))
+        original = channel_bits.lagrangian_widths
+        try:
+            channel_bits.lagrangian_widths = lambda e, b: _bisected_widths(e, b, 40)
+            before = channel_bits.allocate(errors, budget)
+        finally:
+            channel_bits.lagrangian_widths = original
+        assert torch.equal(channel_bits.allocate(errors, budget), before)
+
+
 def test_a_width_that_does_not_lower_the_error_is_jumped_over():
     """A channel whose 1-bit error is above its 0-bit error goes from 0 straight to 2 bits when that pays."""
     errors = torch.tensor([[[1.0, 1.5, 0.05, 0.04, 0.03, 0.02, 0.01, 0.005, 0.0],

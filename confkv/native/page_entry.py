@@ -90,8 +90,10 @@ READERS = ("row by row", "plane order", "avx512", "avx2", "channel widths")  #: 
 
 def reader_of(query: Tensor, segment) -> str:
     """Which of the kernel's readers reads the packed page ``segment`` for ``query`` [B, Hq, Q, D]: "avx512"
-    (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "avx2" (c/page_avx2.c: the same pages on a CPU
-    with AVX2, FMA and F16C but not VBMI), "plane order" (c/page_codes.c) or "row by row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
+    (c/page_simd.c: the preset's pages on a CPU with AVX-512 VBMI), "avx2" (c/page_avx2.c: the same pages, and pages
+    with outliers, on a CPU with AVX2, FMA and F16C but not VBMI), "channel widths" (c/page_widths.c: keys at
+    per-channel widths; their values take the reader named for the rest), "plane order" (c/page_codes.c) or "row by
+    row" (c/pages.c), as :func:`page_read` would choose it (the kernel's own dispatch, asked without reading).
     Raises RuntimeError when the library is unavailable, ValueError for a segment the read refuses."""
     lib = library()
     if lib is None:

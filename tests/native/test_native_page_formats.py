@@ -1,6 +1,7 @@
 """The native page read of the cold tier's richer formats (issues 31 and 32): keys and values at two widths, and
 outliers kept apart (confkv/tiers/outliers.py), written over each dequantized row in the kernel
-(confkv/native/c/pages.c's sort_outliers / restore_outliers, used by the row-by-row and the fast readers).
+(confkv/native/c/pages.c's sort_outliers / restore_outliers, used by the row-by-row and the plane-order readers), or
+added as corrections after the packed read (the AVX2 reader).
 
 Pages are encoded by the format itself (:class:`~confkv.tiers.formats.KiviFormat`), handed over as the cold tier
 hands them (:meth:`~confkv.tiers.cold_read.PageRead._paged`'s fields), and read against the torch reference
@@ -11,7 +12,10 @@ Each was seen to fail with a bug put in by hand (then removed): the value codes 
 reader); the outliers not written (keys or values, either reader); an outlier written at its channel instead of
 its plane position; the rows of a counting sort off by one; an index's row from the wrong shift or divisor; the
 value readers given the key codes' plane order; the wrapper passing no outliers; ``to_dense`` decoding values at
-the key width; the page pointers of a segment not padded to the kernel's stride (a ladder's read).
+the key width; the page pointers of a segment not padded to the kernel's stride (a ladder's read). In the AVX2
+reader's outliers (c/page_avx2.c, corrections after the packed read): a key outlier's correction of the wrong sign;
+a value outlier's entry at its token's first value group; a 3-bit code's second byte never read; an index that a
+later entry repeats corrected twice (no marks).
 """
 
 from __future__ import annotations
@@ -171,6 +175,25 @@ def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read(gr
     pages = _segment(fmt, data, valid, gen, "all")
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
     _compare(query, [pages], dim ** -0.5)
+
+
+@pytest.mark.parametrize("format", ["outliers", "hadamard+outliers+clip", "hadamard+outliers+channel_bits"])
+def test_on_an_avx2_cpu_pages_with_outliers_take_the_avx2_reader(format):
+    """Where the preset's plain pages take the AVX2 reader (a CPU with AVX2 and not AVX-512 VBMI), pages with
+    outliers do too (their values, and their keys unless at per-channel widths), the outliers added after the
+    packed read as corrections (c/page_avx2.c); the tests above hold that read to the torch read."""
+    gen = torch.Generator().manual_seed(len(format))
+    plain = KiviFormat(2, 8, 32, parse_format("kivi"))
+    data, valid, _ = _encoded(gen, plain, 16, 32)
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, 32, generator=gen)
+    if page_entry.reader_of(query, _segment(plain, data, valid, gen, "all")) != "avx2":
+        pytest.skip("this CPU's plain pages are not read by the AVX2 reader")
+    fmt = KiviFormat(3, 8, 32, parse_format(format), outlier_fraction=0.05)
+    data, valid, _ = _encoded(gen, fmt, 16, 32)
+    pages = _segment(fmt, data, valid, gen, "all", rotation=fmt.rotation)
+    assert read_plan.plan(query, [pages], None, True, "auto") == read_plan.ReadPlan("native_pages")
+    assert page_entry.reader_of(query, pages) == ("channel widths" if "channel_bits" in format else "avx2")
+    _compare(query, [pages], 32 ** -0.5)
 
 
 @pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)])

@@ -1,8 +1,10 @@
 /* The AVX2 read of packed pages (issue 32), for CPUs without AVX-512 VBMI (page_simd.c's reader): the same
  * algebra on 8-lane vectors, so that no key or value row is written out dequantized. Part of kernels.c, after
- * page_simd.c; page_tasks.c calls it where avx2_pages_fit. It takes the preset's pages (no outliers, heads of a
- * multiple of 32 channels up to 256, key groups and pages of a multiple of 8 tokens, value groups of a multiple of
- * 8 channels, at most 64 query rows x value groups), at 2, 3, 4 or 8 bits.
+ * page_simd.c; page_tasks.c calls it where avx2_pages_fit. It takes the preset's pages (heads of a multiple of 32
+ * channels up to 256, key groups and pages of a multiple of 8 tokens, value groups of a multiple of 8 channels, at
+ * most 64 query rows x value groups), at 2, 3, 4 or 8 bits, with or without outliers: a page's outliers are added
+ * after its packed read as corrections, q_d * (value - entry) to a token's score and p_t * (value - entry) to the
+ * output's channel d, the entry being what the codes give where the torch read writes the outlier over it.
  *
  * Codes. lowbit.pack puts code d of a row at bit bits * (d % 8) of the `bits`-byte word d / 8 (a byte per 8 / bits
  * codes, 3 bytes per 8 codes at 3 bits), so 8 codes are `bits` bytes: they are read as one integer (those bytes; at
@@ -29,8 +31,29 @@
 
 /* 1 when every page of segment m (R query rows, head dim D) is read here */
 static inline int avx2_pages_fit(const int64_t *m, int64_t R, int64_t D) {
-    return D % 32 == 0 && D <= 256 && m[3] % 8 == 0 && m[5] % 8 == 0 && m[6] % 8 == 0 && !m[35] &&
-           R * (D / m[6]) <= 64;
+    return D % 32 == 0 && D <= 256 && m[3] % 8 == 0 && m[5] % 8 == 0 && m[6] % 8 == 0 && R * (D / m[6]) <= 64;
+}
+
+/* code d of a row packed at `bits` (lowbit.pack: code i of a `bits`-byte word at bit bits * i) */
+static inline float avx2_code_at(const uint8_t *row, int bits, int64_t d) {
+    if (bits == 8) return (float)row[d];
+    const uint8_t *word = row + (d / 8) * bits;
+    const int at = bits * (int)(d % 8);
+    return (float)(((uint32_t)word[at / 8] | (uint32_t)(at / 8 + 1 < bits ? word[at / 8 + 1] : 0) << 8) >> (at % 8) &
+                   ((1u << bits) - 1u));
+}
+
+/* The outliers of a page to correct for, last entry first: entry e's token *t and channel *d, 1 returned, or 0 to skip
+ * it: an index outside the page, a token not valid, or an index a later entry holds (the torch read writes them in
+ * order, so the last stands). marks: a P x D-bit scratch, cleared before the page's last entry is asked */
+static inline int avx2_outlier(const int16_t *index, int64_t e, int64_t P, int64_t D, const uint8_t *valid,
+                               uint32_t *marks, int64_t *t, int64_t *d) {
+    const int64_t i = index[e];
+    if (i < 0 || i >= P * D || (marks[i / 32] >> (i % 32) & 1u)) return 0;
+    marks[i / 32] |= 1u << (i % 32);
+    *t = i / D;
+    *d = i - *t * D;
+    return valid[*t] != 0;
 }
 
 /* the unpacking constants of `bits`-bit codes */
@@ -158,7 +181,8 @@ static inline __attribute__((always_inline)) void avx2_score_tokens8(const uint8
 /* scores of the selected pages k0 .. k1 of one paged segment (meta m, pointers p) for the R query rows qf [R, D]
  * (pre-scaled), as planar_scores; buf holds R * D + R + D floats */
 static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
-                        const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf) {
+                        const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf,
+                        uint32_t *marks) {
     const int64_t P = m[3], G = m[5], C = m[7], V = D / 8;
     const avx2_layout l = avx2_layout_of((int)m[4]);
     float *folded = buf, *bias = buf + R * D, *centre = bias + R; /* q * s [R, D], q . centre [R], m + mid * s [D] */
@@ -197,6 +221,16 @@ static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64
                 else
                     avx2_score_tokens8(codes, C, &l, V, folded, bias, R, v.valid + t0, to, total);
             }
+        }
+        if (m[35]) memset(marks, 0, sizeof(uint32_t) * (size_t)((P * D + 31) / 32));
+        for (int64_t e = m[35] - 1; e >= 0; e--) { /* outliers: q_d * (value - the entry the codes give) added */
+            int64_t t, d;
+            if (!avx2_outlier(v.key_outlier_index, e, P, D, v.valid, marks, &t, &d)) continue;
+            const int64_t at = (t / G) * D + d;
+            const float entry = f16_to_f32(v.key_min[at]) + avx2_code_at(v.key_codes + t * C, l.bits, d) *
+                                                              f16_to_f32(v.key_scale[at]);
+            const float delta = f16_to_f32(v.key_outlier_value[e]) - entry;
+            for (int64_t r = 0; r < R; r++) s[r * total + t] = fmaf(qf[r * D + d], delta, s[r * total + t]);
         }
     }
 }
@@ -269,7 +303,7 @@ static inline __attribute__((always_inline)) void avx2_value_slots8(float *acc, 
  * 8 slots side by side) as vectors, then the valid slots' codes unpacked and added (avx2_value_block). The centres'
  * sums are added to the output once, at the end. */
 static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
-                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc) {
+                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc, uint32_t *marks) {
     const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 8, per_group = Gv / 8, RG = R * groups;
     const avx2_layout l = avx2_layout_of((int)m[33]);
     __m256 low[64]; /* sum_t p_t (m_t + mid * s_t), slot t in lane t % 8 [r * groups + g] (RG <= 64: avx2_pages_fit) */
@@ -309,6 +343,16 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
                 avx2_value_slots8(acc, R, 16, groups, per_group, step, codes, C, &l, bits_seen, c, token);
             else
                 avx2_value_slots8(acc, R, V, groups, per_group, step, codes, C, &l, bits_seen, c, token);
+        }
+        if (m[35]) memset(marks, 0, sizeof(uint32_t) * (size_t)((P * D + 31) / 32));
+        for (int64_t e = m[35] - 1; e >= 0; e--) { /* outliers: p_t * (value - the entry the codes give) added */
+            int64_t t, d;
+            if (!avx2_outlier(v.value_outlier_index, e, P, D, v.valid, marks, &t, &d)) continue;
+            const int64_t at = t * groups + d / Gv;
+            const float entry = f16_to_f32(v.value_min[at]) + avx2_code_at(v.value_codes + t * C, l.bits, d) *
+                                                                f16_to_f32(v.value_scale[at]);
+            const float delta = f16_to_f32(v.value_outlier_value[e]) - entry;
+            for (int64_t r = 0; r < R; r++) acc[r * D + d] = fmaf(w[r * total + t], delta, acc[r * D + d]);
         }
     }
     for (int64_t r = 0; r < R; r++)

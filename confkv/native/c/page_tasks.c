@@ -93,7 +93,8 @@ static void task_scores(const void *ctx, int64_t task) {
             else
 #elif defined(CONFKV_AVX2_PAGES)
             if (avx2_pages_fit(m, R, D))
-                avx2_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
+                avx2_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf,
+                            (uint32_t *)outlier_scratch(a, w.buf));
             else
 #endif
             if (planar(m))
@@ -160,7 +161,8 @@ static void task_values(const void *ctx, int64_t task) {
                 else
 #elif defined(CONFKV_AVX2_PAGES)
                 if (avx2_pages_fit(m, R, D))
-                    avx2_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out);
+                    avx2_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out,
+                                (uint32_t *)outlier_scratch(a, w.buf));
                 else
 #endif
                 if (planar(m))

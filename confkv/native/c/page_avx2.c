@@ -46,12 +46,12 @@ static inline float avx2_code_at(const uint8_t *row, int bits, int64_t d) {
 /* The outliers of a page to correct for, last entry first: entry e's token *t and channel *d, 1 returned, or 0 to skip
  * it: an index outside the page, a token not valid, or an index a later entry holds (the torch read writes them in
  * order, so the last stands). marks: a P x D-bit scratch, cleared before the page's last entry is asked */
-static inline int avx2_outlier(const int16_t *index, int64_t e, int64_t P, int64_t D, const uint8_t *valid,
+static inline int avx2_outlier(const int16_t *index, int64_t e, int64_t P, int64_t D, int shift, const uint8_t *valid,
                                uint32_t *marks, int64_t *t, int64_t *d) {
     const int64_t i = index[e];
-    if (i < 0 || i >= P * D || (marks[i / 32] >> (i % 32) & 1u)) return 0;
-    marks[i / 32] |= 1u << (i % 32);
-    *t = i / D;
+    if (i < 0 || i >= P * D || (marks[i >> 5] >> (i & 31) & 1u)) return 0;
+    marks[i >> 5] |= 1u << (i & 31);
+    *t = shift >= 0 ? i >> shift : i / D; /* row_shift: a power-of-two head's row by a shift */
     *d = i - *t * D;
     return valid[*t] != 0;
 }
@@ -185,6 +185,7 @@ static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64
                         uint32_t *marks) {
     const int64_t P = m[3], G = m[5], C = m[7], V = D / 8;
     const avx2_layout l = avx2_layout_of((int)m[4]);
+    const int shift = row_shift(D), group_shift = row_shift(G); /* divisions by a power of two as shifts */
     float *folded = buf, *bias = buf + R * D, *centre = bias + R; /* q * s [R, D], q . centre [R], m + mid * s [D] */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
@@ -225,11 +226,11 @@ static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64
         if (m[35]) memset(marks, 0, sizeof(uint32_t) * (size_t)((P * D + 31) / 32));
         for (int64_t e = m[35] - 1; e >= 0; e--) { /* outliers: q_d * (value - the entry the codes give) added */
             int64_t t, d;
-            if (!avx2_outlier(v.key_outlier_index, e, P, D, v.valid, marks, &t, &d)) continue;
-            const int64_t at = (t / G) * D + d;
-            const float entry = f16_to_f32(v.key_min[at]) + avx2_code_at(v.key_codes + t * C, l.bits, d) *
-                                                              f16_to_f32(v.key_scale[at]);
-            const float delta = f16_to_f32(v.key_outlier_value[e]) - entry;
+            if (!avx2_outlier(v.key_outlier_index, e, P, D, shift, v.valid, marks, &t, &d)) continue;
+            const int64_t at = (group_shift >= 0 ? t >> group_shift : t / G) * D + d;
+            const float entry = _cvtsh_ss(v.key_min[at]) + avx2_code_at(v.key_codes + t * C, l.bits, d) *
+                                                             _cvtsh_ss(v.key_scale[at]);
+            const float delta = _cvtsh_ss(v.key_outlier_value[e]) - entry;
             for (int64_t r = 0; r < R; r++) s[r * total + t] = fmaf(qf[r * D + d], delta, s[r * total + t]);
         }
     }
@@ -306,6 +307,7 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
                         const float *probs, int64_t R, int64_t D, int64_t total, float *acc, uint32_t *marks) {
     const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 8, per_group = Gv / 8, RG = R * groups;
     const avx2_layout l = avx2_layout_of((int)m[33]);
+    const int shift = row_shift(D), group_shift = row_shift(Gv); /* divisions by a power of two as shifts */
     __m256 low[64]; /* sum_t p_t (m_t + mid * s_t), slot t in lane t % 8 [r * groups + g] (RG <= 64: avx2_pages_fit) */
     for (int64_t rg = 0; rg < RG; rg++) low[rg] = _mm256_setzero_ps();
     float step[64][8];  /* p_t * s_t of the 8 slots [r * groups + g][slot] */
@@ -347,11 +349,11 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
         if (m[35]) memset(marks, 0, sizeof(uint32_t) * (size_t)((P * D + 31) / 32));
         for (int64_t e = m[35] - 1; e >= 0; e--) { /* outliers: p_t * (value - the entry the codes give) added */
             int64_t t, d;
-            if (!avx2_outlier(v.value_outlier_index, e, P, D, v.valid, marks, &t, &d)) continue;
-            const int64_t at = t * groups + d / Gv;
-            const float entry = f16_to_f32(v.value_min[at]) + avx2_code_at(v.value_codes + t * C, l.bits, d) *
-                                                                f16_to_f32(v.value_scale[at]);
-            const float delta = f16_to_f32(v.value_outlier_value[e]) - entry;
+            if (!avx2_outlier(v.value_outlier_index, e, P, D, shift, v.valid, marks, &t, &d)) continue;
+            const int64_t at = t * groups + (group_shift >= 0 ? d >> group_shift : d / Gv);
+            const float entry = _cvtsh_ss(v.value_min[at]) + avx2_code_at(v.value_codes + t * C, l.bits, d) *
+                                                               _cvtsh_ss(v.value_scale[at]);
+            const float delta = _cvtsh_ss(v.value_outlier_value[e]) - entry;
             for (int64_t r = 0; r < R; r++) acc[r * D + d] = fmaf(w[r * total + t], delta, acc[r * D + d]);
         }
     }

@@ -104,8 +104,9 @@ def allocate(errors: Tensor, budget: int) -> Tensor:
 
     First each channel takes the width minimising ``error + lambda * width`` for the least ``lambda`` whose
     widths fit (worked out from the widths' slopes: :func:`lagrangian_widths`); then, while a step fits, the one
-    step (a channel to a wider width) that removes the most error per bit is taken. For errors that fall by less with every bit this is the least total error of all
-    allocations (marginal analysis); otherwise a near one (steps that do not lower the error are jumped over).
+    step (a channel to a wider width) that removes the most error per bit is taken. For errors that fall by less
+    with every bit this is the least total error of all allocations (marginal analysis); otherwise a near one (steps
+    that do not lower the error are jumped over).
 
     Args:
         errors: [..., D, MAX_WIDTH + 1], each channel's error at each width (:func:`page_width_errors`).

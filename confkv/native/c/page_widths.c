@@ -14,7 +14,7 @@
  * The block read (AVX2 with FMA and F16C; pages and key groups of a multiple of 8 tokens; a page whose widths fit its
  * bytes): 8 tokens of one channel are `width` whole bytes at P / 8 * (widths before it) + width * t / 8, read as one
  * integer and spread over the 8 lanes (tokens 0-3 from its first 4 bytes, tokens 4-7 from the 4 bytes at width / 2,
- * each lane shifted and masked: block_codes), dequantized with one multiply-add and multiplied into each query
+ * each lane shifted and masked: block_scores), dequantized with one multiply-add and multiplied into each query
  * row's 8 running sums, one a token, over the page's channels of non-zero width; the sums are the 8 tokens' scores,
  * so none is added across lanes. Outliers are added after, as corrections q_d * (value - dequantized entry) (the
  * entry the torch read writes them over). Otherwise each token's row is unpacked code by code, dequantized, its
@@ -161,12 +161,12 @@ static void block_scores_rows(const uint8_t *page, const block_channels *c, int6
 
 /* the block read of one page whose widths fit its bytes (width, first, channel: widths_layout's; n channels of
  * non-zero width) for the R query rows qf [R, D]: s[r * total + slot], hidden slots -inf; its outliers (or NULL)
- * added to the valid tokens' scores as corrections. scale, minimum, key: D floats each, base: R; ints: the rest of
+ * added to the valid tokens' scores as corrections. scale, minimum: D floats each, base: R; ints: the rest of
  * widths_scratch's units */
 static void widths_block_page(const page_view *v, const int64_t *m, const int32_t *width, const int32_t *first,
                               const int32_t *channel, int64_t n, const float *qf, int64_t R, int64_t D, int64_t total,
-                              const page_outliers *outliers, float *s, float *scale, float *minimum, float *key,
-                              float *base, int32_t *ints) {
+                              const page_outliers *outliers, float *s, float *scale, float *minimum, float *base,
+                              int32_t *ints) {
     const int64_t P = m[3], G = m[5], size = P * m[7];
     int32_t *start = ints, *wide = ints + D;
     float *cscale = (float *)(ints + 2 * D), *cmin = cscale + D, *cquery = cmin + D;
@@ -277,7 +277,7 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
 #if defined(CONFKV_WIDTH_BLOCKS)
         if (fits && P % 8 == 0 && G % 8 == 0) {
             widths_block_page(&v, m, width, first, channel, n, qf, R, D, total, O ? &outliers : NULL, s, scale,
-                              minimum, key, base, scratch + P + O);
+                              minimum, base, scratch + P + O);
             continue;
         }
 #endif

@@ -10,8 +10,9 @@ read); ``to_dense`` rotating the keys back; in the row-by-row read (pages not re
 AVX2), a code's second byte never read and each channel's first bit one channel late. In the block read
 (page_widths.c's ``block_scores``): tokens 4-7 of a block shifted as tokens 0-3 (the half byte of odd widths
 dropped); the second block read at the first's codes; the width-0 channels' minimums left out; one query row's sums
-given to every row of a pass past the first 8; an outlier's correction of the wrong sign; two blocks read when the
-second holds no valid token but its scores kept (its slots not hidden); the padded copy of a page never made (only
+given to every row of a pass past the first 8; an outlier's correction of the wrong sign; the second block's slots
+hidden by the first block's validity; every 8 scales of a float16 row loaded from its first 8 (pages.c's
+``load_f16_row``); the padded copy of a page never made (only
 ``make sanitize-native SANITIZER=address`` sees it: the bytes read past a page are masked off).
 """
 

@@ -15,7 +15,7 @@ value readers given the key codes' plane order; the wrapper passing no outliers;
 the key width; the page pointers of a segment not padded to the kernel's stride (a ladder's read). In the AVX2
 reader's outliers (c/page_avx2.c, corrections after the packed read): a key outlier's correction of the wrong sign;
 a value outlier's entry at its token's first value group; a 3-bit code's second byte never read; an index that a
-later entry repeats corrected twice (no marks).
+later entry repeats corrected twice (no marks); pages with outliers refused by the AVX2 reader (the reader test).
 """
 
 from __future__ import annotations

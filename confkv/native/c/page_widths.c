@@ -66,13 +66,6 @@ enum { WIDTHS_BLOCK_ROWS = 8, WIDTHS_BLOCK_SUMS = 8 }; /* query rows, and rows x
 static __m256i block_shuffle[9], block_shift[9], block_mask[9];
 static int block_tables_built;
 
-/* n float16 values as floats, 8 at a time */
-static inline void block_f16_row(const uint16_t *src, int64_t n, float *dst) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) dst[i] = f16_to_f32(src[i]);
-}
-
 static void build_block_tables(void) {
     if (block_tables_built) return;
     for (int w = 0; w <= 8; w++) {
@@ -187,8 +180,8 @@ static void widths_block_page(const page_view *v, const int64_t *m, const int32_
         for (int64_t i = 0; i < n; i++) cquery[r * n + i] = qf[r * D + channel[i]];
     float block[8 * WIDTHS_BLOCK_ROWS]; /* a block's scores [row][token] */
     for (int64_t g0 = 0; g0 < P; g0 += G) {
-        block_f16_row(v->key_scale + (g0 / G) * D, D, scale);
-        block_f16_row(v->key_min + (g0 / G) * D, D, minimum);
+        load_f16_row(v->key_scale + (g0 / G) * D, D, scale);
+        load_f16_row(v->key_min + (g0 / G) * D, D, minimum);
         for (int64_t i = 0; i < n; i++) {
             cscale[i] = scale[channel[i]];
             cmin[i] = minimum[channel[i]];

@@ -12,7 +12,7 @@ AVX2), a code's second byte never read and each channel's first bit one channel 
 dropped); the second block read at the first's codes; the width-0 channels' minimums left out; one query row's sums
 given to every row of a pass past the first 8; an outlier's correction of the wrong sign; the second block's slots
 hidden by the first block's validity; every 8 scales of a float16 row loaded from its first 8 (pages.c's
-``load_f16_row``); the padded copy of a page never made (only
+``load_f16_row``); a page's outliers corrected in every key group, not only their own; the padded copy of a page never made (only
 ``make sanitize-native SANITIZER=address`` sees it: the bytes read past a page are masked off).
 """
 

@@ -34,26 +34,42 @@ static inline int avx2_pages_fit(const int64_t *m, int64_t R, int64_t D) {
     return D % 32 == 0 && D <= 256 && m[3] % 8 == 0 && m[5] % 8 == 0 && m[6] % 8 == 0 && R * (D / m[6]) <= 64;
 }
 
-/* code d of a row packed at `bits` (lowbit.pack: code i of a `bits`-byte word at bit bits * i) */
-static inline float avx2_code_at(const uint8_t *row, int bits, int64_t d) {
-    if (bits == 8) return (float)row[d];
-    const uint8_t *word = row + (d / 8) * bits;
-    const int at = bits * (int)(d % 8);
-    return (float)(((uint32_t)word[at / 8] | (uint32_t)(at / 8 + 1 < bits ? word[at / 8 + 1] : 0) << 8) >> (at % 8) &
-                   ((1u << bits) - 1u));
+/* code d of a row packed at `bits` (a constant where inlined): lowbit.pack puts it at bit bits * d of the row (bit
+ * bits * (d % 8) of the little-endian `bits`-byte word d / 8). Only at 3 bits may a code span two bytes, both
+ * inside its word; the second byte is the first again where it does not, so no read leaves the word */
+static inline __attribute__((always_inline)) uint32_t avx2_code(const uint8_t *row, int bits, int64_t d) {
+    if (bits == 8) return row[d];
+    const int64_t at = bits * d, byte = at >> 3;
+    const int shift = (int)(at & 7);
+    if (bits != 3) return (uint32_t)(row[byte] >> shift) & ((1u << bits) - 1u);
+    return (((uint32_t)row[byte] | (uint32_t)row[byte + (shift > 5)] << 8) >> shift) & 7u;
 }
 
-/* The outliers of a page to correct for, last entry first: entry e's token *t and channel *d, 1 returned, or 0 to skip
- * it: an index outside the page, a token not valid, or an index a later entry holds (the torch read writes them in
- * order, so the last stands). marks: a P x D-bit scratch, cleared before the page's last entry is asked */
-static inline int avx2_outlier(const int16_t *index, int64_t e, int64_t P, int64_t D, int shift, const uint8_t *valid,
-                               uint32_t *marks, int64_t *t, int64_t *d) {
-    const int64_t i = index[e];
-    if (i < 0 || i >= P * D || (marks[i >> 5] >> (i & 31) & 1u)) return 0;
-    marks[i >> 5] |= 1u << (i & 31);
-    *t = shift >= 0 ? i >> shift : i / D; /* row_shift: a power-of-two head's row by a shift */
-    *d = i - *t * D;
-    return valid[*t] != 0;
+/* The kept outliers' values o->value turned in place into value - entry (what their corrections multiply), the entry
+ * being minimum + code * scale as the torch decode computes it, from the page's `bits`-bit codes (a constant where
+ * inlined; rows of C bytes) and the float16 scale and minimum at index (t / G) * D + d of keys (a group of G tokens
+ * a channel) or t * (D / G) + d / G of values (a group of G channels a token); shift: log2 G, or -1 */
+static inline __attribute__((always_inline)) void avx2_deltas(kept_outliers *o, const uint8_t *codes, int64_t C,
+                                                              int bits, const uint16_t *scale,
+                                                              const uint16_t *minimum, int values, int64_t D,
+                                                              int64_t G, int shift) {
+    for (int64_t e = 0; e < o->n; e++) {
+        const int64_t t = o->token[e], d = o->channel[e];
+        const int64_t at = values ? t * (D / G) + (shift >= 0 ? d >> shift : d / G)
+                                  : (shift >= 0 ? t >> shift : t / G) * D + d;
+        o->value[e] -= _cvtsh_ss(minimum[at]) + (float)avx2_code(codes + t * C, bits, d) * _cvtsh_ss(scale[at]);
+    }
+}
+
+/* avx2_deltas at the `bits` of a page's codes (2, 3, 4 or 8), each a constant */
+static void avx2_deltas_at(kept_outliers *o, const uint8_t *codes, int64_t C, int bits, const uint16_t *scale,
+                           const uint16_t *minimum, int values, int64_t D, int64_t G, int shift) {
+    switch (bits) {
+    case 2: avx2_deltas(o, codes, C, 2, scale, minimum, values, D, G, shift); break;
+    case 3: avx2_deltas(o, codes, C, 3, scale, minimum, values, D, G, shift); break;
+    case 4: avx2_deltas(o, codes, C, 4, scale, minimum, values, D, G, shift); break;
+    default: avx2_deltas(o, codes, C, 8, scale, minimum, values, D, G, shift); break;
+    }
 }
 
 /* the unpacking constants of `bits`-bit codes */
@@ -182,10 +198,10 @@ static inline __attribute__((always_inline)) void avx2_score_tokens8(const uint8
  * (pre-scaled), as planar_scores; buf holds R * D + R + D floats */
 static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
                         const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf,
-                        uint32_t *marks) {
+                        int32_t *scratch) {
     const int64_t P = m[3], G = m[5], C = m[7], V = D / 8;
     const avx2_layout l = avx2_layout_of((int)m[4]);
-    const int shift = row_shift(D), group_shift = row_shift(G); /* divisions by a power of two as shifts */
+    const int group_shift = row_shift(G); /* a division by a power of two as a shift */
     float *folded = buf, *bias = buf + R * D, *centre = bias + R; /* q * s [R, D], q . centre [R], m + mid * s [D] */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
@@ -223,15 +239,14 @@ static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64
                     avx2_score_tokens8(codes, C, &l, V, folded, bias, R, v.valid + t0, to, total);
             }
         }
-        if (m[35]) memset(marks, 0, sizeof(uint32_t) * (size_t)((P * D + 31) / 32));
-        for (int64_t e = m[35] - 1; e >= 0; e--) { /* outliers: q_d * (value - the entry the codes give) added */
-            int64_t t, d;
-            if (!avx2_outlier(v.key_outlier_index, e, P, D, shift, v.valid, marks, &t, &d)) continue;
-            const int64_t at = (group_shift >= 0 ? t >> group_shift : t / G) * D + d;
-            const float entry = _cvtsh_ss(v.key_min[at]) + avx2_code_at(v.key_codes + t * C, l.bits, d) *
-                                                             _cvtsh_ss(v.key_scale[at]);
-            const float delta = _cvtsh_ss(v.key_outlier_value[e]) - entry;
-            for (int64_t r = 0; r < R; r++) s[r * total + t] = fmaf(qf[r * D + d], delta, s[r * total + t]);
+        if (m[35]) { /* outliers: q_d * (value - the entry the codes give) added */
+            kept_outliers o = keep_outliers(v.key_outlier_index, v.key_outlier_value, m[35], P, D, v.valid, scratch);
+            avx2_deltas_at(&o, v.key_codes, C, l.bits, v.key_scale, v.key_min, 0, D, G, group_shift);
+            for (int64_t e = 0; e < o.n; e++) {
+                const int64_t t = o.token[e], d = o.channel[e];
+                for (int64_t r = 0; r < R; r++)
+                    s[r * total + t] = fmaf(qf[r * D + d], o.value[e], s[r * total + t]);
+            }
         }
     }
 }
@@ -304,10 +319,10 @@ static inline __attribute__((always_inline)) void avx2_value_slots8(float *acc, 
  * 8 slots side by side) as vectors, then the valid slots' codes unpacked and added (avx2_value_block). The centres'
  * sums are added to the output once, at the end. */
 static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
-                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc, uint32_t *marks) {
+                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc, int32_t *scratch) {
     const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 8, per_group = Gv / 8, RG = R * groups;
     const avx2_layout l = avx2_layout_of((int)m[33]);
-    const int shift = row_shift(D), group_shift = row_shift(Gv); /* divisions by a power of two as shifts */
+    const int group_shift = row_shift(Gv); /* a division by a power of two as a shift */
     __m256 low[64]; /* sum_t p_t (m_t + mid * s_t), slot t in lane t % 8 [r * groups + g] (RG <= 64: avx2_pages_fit) */
     for (int64_t rg = 0; rg < RG; rg++) low[rg] = _mm256_setzero_ps();
     float step[64][8];  /* p_t * s_t of the 8 slots [r * groups + g][slot] */
@@ -346,15 +361,15 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
             else
                 avx2_value_slots8(acc, R, V, groups, per_group, step, codes, C, &l, bits_seen, c, token);
         }
-        if (m[35]) memset(marks, 0, sizeof(uint32_t) * (size_t)((P * D + 31) / 32));
-        for (int64_t e = m[35] - 1; e >= 0; e--) { /* outliers: p_t * (value - the entry the codes give) added */
-            int64_t t, d;
-            if (!avx2_outlier(v.value_outlier_index, e, P, D, shift, v.valid, marks, &t, &d)) continue;
-            const int64_t at = t * groups + (group_shift >= 0 ? d >> group_shift : d / Gv);
-            const float entry = _cvtsh_ss(v.value_min[at]) + avx2_code_at(v.value_codes + t * C, l.bits, d) *
-                                                               _cvtsh_ss(v.value_scale[at]);
-            const float delta = _cvtsh_ss(v.value_outlier_value[e]) - entry;
-            for (int64_t r = 0; r < R; r++) acc[r * D + d] = fmaf(w[r * total + t], delta, acc[r * D + d]);
+        if (m[35]) { /* outliers: p_t * (value - the entry the codes give) added */
+            kept_outliers o = keep_outliers(v.value_outlier_index, v.value_outlier_value, m[35], P, D, v.valid,
+                                            scratch);
+            avx2_deltas_at(&o, v.value_codes, C, l.bits, v.value_scale, v.value_min, 1, D, Gv, group_shift);
+            for (int64_t e = 0; e < o.n; e++) {
+                const int64_t t = o.token[e], d = o.channel[e];
+                for (int64_t r = 0; r < R; r++)
+                    acc[r * D + d] = fmaf(w[r * total + t], o.value[e], acc[r * D + d]);
+            }
         }
     }
     for (int64_t r = 0; r < R; r++)

@@ -153,12 +153,12 @@ static void block_scores_rows(const uint8_t *page, const block_channels *c, int6
 }
 
 /* the block read of one page whose widths fit its bytes (width, first, channel: widths_layout's; n channels of
- * non-zero width) for the R query rows qf [R, D]: s[r * total + slot], hidden slots -inf; its outliers (or NULL)
- * added to the valid tokens' scores as corrections. scale, minimum: D floats each, base: R; ints: the rest of
- * widths_scratch's units */
+ * non-zero width) for the R query rows qf [R, D]: s[r * total + slot], hidden slots -inf; its kept outliers
+ * (keep_outliers: valid tokens only, an index once) added to their tokens' scores as corrections, a key group
+ * at a time. scale, minimum: D floats each, base: R; ints: the rest of widths_scratch's units */
 static void widths_block_page(const page_view *v, const int64_t *m, const int32_t *width, const int32_t *first,
                               const int32_t *channel, int64_t n, const float *qf, int64_t R, int64_t D, int64_t total,
-                              const page_outliers *outliers, float *s, float *scale, float *minimum, float *base,
+                              const kept_outliers *outliers, float *s, float *scale, float *minimum, float *base,
                               int32_t *ints) {
     const int64_t P = m[3], G = m[5], size = P * m[7];
     int32_t *start = ints, *wide = ints + D;
@@ -218,16 +218,13 @@ static void widths_block_page(const page_view *v, const int64_t *m, const int32_
                                                           _mm256_loadu_ps(block + (r * blocks + k) * 8), seen_lanes));
                 }
             }
-            for (int64_t e = t; outliers && e < t + 8 * blocks; e++) { /* the valid tokens' outliers, as corrections */
-                if (!v->valid[e]) continue;
-                for (int32_t i = e ? outliers->end[e - 1] : 0; i < outliers->end[e]; i++) {
-                    const int32_t o = outliers->order[i];
-                    const int64_t d = outliers->index[o] - e * D;
-                    const float delta = f16_to_f32(outliers->value[o]) -
-                                        widths_entry(v->key_codes, size, width, first, scale, minimum, e, d);
-                    for (int64_t r = 0; r < R; r++) s[r * total + e] = fmaf(qf[r * D + d], delta, s[r * total + e]);
-                }
-            }
+        }
+        for (int64_t e = 0; e < outliers->n; e++) { /* the group's kept outliers, as corrections */
+            const int64_t t = outliers->token[e], d = outliers->channel[e];
+            if (t < g0 || t >= g0 + G) continue;
+            const float entry = widths_entry(v->key_codes, size, width, first, scale, minimum, t, d);
+            const float delta = outliers->value[e] - entry;
+            for (int64_t r = 0; r < R; r++) s[r * total + t] = fmaf(qf[r * D + d], delta, s[r * total + t]);
         }
     }
 }
@@ -241,9 +238,12 @@ static inline const uint8_t *page_widths(const void *const *p, const int64_t *m,
 }
 
 /* the 4-byte units of outlier scratch a channel-widths segment's read takes (meta m, heads of D channels, R query
- * rows): its outliers' sort (P + O), then the block read's (widths_block_page: (4 + R) * D and the page's bytes + 8) */
+ * rows): its outliers' sort (P + O) or kept entries (keep_outliers), then the block read's (widths_block_page:
+ * (4 + R) * D and the page's bytes + 8) */
 static int64_t widths_scratch(const int64_t *m, int64_t D, int64_t R) {
-    return m[3] + m[35] + (4 + R) * D + (m[3] * m[7] + 8 + 3) / 4;
+    const int64_t outliers = m[3] + m[35] > kept_outlier_ints(m[3], D, m[35]) ? m[3] + m[35]
+                                                                               : kept_outlier_ints(m[3], D, m[35]);
+    return outliers + (4 + R) * D + (m[3] * m[7] + 8 + 3) / 4;
 }
 
 /* scores of the selected pages [k0, k1) of a channel-widths page segment (meta m, pointers p: see pages.c) for the
@@ -265,15 +265,18 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
         const page_view v = view_page(p, m, b, j, page);
         int fits;
         const int64_t n = widths_layout(page_widths(p, m, b, j, page), D, P, size, width, first, channel, &fits);
-        page_outliers outliers;
-        if (O) outliers = sort_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, scratch);
 #if defined(CONFKV_WIDTH_BLOCKS)
         if (fits && P % 8 == 0 && G % 8 == 0) {
-            widths_block_page(&v, m, width, first, channel, n, qf, R, D, total, O ? &outliers : NULL, s, scale,
-                              minimum, base, scratch + P + O);
+            const kept_outliers kept = O ? keep_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, v.valid,
+                                                         scratch)
+                                         : (kept_outliers){NULL, NULL, NULL, 0};
+            widths_block_page(&v, m, width, first, channel, n, qf, R, D, total, &kept, s, scale, minimum, base,
+                              scratch + kept_outlier_ints(P, D, O));
             continue;
         }
 #endif
+        page_outliers outliers;
+        if (O) outliers = sort_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, scratch);
         int64_t loaded = -1; /* the key group whose scale and minimum are in the buffers */
         for (int64_t t = 0; t < P; t++) {
             if (!v.valid[t]) {

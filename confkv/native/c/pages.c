@@ -248,6 +248,45 @@ static inline void restore_outliers(const page_outliers *o, int64_t t, const int
     }
 }
 
+/* A page's outliers of one tensor as the reads that add them as corrections after a packed read take them (the
+ * AVX2 reader, the block read of per-channel widths): the entries that stand, last entry first (the torch read
+ * writes them in order, so where an index repeats the last stands), each as its row, channel and value. Left out:
+ * an index outside the page, one a later entry holds, a row that is not valid. scratch: kept_outlier_ints 4-byte
+ * words (a bit per page entry, the values as floats, then the lists); a reader may turn the values in place into
+ * what its corrections multiply. */
+typedef struct {
+    const int32_t *token, *channel;
+    float *value;
+    int64_t n;
+} kept_outliers;
+
+static inline int64_t kept_outlier_ints(int64_t P, int64_t D, int64_t O) { return (P * D + 31) / 32 + 4 * O; }
+
+static kept_outliers keep_outliers(const int16_t *index, const uint16_t *value, int64_t O, int64_t P, int64_t D,
+                                   const uint8_t *valid, int32_t *scratch) {
+    const int64_t words = (P * D + 31) / 32;
+    uint32_t *marks = (uint32_t *)scratch;
+    float *values = (float *)(scratch + words), *kept = values + O;
+    int32_t *token = (int32_t *)(kept + O), *channel = token + O;
+    memset(marks, 0, sizeof(uint32_t) * (size_t)words);
+    load_f16_row(value, O, values);
+    const uint32_t entries = (uint32_t)(P * D);
+    const int shift = row_shift(D);
+    int64_t n = 0;
+    for (int64_t e = O - 1; e >= 0; e--) {
+        const uint32_t i = (uint32_t)(int32_t)index[e]; /* a negative index wraps past every page */
+        if (i >= entries) continue;
+        const uint32_t bit = 1u << (i & 31u), held = marks[i >> 5];
+        marks[i >> 5] = held | bit;
+        const int32_t t = shift >= 0 ? (int32_t)(i >> shift) : (int32_t)(i / (uint32_t)D);
+        token[n] = t; /* written at n either way, kept only when it stands */
+        channel[n] = (int32_t)i - t * (int32_t)D;
+        kept[n] = values[e];
+        n += !(held & bit) && valid[t];
+    }
+    return (kept_outliers){token, channel, kept, n};
+}
+
 static int64_t planar_scratch(int64_t R, int64_t D); /* page_codes.c */
 
 /* a task's scratch for a page's outliers (page_args.outlier_ints 4-byte words, after its float work buffer): the

@@ -1,0 +1,53 @@
+"""Outlier entries that repeat an index, read natively as the torch read reads them (the last entry stands):
+every reader that takes pages with outliers. The encoder never repeats an index (one top-k a page), but a page
+handed over from elsewhere (a page file, another encoder) may, and no reader may then differ from the torch read.
+
+Seen failing: on the block read of per-channel key widths as it was (c/page_widths.c added every entry of a repeated
+index as a correction: a bug this test found, at 2, 3 and 4 bits), and with a bug put in by hand (then removed):
+pages.c's keep_outliers keeping every entry of a repeated index (no marks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from confkv.native import page_entry
+from confkv.native.loader import available
+from confkv.tiers.formats import KiviFormat, parse_format
+from test_native_page_formats import BATCH, KV_HEADS, _compare, _encoded, _segment
+
+pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the native kernels are unavailable"),
+              pytest.mark.usefixtures("nan_filled_empty")]
+
+
+def _repeat_first(index: torch.Tensor, value: torch.Tensor, times: int) -> None:
+    """Entries 1 .. times of each page given entry 0's index, each with a value of its own (far from the codes)."""
+    for k in range(1, times + 1):
+        index[..., k] = index[..., 0]
+        value[..., k] = torch.tensor(7.0 + k, dtype=value.dtype)
+
+
+@pytest.mark.parametrize("format, group, reader", [
+    ("outliers", 4, None),                            # the row-by-row reader
+    ("outliers", 8, None),                            # the fast reader of this CPU (AVX2, AVX-512 or plane order)
+    ("hadamard+outliers+clip", 8, None),
+    ("outliers+channel_bits", 8, "channel widths"),   # the block read of per-channel key widths
+    ("hadamard+outliers+channel_bits", 4, "channel widths"),  # its row-by-row read
+])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_an_index_repeated_in_a_page_is_read_with_its_last_value(format, group, reader, bits):
+    gen = torch.Generator().manual_seed(bits * 10 + group + len(format))
+    page, dim = 16, 32
+    fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.03)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    valid[..., :2] = True  # the first rows hold real tokens, so a repeated index on them is read
+    for which in ("key", "value"):
+        index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
+        index[..., 0] = torch.randint(0, 2 * dim, index.shape[:-1], generator=gen).to(index.dtype)
+        _repeat_first(index, value, 2)
+    pages = _segment(fmt, data, valid, gen, "all", rotation=fmt.rotation)
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
+    if reader is not None:
+        assert page_entry.reader_of(query, pages) == reader
+    _compare(query, [pages], dim ** -0.5)

@@ -68,7 +68,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/native/test_native_pool.py", "tests/native/test_native_contracts.py", "tests/native/test_native_confidence.py", "tests/native/test_native_w8a8.py",
          "tests/native/test_native_w4a8.py", "tests/native/test_native_gemv.py", "tests/native/test_native_kernels.py", "tests/native/test_native_layer.py",
          "tests/store/test_window_buffer.py", "tests/native/test_native_prefill.py", "tests/native/test_native_pages.py",
-         "tests/native/test_native_page_formats.py", "tests/native/test_native_decode_plan.py",
+         "tests/native/test_native_page_formats.py", "tests/native/test_native_outlier_repeats.py",
+         "tests/native/test_native_channel_bits.py", "tests/native/test_native_decode_plan.py",
          "tests/native/test_native_evict.py", "tests/native/test_age_evict.py", "tests/store/test_read_updates.py",
          "tests/native/test_keep_pages.py", "tests/native/test_int8_rows.py", "tests/native/test_page_encode.py"]
 #: per mutated file, the test files that call its code (common.h: all of them), in the order of TESTS
@@ -82,11 +83,15 @@ TESTS_FOR = {
                        "test_native_layer"],
     "c/layer.c": ["test_native_contracts", "test_native_layer", "test_native_w8a8", "test_native_w4a8"],  # the fused
     # W8A8 and W4A8 layers
-    "c/pages.c": ["test_native_pages", "test_native_page_formats"],
+    "c/pages.c": ["test_native_pages", "test_native_page_formats", "test_native_outlier_repeats",
+                  "test_native_channel_bits"],
     "c/page_codes.c": ["test_native_pages", "test_native_page_formats"],
-    "c/page_simd.c": ["test_native_pages", "test_native_page_formats"],
-    "c/page_avx2.c": ["test_native_pages", "test_native_page_formats"],
-    "c/page_tasks.c": ["test_native_pages", "test_native_page_formats", "test_read_updates"],
+    "c/page_simd.c": ["test_native_pages", "test_native_page_formats", "test_native_outlier_repeats"],
+    "c/page_avx2.c": ["test_native_pages", "test_native_page_formats", "test_native_outlier_repeats",
+                      "test_native_channel_bits"],  # the values of per-channel-width pages
+    "c/page_widths.c": ["test_native_page_formats", "test_native_outlier_repeats", "test_native_channel_bits"],
+    "c/page_tasks.c": ["test_native_pages", "test_native_page_formats", "test_native_outlier_repeats",
+                       "test_native_channel_bits", "test_read_updates"],
     "c/prefill.c": ["test_native_prefill"],
     "c/evict.c": ["test_native_evict", "test_age_evict"],
     "c/page_moves.c": ["test_keep_pages"],

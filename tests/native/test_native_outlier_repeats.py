@@ -4,7 +4,9 @@ handed over from elsewhere (a page file, another encoder) may, and no reader may
 
 Seen failing: on the block read of per-channel key widths as it was (c/page_widths.c added every entry of a repeated
 index as a correction: a bug this test found, at 2, 3 and 4 bits), and with a bug put in by hand (then removed):
-pages.c's keep_outliers keeping every entry of a repeated index (no marks).
+pages.c's keep_outliers keeping every entry of a repeated index (no marks). The groups-not-of-a-power-of-two test
+kills two mutants that survived every other test (c/page_avx2.c's divisions `d / G` and `t / G` turned over: the
+process dies dividing by zero).
 """
 
 from __future__ import annotations
@@ -50,4 +52,22 @@ def test_an_index_repeated_in_a_page_is_read_with_its_last_value(format, group, 
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
     if reader is not None:
         assert page_entry.reader_of(query, pages) == reader
+    _compare(query, [pages], dim ** -0.5)
+
+
+@pytest.mark.parametrize("format", ["outliers", "hadamard+outliers+clip"])
+@pytest.mark.parametrize("bits, value_bits", [(4, 2), (3, 3)])
+def test_outliers_in_groups_not_of_a_power_of_two_are_read_as_the_torch_read(format, bits, value_bits):
+    """Key groups of 24 tokens and value groups of 24 channels (pages of 48, heads of 96): a multiple of 8, which the
+    AVX2 reader takes, but not a power of two, so an outlier's scale and minimum are found by a division, not a
+    shift (c/page_avx2.c's avx2_deltas), with a repeated index on top."""
+    gen = torch.Generator().manual_seed(bits + value_bits + len(format))
+    page, dim, group = 48, 96, 24
+    fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.01, value_bits=value_bits)
+    data, valid, _ = _encoded(gen, fmt, page, dim)
+    valid[..., :2] = True
+    for which in ("key", "value"):
+        _repeat_first(data[f"{which}_outlier_index"], data[f"{which}_outlier_value"], 1)
+    pages = _segment(fmt, data, valid, gen, "all", rotation=fmt.rotation)
+    query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
     _compare(query, [pages], dim ** -0.5)

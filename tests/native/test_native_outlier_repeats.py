@@ -5,8 +5,8 @@ handed over from elsewhere (a page file, another encoder) may, and no reader may
 Seen failing: on the block read of per-channel key widths as it was (c/page_widths.c added every entry of a repeated
 index as a correction: a bug this test found, at 2, 3 and 4 bits), and with a bug put in by hand (then removed):
 pages.c's keep_outliers keeping every entry of a repeated index (no marks). The groups-not-of-a-power-of-two test
-kills two mutants that survived every other test (c/page_avx2.c's divisions `d / G` and `t / G` turned over: the
-process dies dividing by zero).
+kills four mutants that survived every other test (c/page_avx2.c's divisions `d / G` and `t / G` made products, or
+turned over: then the process dies dividing by zero).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Shapes (``B`` sequences, ``H`` KV heads, ``N`` pages of storage, ``P`` tokens pe
                  else None
     outliers:   key_outlier_index, key_outlier_value, value_outlier_index, value_outlier_value
                 [B, H, N, O] int16 / float16 (a format with ``outliers``, :mod:`confkv.tiers.outliers`):
-                entry ``t * D + d`` of a page is written over the dequantized page, O per page and tensor
+                a correction added to entry ``t * D + d`` of the dequantized page, O per page and tensor
     key_widths: [B, H, N, D] uint8 (a format with ``channel_bits``, :mod:`confkv.tiers.channel_bits`): each key
                 channel's width in its page, the key codes ``C = row_bytes(bits, D, P)`` bytes a token; the keys
                 are then never rotated (a ``rotation`` turns the values only)

@@ -65,7 +65,7 @@ def page_read(query: Tensor, segments: Sequence, scaling: float,
         query: [B, Hq, Q, D] on CPU (converted to float32), Hq = Hkv * G.
         segments: dense segments (float keys / values; float32 and bfloat16 read as they are, other float
             dtypes converted to float32) and packed page segments (keys and values each at 2, 3, 4 or 8 bits,
-            outliers written over the dequantized rows); page segments with a ``rotation`` (codes
+            outliers' corrections added to the dequantized rows); page segments with a ``rotation`` (codes
             of ``k @ rotation.matrix``, ``v @ rotation.matrix``; one rotation per call) are scored with the
             query turned into that basis and their share of the output turned back, in the kernel.
         scaling: score multiplier.

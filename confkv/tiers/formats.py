@@ -24,8 +24,8 @@ the only format the Triton paged read takes packed) or ``"kivi"`` plus any of th
   (:mod:`confkv.tiers.hadamard`); decoded back to the original basis, or read in it. ``kivi+hadamard``
   stores KIVI codes of the rotated keys and values, so the native page read takes its pages
   packed (:attr:`PageFormat.paged_when_rotated`; the kernel turns the query into their basis).
-- ``outliers``: ``outlier_fraction`` of each page's entries kept apart in 16 bits
-  (:mod:`confkv.tiers.outliers`); the native page read writes them over each dequantized row.
+- ``outliers``: ``outlier_fraction`` of each page's entries kept apart in 16 bits, as corrections
+  to their decoded entries (:mod:`confkv.tiers.outliers`), which every read adds.
 - ``codebook``: non-uniform levels, one k-means codebook per layer and tensor
   (:mod:`confkv.tiers.codebook`).
 - ``prerope``: keys stored before the rotary embedding, re-rotated at decode from each
@@ -54,9 +54,7 @@ from torch import Tensor
 
 from confkv.native import page_encode
 from confkv.tiers import lowbit
-from confkv.tiers import channel_bits as _channel_bits
-from confkv.tiers import clipping as _clipping
-from confkv.tiers import codebook as _codebook
+from confkv.tiers import channel_bits as _channel_bits, clipping as _clipping, codebook as _codebook
 from confkv.tiers import outliers as _outliers
 from confkv.tiers.hadamard import shared_rotation
 
@@ -284,14 +282,13 @@ class KiviFormat(PageFormat):
         value_grouped = values.reshape(batch, heads, count, page, dim // vgroup, vgroup)
         value_valid = torch.ones_like(value_grouped, dtype=torch.bool)
         out: dict[str, Tensor] = {}
-        kept = {"key": key_valid, "value": value_valid}
+        kept, outlying = {"key": key_valid, "value": value_valid}, {}
         per_page = self.outliers_per_page(page)
         if per_page:
             _outliers.check_indexable(page, dim)
             for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
-                index, picked = _outliers.pick(grouped, kept[which], axis, per_page)
-                out[f"{which}_outlier_index"] = index.to(_outliers.INDEX_DTYPE)
-                out[f"{which}_outlier_value"] = _outliers.gather(grouped, index)
+                outlying[which], picked = _outliers.pick(grouped, kept[which], axis, per_page)
+                out[f"{which}_outlier_index"] = outlying[which].to(_outliers.INDEX_DTYPE)
                 kept[which] = kept[which] & ~picked
         for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
             if which == "key" and "channel_bits" in self.techniques:
@@ -307,6 +304,9 @@ class KiviFormat(PageFormat):
                 out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim),
                                                     self.widths[which])
             out[f"{which}_scale"], out[f"{which}_min"] = scale.squeeze(axis), minimum.squeeze(axis)
+            if which in outlying:  # each outlier's correction: the entry less what its codes decode to
+                levels = codes if self.levels[which] is None else self.levels[which].to(codes.device)[codes.long()]
+                out[f"{which}_outlier_value"] = _outliers.corrections(grouped, levels, scale, minimum, outlying[which])
         return out
 
     def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:

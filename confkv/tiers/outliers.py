@@ -2,10 +2,15 @@
 
 A low-bit group spends its levels on its range, so one extreme entry coarsens every other
 entry of its group. Per page and KV head the ``count`` entries that stand out most from their
-quantization group are taken out before the ranges are computed, stored as float16 values
-with their flat index in the page (int16: ``page_size * head_dim`` must stay below 32,768),
-and written back over the dequantized page. A page of ``P`` tokens and ``D`` channels keeps
-``round(fraction * P * D)`` of them per tensor: 4 bytes each, all counted.
+quantization group are taken out before the ranges are computed. Each is stored as its flat
+index in the page (int16: ``page_size * head_dim`` must stay below 32,768) and its
+**correction**: the entry less what its codes decode to (float16), added back to the
+dequantized page (an index that repeats adds each of its corrections). A read that never writes
+a page out dequantized (the native packed reads) adds ``q_d * correction`` to a token's score
+and ``p_t * correction`` to an output channel, with nothing else to look up. A page of ``P``
+tokens and ``D`` channels keeps ``round(fraction * P * D)`` of them per tensor: 4 bytes each,
+all counted. The correction is at least as precise as the entry itself in float16 wherever the
+entry lies outside its group's range (``|correction| <= |entry|``).
 
 "Stand out" is the distance from the group's mean in units of the group's spread (its
 standard deviation over the valid entries): a wide but even group gains nothing from losing
@@ -59,15 +64,22 @@ def pick(grouped: Tensor, valid: Tensor, dim: int, count: int) -> tuple[Tensor, 
     return index, picked
 
 
-def gather(grouped: Tensor, index: Tensor) -> Tensor:
-    """Values at flat ``index`` [B, H, N, count] of each page of ``grouped``, float16."""
-    return grouped.reshape(*grouped.shape[:3], -1).gather(-1, index).to(VALUE_DTYPE)
+def corrections(grouped: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, index: Tensor) -> Tensor:
+    """What the decode lacks at flat ``index`` [B, H, N, count] of each page: the entry less
+    ``minimum + codes * scale`` there (float32, as every read decodes it), float16. ``grouped``: the
+    page's entries (float32), ``codes`` their levels (code values, or a codebook's), both in ``grouped``'s
+    layout; ``scale``, ``minimum``: float16, broadcastable to it."""
+    lead = grouped.shape[:3]
+    decoded = torch.addcmul(minimum.float(), codes.float(), scale.float())
+    entries, given = (t.reshape(*lead, -1).gather(-1, index) for t in (grouped, decoded))
+    return (entries - given).to(VALUE_DTYPE)
 
 
-def restore(grouped: Tensor, index: Tensor, values: Tensor) -> Tensor:
-    """``grouped`` with the kept outliers written back at ``index`` (int16 or int64), in place when
-    ``grouped`` is contiguous (a decode's fresh output), else on a copy."""
+def restore(grouped: Tensor, index: Tensor, corrections: Tensor) -> Tensor:
+    """``grouped`` (a dequantized page) with the corrections added at ``index`` (int16 or int64; an index
+    that repeats adds each), in place when ``grouped`` is contiguous (a decode's fresh output), else on a
+    copy."""
     flat = grouped.reshape(*grouped.shape[:3], -1)
     if flat.data_ptr() != grouped.data_ptr() or not grouped.is_contiguous():
         flat = flat.clone()
-    return flat.scatter_(-1, index.long(), values.to(flat.dtype)).reshape(grouped.shape)
+    return flat.scatter_add_(-1, index.long(), corrections.to(flat.dtype)).reshape(grouped.shape)

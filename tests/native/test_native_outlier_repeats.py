@@ -1,12 +1,14 @@
-"""Outlier entries that repeat an index, read natively as the torch read reads them (the last entry stands):
-every reader that takes pages with outliers. The encoder never repeats an index (one top-k a page), but a page
-handed over from elsewhere (a page file, another encoder) may, and no reader may then differ from the torch read.
+"""Outlier entries that repeat an index, read natively as the torch read reads them (each entry's correction
+added: outliers.restore's scatter_add): every reader that takes pages with outliers. The encoder never repeats an
+index (one top-k a page), but a page handed over from elsewhere (a page file, another encoder) may, and no reader
+may then differ from the torch read.
 
-Seen failing: on the block read of per-channel key widths as it was (c/page_widths.c added every entry of a repeated
-index as a correction: a bug this test found, at 2, 3 and 4 bits), and with a bug put in by hand (then removed):
-pages.c's keep_outliers keeping every entry of a repeated index (no marks). The groups-not-of-a-power-of-two test
-kills four mutants that survived every other test (c/page_avx2.c's divisions `d / G` and `t / G` made products, or
-turned over: then the process dies dividing by zero).
+Seen failing (stop 71, when a stored entry was the value itself and the last entry stood): on the block read of
+per-channel key widths as it then was (it added every entry of a repeated index), and with a bug put in by hand.
+Since stop 72 (entries are corrections, added): with bugs put in by hand (then removed): pages.c's add_corrections
+adding only the first entry of a row (`continue` on a repeated token), and restore_outliers / patch_outliers writing
+a correction over the entry instead of adding it. The groups-not-of-a-power-of-two test gives the readers heads of
+96 channels, where an entry's token is found by a division, not a shift.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ pytestmark = [pytest.mark.skipif(not available(), reason="no C compiler: the nat
 
 
 def _repeat_first(index: torch.Tensor, value: torch.Tensor, times: int) -> None:
-    """Entries 1 .. times of each page given entry 0's index, each with a value of its own (far from the codes)."""
+    """Entries 1 .. times of each page given entry 0's index, each with a correction of its own (a large one)."""
     for k in range(1, times + 1):
         index[..., k] = index[..., 0]
         value[..., k] = torch.tensor(7.0 + k, dtype=value.dtype)
@@ -38,7 +40,7 @@ def _repeat_first(index: torch.Tensor, value: torch.Tensor, times: int) -> None:
     ("hadamard+outliers+channel_bits", 4, "channel widths"),  # its row-by-row read
 ])
 @pytest.mark.parametrize("bits", [2, 3, 4])
-def test_an_index_repeated_in_a_page_is_read_with_its_last_value(format, group, reader, bits):
+def test_an_index_repeated_in_a_page_adds_each_of_its_corrections(format, group, reader, bits):
     gen = torch.Generator().manual_seed(bits * 10 + group + len(format))
     page, dim = 16, 32
     fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.03)
@@ -59,8 +61,8 @@ def test_an_index_repeated_in_a_page_is_read_with_its_last_value(format, group, 
 @pytest.mark.parametrize("bits, value_bits", [(4, 2), (3, 3)])
 def test_outliers_in_groups_not_of_a_power_of_two_are_read_as_the_torch_read(format, bits, value_bits):
     """Key groups of 24 tokens and value groups of 24 channels (pages of 48, heads of 96): a multiple of 8, which the
-    AVX2 reader takes, but not a power of two, so an outlier's scale and minimum are found by a division, not a
-    shift (c/page_avx2.c's avx2_deltas), with a repeated index on top."""
+    AVX2 reader takes, but not a power of two, so an outlier's token is found by a division, not a shift
+    (c/pages.c's add_corrections), with a repeated index on top."""
     gen = torch.Generator().manual_seed(bits + value_bits + len(format))
     page, dim, group = 48, 96, 24
     fmt = KiviFormat(bits, group, dim, parse_format(format), outlier_fraction=0.01, value_bits=value_bits)

@@ -157,8 +157,9 @@ def test_outliers_change_the_read_and_are_written_where_their_index_says(page, d
 @pytest.mark.parametrize("group", [4, 8])  # the row-by-row readers, the fast ones
 def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read(group):
     """Outliers come in the order the picking returns them (not sorted), and value outliers may sit on padding
-    rows (every value entry can be picked): here they are shuffled and some moved onto invalid rows. Every page
-    also keeps one at flat index 0 (its first row's first channel), the edge of the kernel's range check."""
+    rows (every value entry can be picked): here they are shuffled and some moved onto invalid rows, one key and
+    one value correction there infinite, which the native read must leave unread. Every page also keeps one at flat
+    index 0 (its first row's first channel), the edge of the kernel's range check."""
     gen = torch.Generator().manual_seed(21 + group)
     page, dim = 8, 32
     fmt = KiviFormat(3, group, dim, parse_format("outliers"), outlier_fraction=0.05)
@@ -171,10 +172,25 @@ def test_outliers_in_any_order_and_on_invalid_rows_are_read_as_the_torch_read(gr
         order = torch.randperm(index.shape[-1], generator=gen)
         data[f"{which}_outlier_index"], data[f"{which}_outlier_value"] = index[..., order], value[..., order]
     invalid_row = (~valid).float().argmax(-1)  # [B, H, N] a padding row of each page (0 when none)
+    padded = (~valid).any(-1)
     data["value_outlier_index"][..., 0] = (invalid_row * dim + 5).to(torch.int16)
-    pages = _segment(fmt, data, valid, gen, "all")
+    # a page handed over may hold anything on a padding row: the native read leaves an infinite correction there
+    # unread (the torch read takes it up, 0 * inf: it is held to the same pages with a correction of 0 there)
+    unread = {name: t.clone() for name, t in data.items()}
+    for which, slot in (("value", 1), ("key", 1)):
+        for pages_data, correction in ((data, float("inf")), (unread, 0.0)):
+            index, value = pages_data[f"{which}_outlier_index"], pages_data[f"{which}_outlier_value"]
+            index[..., slot] = torch.where(padded, (invalid_row * dim + 7).to(torch.int16), index[..., slot])
+            value[..., slot] = torch.where(padded, torch.tensor(correction, dtype=torch.float16), value[..., slot])
+    assert padded.any()
+    pages = _segment(fmt, data, valid, torch.Generator().manual_seed(3), "all")
+    same = _segment(fmt, unread, valid, torch.Generator().manual_seed(3), "all")
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)
-    _compare(query, [pages], dim ** -0.5)
+    out, mass = page_entry.page_read(query, [pages], dim ** -0.5)
+    want, want_mass = _compare(query, [same], dim ** -0.5), page_entry.page_read(query, [same], dim ** -0.5)[1]
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    for got, expected in zip(mass, want_mass):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("format", ["outliers", "hadamard+outliers+clip", "hadamard+outliers+channel_bits"])
@@ -199,8 +215,8 @@ def test_on_an_avx2_cpu_pages_with_outliers_take_the_avx2_reader(format):
 @pytest.mark.parametrize("page, dim, group", [(8, 32, 4), (8, 24, 4), (8, 32, 8), (8, 24, 8), (64, 64, 64)])
 def test_an_outlier_index_outside_its_page_is_left_out(page, dim, group):
     """Stored indices are always inside their page, but the kernel reads them from memory it is handed: an index
-    of -1 or of P * D (one past the page) is left out, as if that entry were a copy of another outlier of the page
-    (writing the same value twice), never written into a neighbouring row's or buffer's place."""
+    of -1 or of P * D (one past the page) is left out, as if that entry were a correction of 0 to another entry of
+    the page (adding nothing), never added into a neighbouring row's or buffer's place."""
     gen = torch.Generator().manual_seed(page + dim + group)
     fmt = KiviFormat(3, group, dim, parse_format("outliers"), outlier_fraction=0.05)
     data, valid, _ = _encoded(gen, fmt, page, dim)
@@ -210,7 +226,7 @@ def test_an_outlier_index_outside_its_page_is_left_out(page, dim, group):
             index, value = data[f"{which}_outlier_index"], data[f"{which}_outlier_value"]
             index[..., slot], value[..., slot] = bad, 1000.0
             reference[f"{which}_outlier_index"][..., slot] = reference[f"{which}_outlier_index"][..., 0]
-            reference[f"{which}_outlier_value"][..., slot] = reference[f"{which}_outlier_value"][..., 0]
+            reference[f"{which}_outlier_value"][..., slot] = 0.0
     pages = _segment(fmt, data, valid, torch.Generator().manual_seed(1), "all")
     same = _segment(fmt, reference, valid, torch.Generator().manual_seed(1), "all")
     query = torch.randn(BATCH, KV_HEADS * 3, 1, dim, generator=gen)

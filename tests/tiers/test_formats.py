@@ -153,12 +153,13 @@ def test_encode_decode_stays_within_the_worked_out_bound(name, bits, value_bits)
         turned = fmt.rotation is not None or (which == "key" and fmt.rope is not None)
         if not turned:  # entry by entry
             error = (decoded - original).abs()
-            if "outliers" in fmt.techniques:  # kept apart: exact up to float16
+            if "outliers" in fmt.techniques:  # kept apart: exact up to the float16 rounding of their corrections
                 flat = original.reshape(*original.shape[:3], -1)
                 index = data[f"{which}_outlier_index"].long()
                 kept = flat.gather(-1, index)
                 got = decoded.reshape(*decoded.shape[:3], -1).gather(-1, index)
-                assert ((got - kept).abs() <= FP16_EPS * kept.abs()).all()
+                correction = data[f"{which}_outlier_value"].float()
+                assert ((got - kept).abs() <= FP16_EPS * correction.abs() + 2.0 ** -22 * kept.abs() + 1e-7).all()
             assert (error <= bound).all(), float((error - bound).max())
         else:  # the rotations are orthogonal: a token's L2 error is that of its rotated vector
             error = (decoded - original).norm(dim=-1)
@@ -206,7 +207,8 @@ def test_codebook_decodes_through_its_lookup_table_as_through_the_levels():
 
 def test_outlier_indices_round_trip_to_the_planted_entries():
     """Planted extreme entries (one positive, one negative per page and tensor) are the ones kept, at their
-    flat index (token * D + channel), and come back exactly."""
+    flat index (token * D + channel), and come back exactly up to the float16 rounding of their corrections
+    (entry less decode, at most 2^-11 of about 40 here: the rest of each group is within 1 of 0)."""
     keys, values, valid, positions = _pages(3, spikes=False)
     keys[..., 9, 4] = 40.0
     keys[..., 2, 30] = -40.0
@@ -219,8 +221,11 @@ def test_outlier_indices_round_trip_to_the_planted_entries():
         for page in data[f"{which}_outlier_index"].reshape(-1, 2).tolist():
             assert set(page) == planted
     decoded_keys, decoded_values = fmt.decode(data, positions)
-    assert (decoded_keys[..., 9, 4] == 40.0).all() and (decoded_keys[..., 2, 30] == -40.0).all()
-    assert (decoded_values[..., 0, 17] == -50.0).all() and (decoded_values[..., 15, 1] == 50.0).all()
+    near = FP16_EPS * 52  # |correction| <= |entry| + 2
+    assert ((decoded_keys[..., 9, 4] - 40.0).abs() <= near).all()
+    assert ((decoded_keys[..., 2, 30] + 40.0).abs() <= near).all()
+    assert ((decoded_values[..., 0, 17] + 50.0).abs() <= near).all()
+    assert ((decoded_values[..., 15, 1] - 50.0).abs() <= near).all()
     # without them the groups' ranges shrink: the rest decodes closer than plain KIVI's
     plain = build_format(2, 8, 32, torch.float32, "kivi")
     plain_keys, _ = plain.decode(plain.encode(keys, values, valid, positions), positions)

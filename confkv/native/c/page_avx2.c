@@ -2,9 +2,9 @@
  * algebra on 8-lane vectors, so that no key or value row is written out dequantized. Part of kernels.c, after
  * page_simd.c; page_tasks.c calls it where avx2_pages_fit. It takes the preset's pages (heads of a multiple of 32
  * channels up to 256, key groups and pages of a multiple of 8 tokens, value groups of a multiple of 8 channels, at
- * most 64 query rows x value groups), at 2, 3, 4 or 8 bits, with or without outliers: a page's outliers are added
- * after its packed read as corrections, q_d * (value - entry) to a token's score and p_t * (value - entry) to the
- * output's channel d, the entry being what the codes give where the torch read writes the outlier over it.
+ * most 64 query rows x value groups), at 2, 3, 4 or 8 bits, with or without outliers: a page's outliers are stored
+ * as corrections c (the entry less what its codes give), added after its packed read (pages.c: add_corrections),
+ * q_d * c to a token's score and p_t * c to the output's channel d.
  *
  * Codes. lowbit.pack puts code d of a row at bit bits * (d % 8) of the `bits`-byte word d / 8 (a byte per 8 / bits
  * codes, 3 bytes per 8 codes at 3 bits), so 8 codes are `bits` bytes: they are read as one integer (those bytes; at
@@ -32,44 +32,6 @@
 /* 1 when every page of segment m (R query rows, head dim D) is read here */
 static inline int avx2_pages_fit(const int64_t *m, int64_t R, int64_t D) {
     return D % 32 == 0 && D <= 256 && m[3] % 8 == 0 && m[5] % 8 == 0 && m[6] % 8 == 0 && R * (D / m[6]) <= 64;
-}
-
-/* code d of a row packed at `bits` (a constant where inlined): lowbit.pack puts it at bit bits * d of the row (bit
- * bits * (d % 8) of the little-endian `bits`-byte word d / 8). Only at 3 bits may a code span two bytes, both
- * inside its word; the second byte is the first again where it does not, so no read leaves the word */
-static inline __attribute__((always_inline)) uint32_t avx2_code(const uint8_t *row, int bits, int64_t d) {
-    if (bits == 8) return row[d];
-    const int64_t at = bits * d, byte = at >> 3;
-    const int shift = (int)(at & 7);
-    if (bits != 3) return (uint32_t)(row[byte] >> shift) & ((1u << bits) - 1u);
-    return (((uint32_t)row[byte] | (uint32_t)row[byte + (shift > 5)] << 8) >> shift) & 7u;
-}
-
-/* The kept outliers' values o->value turned in place into value - entry (what their corrections multiply), the entry
- * being minimum + code * scale as the torch decode computes it, from the page's `bits`-bit codes (a constant where
- * inlined; rows of C bytes) and the float16 scale and minimum at index (t / G) * D + d of keys (a group of G tokens
- * a channel) or t * (D / G) + d / G of values (a group of G channels a token); shift: log2 G, or -1 */
-static inline __attribute__((always_inline)) void avx2_deltas(kept_outliers *o, const uint8_t *codes, int64_t C,
-                                                              int bits, const uint16_t *scale,
-                                                              const uint16_t *minimum, int values, int64_t D,
-                                                              int64_t G, int shift) {
-    for (int64_t e = 0; e < o->n; e++) {
-        const int64_t t = o->token[e], d = o->channel[e];
-        const int64_t at = values ? t * (D / G) + (shift >= 0 ? d >> shift : d / G)
-                                  : (shift >= 0 ? t >> shift : t / G) * D + d;
-        o->value[e] -= _cvtsh_ss(minimum[at]) + (float)avx2_code(codes + t * C, bits, d) * _cvtsh_ss(scale[at]);
-    }
-}
-
-/* avx2_deltas at the `bits` of a page's codes (2, 3, 4 or 8), each a constant */
-static void avx2_deltas_at(kept_outliers *o, const uint8_t *codes, int64_t C, int bits, const uint16_t *scale,
-                           const uint16_t *minimum, int values, int64_t D, int64_t G, int shift) {
-    switch (bits) {
-    case 2: avx2_deltas(o, codes, C, 2, scale, minimum, values, D, G, shift); break;
-    case 3: avx2_deltas(o, codes, C, 3, scale, minimum, values, D, G, shift); break;
-    case 4: avx2_deltas(o, codes, C, 4, scale, minimum, values, D, G, shift); break;
-    default: avx2_deltas(o, codes, C, 8, scale, minimum, values, D, G, shift); break;
-    }
 }
 
 /* the unpacking constants of `bits`-bit codes */
@@ -197,11 +159,9 @@ static inline __attribute__((always_inline)) void avx2_score_tokens8(const uint8
 /* scores of the selected pages k0 .. k1 of one paged segment (meta m, pointers p) for the R query rows qf [R, D]
  * (pre-scaled), as planar_scores; buf holds R * D + R + D floats */
 static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
-                        const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf,
-                        int32_t *scratch) {
+                        const float *qf, int64_t R, int64_t D, int64_t total, float *scores, float *buf) {
     const int64_t P = m[3], G = m[5], C = m[7], V = D / 8;
     const avx2_layout l = avx2_layout_of((int)m[4]);
-    const int group_shift = row_shift(G); /* a division by a power of two as a shift */
     float *folded = buf, *bias = buf + R * D, *centre = bias + R; /* q * s [R, D], q . centre [R], m + mid * s [D] */
     for (int64_t k = k0; k < k1; k++) {
         const int64_t page = page_of(p, m, b, j, k);
@@ -239,15 +199,9 @@ static void avx2_scores(const void *const *p, const int64_t *m, int64_t b, int64
                     avx2_score_tokens8(codes, C, &l, V, folded, bias, R, v.valid + t0, to, total);
             }
         }
-        if (m[35]) { /* outliers: q_d * (value - the entry the codes give) added */
-            kept_outliers o = keep_outliers(v.key_outlier_index, v.key_outlier_value, m[35], P, D, v.valid, scratch);
-            avx2_deltas_at(&o, v.key_codes, C, l.bits, v.key_scale, v.key_min, 0, D, G, group_shift);
-            for (int64_t e = 0; e < o.n; e++) {
-                const int64_t t = o.token[e], d = o.channel[e];
-                for (int64_t r = 0; r < R; r++)
-                    s[r * total + t] = fmaf(qf[r * D + d], o.value[e], s[r * total + t]);
-            }
-        }
+        if (m[35]) /* outliers: q_d * correction added to their tokens' scores */
+            add_corrections(v.key_outlier_index, v.key_outlier_value, m[35], P, D, v.valid, 0, P, R, qf, D, s, total,
+                            1);
     }
 }
 
@@ -319,10 +273,9 @@ static inline __attribute__((always_inline)) void avx2_value_slots8(float *acc, 
  * 8 slots side by side) as vectors, then the valid slots' codes unpacked and added (avx2_value_block). The centres'
  * sums are added to the output once, at the end. */
 static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64_t j, int64_t k0, int64_t k1,
-                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc, int32_t *scratch) {
+                        const float *probs, int64_t R, int64_t D, int64_t total, float *acc) {
     const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, V = D / 8, per_group = Gv / 8, RG = R * groups;
     const avx2_layout l = avx2_layout_of((int)m[33]);
-    const int group_shift = row_shift(Gv); /* a division by a power of two as a shift */
     __m256 low[64]; /* sum_t p_t (m_t + mid * s_t), slot t in lane t % 8 [r * groups + g] (RG <= 64: avx2_pages_fit) */
     for (int64_t rg = 0; rg < RG; rg++) low[rg] = _mm256_setzero_ps();
     float step[64][8];  /* p_t * s_t of the 8 slots [r * groups + g][slot] */
@@ -361,16 +314,9 @@ static void avx2_values(const void *const *p, const int64_t *m, int64_t b, int64
             else
                 avx2_value_slots8(acc, R, V, groups, per_group, step, codes, C, &l, bits_seen, c, token);
         }
-        if (m[35]) { /* outliers: p_t * (value - the entry the codes give) added */
-            kept_outliers o = keep_outliers(v.value_outlier_index, v.value_outlier_value, m[35], P, D, v.valid,
-                                            scratch);
-            avx2_deltas_at(&o, v.value_codes, C, l.bits, v.value_scale, v.value_min, 1, D, Gv, group_shift);
-            for (int64_t e = 0; e < o.n; e++) {
-                const int64_t t = o.token[e], d = o.channel[e];
-                for (int64_t r = 0; r < R; r++)
-                    acc[r * D + d] = fmaf(w[r * total + t], o.value[e], acc[r * D + d]);
-            }
-        }
+        if (m[35]) /* outliers: p_t * correction added to their channels' outputs */
+            add_corrections(v.value_outlier_index, v.value_outlier_value, m[35], P, D, v.valid, 0, P, R, w, total, acc,
+                            D, 0);
     }
     for (int64_t r = 0; r < R; r++)
         for (int64_t g = 0; g < groups; g++) {

@@ -163,7 +163,7 @@ enum { VALUE_BLOCK = 4 }; /* value rows added to the weighted sum per pass over 
 static int64_t planar_scratch(int64_t R, int64_t D) { return (3 + VALUE_BLOCK) * D + 2 * R * D; }
 
 /* a page with outliers, scored: its valid key rows dequantized whole into rows (P * D floats, the task's outlier
- * scratch), its outliers written over them once (patch_outliers: a patch per row would branch on every row), then
+ * scratch), its outliers' corrections added once (patch_outliers: a patch per row would branch on every row), then
  * each valid row scored as planar_scores scores it; slots that hold no token get -inf */
 static void planar_page_scores_patched(const page_view *v, const int64_t *m, const int32_t *channel,
                                        const float *query, int64_t R, int64_t D, int64_t total, float *s, float *buf,
@@ -277,7 +277,8 @@ static inline void add_value_rows(float *weighted, int64_t R, int64_t D, const f
 }
 
 /* a page with outliers, its values added to weighted (plane order): its valid value rows dequantized whole into rows
- * (P * D floats), its outliers written over them once, then added VALUE_BLOCK rows a pass as planar_values adds them */
+ * (P * D floats), its outliers' corrections added once, then added VALUE_BLOCK rows a pass as planar_values adds
+ * them */
 static void planar_page_values_patched(const page_view *v, const int64_t *m, const int32_t *channel, const float *w,
                                        int64_t R, int64_t D, int64_t total, float *weighted, float *buf, float *rows) {
     const int64_t P = m[3], Gv = m[6], C = m[34], groups = D / Gv, O = m[35];

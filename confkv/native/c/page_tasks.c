@@ -93,8 +93,7 @@ static void task_scores(const void *ctx, int64_t task) {
             else
 #elif defined(CONFKV_AVX2_PAGES)
             if (avx2_pages_fit(m, R, D))
-                avx2_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf,
-                            outlier_scratch(a, w.buf));
+                avx2_scores(p, m, b, j, k0, k1, query, R, D, total, scores + offset, w.buf);
             else
 #endif
             if (planar(m))
@@ -161,8 +160,7 @@ static void task_values(const void *ctx, int64_t task) {
                 else
 #elif defined(CONFKV_AVX2_PAGES)
                 if (avx2_pages_fit(m, R, D))
-                    avx2_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out,
-                                outlier_scratch(a, w.buf));
+                    avx2_values(p, m, b, j, k0, k1, scores + offset, R, D, total, out);
                 else
 #endif
                 if (planar(m))
@@ -368,8 +366,8 @@ int confkv_page_read(const float *query, int64_t B, int64_t Hq, int64_t Q, int64
                            ptrs[PR_PTRS * s + 12]))
                 return 2;
             if (m[48] && !ptrs[PR_PTRS * s + 13]) return 2;
-            /* a page's rows (P x D), sort (P + O) or kept entries (keep_outliers) */
-            const int64_t outlier_need = m[35] ? m[3] * D + m[3] + m[35] + kept_outlier_ints(m[3], D, m[35]) : 0;
+            /* a page's rows (P x D), then the sort (P + O) */
+            const int64_t outlier_need = m[35] ? m[3] * D + m[3] + m[35] : 0;
             if (outlier_need > a.outlier_ints) a.outlier_ints = outlier_need;
             if (m[48] && widths_scratch(m, D, a.R) > a.outlier_ints) a.outlier_ints = widths_scratch(m, D, a.R);
         }

@@ -16,9 +16,9 @@
  * integer and spread over the 8 lanes (tokens 0-3 from its first 4 bytes, tokens 4-7 from the 4 bytes at width / 2,
  * each lane shifted and masked: block_scores), dequantized with one multiply-add and multiplied into each query
  * row's 8 running sums, one a token, over the page's channels of non-zero width; the sums are the 8 tokens' scores,
- * so none is added across lanes. Outliers are added after, as corrections q_d * (value - dequantized entry) (the
- * entry the torch read writes them over). Otherwise each token's row is unpacked code by code, dequantized, its
- * outliers written over it, and scored as the row-by-row reader scores it (pages.c: page_scores). Only the order of
+ * so none is added across lanes. Outliers are added after, q_d * their corrections (pages.c: add_corrections).
+ * Otherwise each token's row is unpacked code by code, dequantized, its outliers' corrections added to it, and
+ * scored as the row-by-row reader scores it (pages.c: page_scores). Only the order of
  * float32 sums differs from the torch read. */
 
 /* code (t, d) of a page of `size` bytes whose channel d starts at bit `first` (P * the widths before it), at width
@@ -153,13 +153,12 @@ static void block_scores_rows(const uint8_t *page, const block_channels *c, int6
 }
 
 /* the block read of one page whose widths fit its bytes (width, first, channel: widths_layout's; n channels of
- * non-zero width) for the R query rows qf [R, D]: s[r * total + slot], hidden slots -inf; its kept outliers
- * (keep_outliers: valid tokens only, an index once) added to their tokens' scores as corrections, a key group
- * at a time. scale, minimum: D floats each, base: R; ints: the rest of widths_scratch's units */
+ * non-zero width) for the R query rows qf [R, D]: s[r * total + slot], hidden slots -inf; its outliers'
+ * corrections added to their tokens' scores (pages.c: add_corrections), a key group at a time. scale, minimum:
+ * D floats each, base: R; ints: the rest of widths_scratch's units */
 static void widths_block_page(const page_view *v, const int64_t *m, const int32_t *width, const int32_t *first,
                               const int32_t *channel, int64_t n, const float *qf, int64_t R, int64_t D, int64_t total,
-                              const kept_outliers *outliers, float *s, float *scale, float *minimum, float *base,
-                              int32_t *ints) {
+                              float *s, float *scale, float *minimum, float *base, int32_t *ints) {
     const int64_t P = m[3], G = m[5], size = P * m[7];
     int32_t *start = ints, *wide = ints + D;
     float *cscale = (float *)(ints + 2 * D), *cmin = cscale + D, *cquery = cmin + D;
@@ -219,13 +218,9 @@ static void widths_block_page(const page_view *v, const int64_t *m, const int32_
                 }
             }
         }
-        for (int64_t e = 0; e < outliers->n; e++) { /* the group's kept outliers, as corrections */
-            const int64_t t = outliers->token[e], d = outliers->channel[e];
-            if (t < g0 || t >= g0 + G) continue;
-            const float entry = widths_entry(v->key_codes, size, width, first, scale, minimum, t, d);
-            const float delta = outliers->value[e] - entry;
-            for (int64_t r = 0; r < R; r++) s[r * total + t] = fmaf(qf[r * D + d], delta, s[r * total + t]);
-        }
+        if (m[35]) /* the group's outliers: q_d * correction added to their tokens' scores */
+            add_corrections(v->key_outlier_index, v->key_outlier_value, m[35], P, D, v->valid, g0, g0 + G, R, qf, D,
+                            s, total, 1);
     }
 }
 #else
@@ -238,12 +233,10 @@ static inline const uint8_t *page_widths(const void *const *p, const int64_t *m,
 }
 
 /* the 4-byte units of outlier scratch a channel-widths segment's read takes (meta m, heads of D channels, R query
- * rows): its outliers' sort (P + O) or kept entries (keep_outliers), then the block read's (widths_block_page:
- * (4 + R) * D and the page's bytes + 8) */
+ * rows): its outliers' sort (P + O), then the block read's (widths_block_page: (4 + R) * D and the page's
+ * bytes + 8) */
 static int64_t widths_scratch(const int64_t *m, int64_t D, int64_t R) {
-    const int64_t outliers = m[3] + m[35] > kept_outlier_ints(m[3], D, m[35]) ? m[3] + m[35]
-                                                                               : kept_outlier_ints(m[3], D, m[35]);
-    return outliers + (4 + R) * D + (m[3] * m[7] + 8 + 3) / 4;
+    return m[3] + m[35] + (4 + R) * D + (m[3] * m[7] + 8 + 3) / 4;
 }
 
 /* scores of the selected pages [k0, k1) of a channel-widths page segment (meta m, pointers p: see pages.c) for the
@@ -267,11 +260,8 @@ static void widths_scores(const page_args *a, const void *const *p, const int64_
         const int64_t n = widths_layout(page_widths(p, m, b, j, page), D, P, size, width, first, channel, &fits);
 #if defined(CONFKV_WIDTH_BLOCKS)
         if (fits && P % 8 == 0 && G % 8 == 0) {
-            const kept_outliers kept = O ? keep_outliers(v.key_outlier_index, v.key_outlier_value, O, P, D, v.valid,
-                                                         scratch)
-                                         : (kept_outliers){NULL, NULL, NULL, 0};
-            widths_block_page(&v, m, width, first, channel, n, qf, R, D, total, &kept, s, scale, minimum, base,
-                              scratch + kept_outlier_ints(P, D, O));
+            widths_block_page(&v, m, width, first, channel, n, qf, R, D, total, s, scale, minimum, base,
+                              scratch + P + O);
             continue;
         }
 #endif

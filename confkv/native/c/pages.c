@@ -8,8 +8,9 @@
  * whole segment. Keys: per channel, one float16 (scale, minimum) per G tokens; values: per token, one per Gv
  * channels; x = minimum + code * scale, as lowbit.dequantize_* (addcmul) computes it. Values may be coded at a
  * width of their own (meta[33]), and a page may keep outliers apart (confkv/tiers/outliers.py: O entries per page
- * and tensor, float16 values at int16 flat indices t * D + d): they are written over the dequantized rows (a
- * whole page at once, or row by row) before use, as outliers.restore writes them over the dequantized page. */
+ * and tensor, float16 corrections at int16 flat indices t * D + d: the entry less what its codes decode to): they
+ * are added to the dequantized rows (a whole page at once, or row by row) before use, as outliers.restore adds them
+ * to the dequantized page, or to the scores and outputs after a packed read (add_corrections). */
 
 /* a segment's entries: PR_META int64 and PR_PTRS pointers, of which the last PR_UPDATE_META and the last pointer say
  * what the read updates in place from the segment's masses (update_in_place, page_tasks.c) */
@@ -190,7 +191,7 @@ static inline int row_shift(int64_t D) {
     return shift;
 }
 
-/* One page's O outliers of a tensor written over its P dequantized rows (rows [P, D]; channel d of row t at
+/* One page's O outlier corrections of a tensor added to its P dequantized rows (rows [P, D]; channel d of row t at
  * rows[t * D + position[d]], position NULL: d), for the readers that dequantize a whole page first
  * (page_codes.c); entries outside the page are left out. */
 static void patch_outliers(const int16_t *index, const uint16_t *value, int64_t O, int64_t P, int64_t D,
@@ -201,7 +202,7 @@ static void patch_outliers(const int16_t *index, const uint16_t *value, int64_t 
         const int32_t i = index[e];
         if (i < 0 || i >= entries) continue;
         const int64_t t = shift >= 0 ? i >> shift : i / (int32_t)D, d = i - t * D;
-        rows[t * D + (position ? position[d] : d)] = f16_to_f32(value[e]);
+        rows[t * D + (position ? position[d] : d)] += f16_to_f32(value[e]);
     }
 }
 
@@ -239,52 +240,61 @@ static page_outliers sort_outliers(const int16_t *index, const uint16_t *value, 
     return o;
 }
 
-/* row t's outliers written over its dequantized entries: channel d at row[position[d]] (position NULL: d) */
+/* row t's outlier corrections added to its dequantized entries: channel d at row[position[d]] (position NULL: d) */
 static inline void restore_outliers(const page_outliers *o, int64_t t, const int32_t *position, float *row) {
     for (int32_t i = t ? o->end[t - 1] : 0; i < o->end[t]; i++) {
         const int32_t e = o->order[i];
         const int64_t d = o->index[e] - t * o->D;
-        row[position ? position[d] : d] = f16_to_f32(o->value[e]);
+        row[position ? position[d] : d] += f16_to_f32(o->value[e]);
     }
 }
 
-/* A page's outliers of one tensor as the reads that add them as corrections after a packed read take them (the
- * AVX2 reader, the block read of per-channel widths): the entries that stand, last entry first (the torch read
- * writes them in order, so where an index repeats the last stands), each as its row, channel and value. Left out:
- * an index outside the page, one a later entry holds, a row that is not valid. scratch: kept_outlier_ints 4-byte
- * words (a bit per page entry, the values as floats, then the lists); a reader may turn the values in place into
- * what its corrections multiply. */
-typedef struct {
-    const int32_t *token, *channel;
-    float *value;
-    int64_t n;
-} kept_outliers;
-
-static inline int64_t kept_outlier_ints(int64_t P, int64_t D, int64_t O) { return (P * D + 31) / 32 + 4 * O; }
-
-static kept_outliers keep_outliers(const int16_t *index, const uint16_t *value, int64_t O, int64_t P, int64_t D,
-                                   const uint8_t *valid, int32_t *scratch) {
-    const int64_t words = (P * D + 31) / 32;
-    uint32_t *marks = (uint32_t *)scratch;
-    float *values = (float *)(scratch + words), *kept = values + O;
-    int32_t *token = (int32_t *)(kept + O), *channel = token + O;
-    memset(marks, 0, sizeof(uint32_t) * (size_t)words);
-    load_f16_row(value, O, values);
+/* A page's outlier corrections of one tensor added after a read that never writes the page out dequantized (the
+ * AVX2 reader, the block read of per-channel key widths): for each entry of a valid token t in [t0, t1) (indices
+ * outside the page left out; an index that repeats adds each of its corrections, as the torch read does) and each
+ * query row r < R, with c the entry's correction and d its channel,
+ *   to_scores 1 (keys):   out[r * out_stride + t] += in[r * in_stride + d] * c   (q_d c to the token's score)
+ *   to_scores 0 (values): out[r * out_stride + d] += in[r * in_stride + t] * c   (p_t c to the channel's output).
+ * Always inlined, so that to_scores and R (add_corrections) are constants */
+static inline __attribute__((always_inline)) void add_corrections_rows(const int16_t *index, const uint16_t *value,
+                                                                       int64_t O, int64_t P, int64_t D,
+                                                                       const uint8_t *valid, int64_t t0, int64_t t1,
+                                                                       int64_t R, const float *in, int64_t in_stride,
+                                                                       float *out, int64_t out_stride, int to_scores) {
     const uint32_t entries = (uint32_t)(P * D);
     const int shift = row_shift(D);
-    int64_t n = 0;
-    for (int64_t e = O - 1; e >= 0; e--) {
+    for (int64_t e = 0; e < O; e++) {
         const uint32_t i = (uint32_t)(int32_t)index[e]; /* a negative index wraps past every page */
         if (i >= entries) continue;
-        const uint32_t bit = 1u << (i & 31u), held = marks[i >> 5];
-        marks[i >> 5] = held | bit;
-        const int32_t t = shift >= 0 ? (int32_t)(i >> shift) : (int32_t)(i / (uint32_t)D);
-        token[n] = t; /* written at n either way, kept only when it stands */
-        channel[n] = (int32_t)i - t * (int32_t)D;
-        kept[n] = values[e];
-        n += !(held & bit) && valid[t];
+        const int64_t t = shift >= 0 ? (int64_t)(i >> shift) : (int64_t)(i / (uint32_t)D), d = (int64_t)i - t * D;
+        if (t < t0 || t >= t1 || !valid[t]) continue;
+#if defined(__F16C__)
+        const float c = _cvtsh_ss(value[e]); /* exactly as f16_to_f32 */
+#else
+        const float c = f16_to_f32(value[e]);
+#endif
+        const int64_t at = to_scores ? t : d, from = to_scores ? d : t;
+        for (int64_t r = 0; r < R; r++)
+            out[r * out_stride + at] = fmaf(in[r * in_stride + from], c, out[r * out_stride + at]);
     }
-    return (kept_outliers){token, channel, kept, n};
+}
+
+/* add_corrections_rows with R a constant for 1-4 query rows a KV head */
+static inline __attribute__((always_inline)) void add_corrections(const int16_t *index, const uint16_t *value,
+                                                                  int64_t O, int64_t P, int64_t D,
+                                                                  const uint8_t *valid, int64_t t0, int64_t t1,
+                                                                  int64_t R, const float *in, int64_t in_stride,
+                                                                  float *out, int64_t out_stride, int to_scores) {
+#define CONFKV_CORRECTIONS(rows) \
+    add_corrections_rows(index, value, O, P, D, valid, t0, t1, rows, in, in_stride, out, out_stride, to_scores)
+    switch (R) {
+    case 1: CONFKV_CORRECTIONS(1); break;
+    case 2: CONFKV_CORRECTIONS(2); break;
+    case 3: CONFKV_CORRECTIONS(3); break;
+    case 4: CONFKV_CORRECTIONS(4); break;
+    default: CONFKV_CORRECTIONS(R); break;
+    }
+#undef CONFKV_CORRECTIONS
 }
 
 static int64_t planar_scratch(int64_t R, int64_t D); /* page_codes.c */

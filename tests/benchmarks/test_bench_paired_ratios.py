@@ -1,7 +1,7 @@
 """benchmarks/bench_paired_ratios.py: a row's steps over the baseline's, round by round.
 
 Seen failing with bugs put in by hand (then removed): each round divided by the baseline's first round; the
-rounds cut one step off (``steps - 1``)."""
+rounds cut one step off (``steps - 1``); the pooled median a mean."""
 
 import importlib.util
 from pathlib import Path
@@ -28,3 +28,9 @@ def test_rows_of_other_lengths_or_partial_rounds_are_refused():
         paired.paired_ratios([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], steps=2)
     with pytest.raises(ValueError, match="hold 4 and 2 steps"):
         paired.paired_ratios([1.0] * 4, [1.0] * 2, steps=2)
+
+
+def test_the_pooled_median_is_over_every_round_of_every_run():
+    # two runs of one row, 3 rounds at 1.0 then 1 round at 2.0: their median 1.0 (their mean 1.25)
+    rounds = {("8192", "row"): [1.0, 1.0, 1.0] + [2.0], ("8192", "other"): [1.2, 1.4]}
+    assert paired.pooled_median(rounds) == {("8192", "row"): (1.0, 4), ("8192", "other"): (pytest.approx(1.3), 2)}

@@ -9,8 +9,9 @@ dequantized page (an index that repeats adds each of its corrections). A read th
 a page out dequantized (the native packed reads) adds ``q_d * correction`` to a token's score
 and ``p_t * correction`` to an output channel, with nothing else to look up. A page of ``P``
 tokens and ``D`` channels keeps ``round(fraction * P * D)`` of them per tensor: 4 bytes each,
-all counted. The correction is at least as precise as the entry itself in float16 wherever the
-entry lies outside its group's range (``|correction| <= |entry|``).
+all counted. A decoded outlier is the entry to within float16's rounding of its correction
+(``2**-11 |correction|``): no coarser than the entry stored in float16 when the entry lies beyond
+its group's range on the side away from 0 (then ``|correction| <= |entry|``).
 
 "Stand out" is the distance from the group's mean in units of the group's spread (its
 standard deviation over the valid entries): a wide but even group gains nothing from losing

@@ -6,8 +6,9 @@ may then differ from the torch read.
 Seen failing (stop 71, when a stored entry was the value itself and the last entry stood): on the block read of
 per-channel key widths as it then was (it added every entry of a repeated index), and with a bug put in by hand.
 Since stop 72 (entries are corrections, added): with bugs put in by hand (then removed): pages.c's add_corrections
-skipping an entry whose index repeats the one before it, and restore_outliers / patch_outliers writing a correction
-over the entry instead of adding it. The groups-not-of-a-power-of-two test gives the readers heads of
+skipping an entry whose index repeats the one before it, and restore_outliers writing a correction over the entry
+instead of adding it (patch_outliers, used by the plane-order readers, which this CPU's reads of these shapes do not
+take, is held by test_native_page_formats.py and test_native_channel_bits.py). The groups-not-of-a-power-of-two test gives the readers heads of
 96 channels, where an entry's token is found by a division, not a shift.
 """
 

@@ -306,7 +306,8 @@ class KiviFormat(PageFormat):
             out[f"{which}_scale"], out[f"{which}_min"] = scale.squeeze(axis), minimum.squeeze(axis)
             if which in outlying:  # each outlier's correction: the entry less what its codes decode to
                 levels = codes if self.levels[which] is None else self.levels[which].to(codes.device)[codes.long()]
-                out[f"{which}_outlier_value"] = _outliers.corrections(grouped, levels, scale, minimum, outlying[which])
+                decoded = _channel_bits.dequantize_groups(levels, scale, minimum)  # min + code * scale, float32
+                out[f"{which}_outlier_value"] = _outliers.corrections(grouped, decoded, outlying[which])
         return out
 
     def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:

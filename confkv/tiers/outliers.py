@@ -65,13 +65,11 @@ def pick(grouped: Tensor, valid: Tensor, dim: int, count: int) -> tuple[Tensor, 
     return index, picked
 
 
-def corrections(grouped: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, index: Tensor) -> Tensor:
-    """What the decode lacks at flat ``index`` [B, H, N, count] of each page: the entry less
-    ``minimum + codes * scale`` there (float32, as every read decodes it), float16. ``grouped``: the
-    page's entries (float32), ``codes`` their levels (code values, or a codebook's), both in ``grouped``'s
-    layout; ``scale``, ``minimum``: float16, broadcastable to it."""
+def corrections(grouped: Tensor, decoded: Tensor, index: Tensor) -> Tensor:
+    """What the decode lacks at flat ``index`` [B, H, N, count] of each page: the entry less what its codes decode
+    to there (``decoded``: the page as every read decodes it, float32), float16; ``grouped`` and ``decoded`` in the
+    same layout."""
     lead = grouped.shape[:3]
-    decoded = torch.addcmul(minimum.float(), codes.float(), scale.float())
     entries, given = (t.reshape(*lead, -1).gather(-1, index) for t in (grouped, decoded))
     return (entries - given).to(VALUE_DTYPE)
 

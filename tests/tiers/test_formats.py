@@ -39,7 +39,7 @@ from confkv.tiers.prerope import Rope
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FORMATS = ["kivi", "hadamard", "outliers", "codebook", "prerope", "hadamard+outliers+codebook+prerope", "clip",
-           "hadamard+clip"]
+           "hadamard+clip", "outliers+codebook"]  # the last: outliers' corrections against a codebook, entry by entry
 #: a rotary embedding of head_dim 32 (theta 10,000, as Llama's)
 ROPE = Rope(1.0 / (10000.0 ** (torch.arange(0, 32, 2).float() / 32)))
 FP16_EPS = 2.0 ** -11  # float16 relative rounding (round to nearest)

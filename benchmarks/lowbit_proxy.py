@@ -12,6 +12,10 @@ key otherwise. Each layer's format is calibrated on its first page alone, as in 
 Numbers from here are a ranking for tuning; the tables in results/lowbit/ are streaming runs.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/lowbit_proxy.py --bits 3 --format kivi hadamard hadamard+codebook
+
+Each cell prints one JSON line (model, text, widths, format, settings, proxy perplexity). With ``--out FILE`` the
+lines are appended there as well and a cell already in the file is not run again, so a stopped grid goes on where
+it stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -79,6 +84,26 @@ def proxy_ppl(model, ids, **config) -> float:
     return math.exp(float(nll.mean()))
 
 
+CELL_FIELDS = ("model", "compute", "corpus", "tokens", "bits", "value_bits", "format", "outlier_fraction", "sinks",
+               "group_size", "page_size", "budget")
+
+
+def cell_key(record: dict) -> tuple:
+    """What names a cell of the grid: records written before ``model``, ``tokens`` and ``page_size`` were
+    recorded are SmolLM2's in bfloat16, 2,048 tokens, pages of 64; keys and values at one width unless
+    ``value_bits``."""
+    defaults = {"model": "smollm2", "compute": "bfloat16", "tokens": 2048, "page_size": 64,
+                "value_bits": record.get("bits")}
+    return tuple(record.get(name, defaults.get(name)) for name in CELL_FIELDS)
+
+
+def done_cells(path: Path | None) -> set[tuple]:
+    """The cells already in ``path`` (none when it is missing)."""
+    if path is None or not path.exists():
+        return set()
+    return {cell_key(json.loads(line)) for line in path.read_text().splitlines() if line.strip()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
@@ -93,7 +118,13 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--sinks", type=int, nargs="+", default=[0], help="first tokens kept exact (the policy's sinks)")
+    parser.add_argument("--compute", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="float32: the bf16 model's weights (rounded to bf16 as loaded) computed in float32, for "
+                             "CPUs whose bf16 GEMM is slow (about 8x on AVX2); the keys and values are then float32")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="append each cell's line to this .jsonl and skip the cells already there (resumable)")
     args = parser.parse_args()
+    done = done_cells(args.out)
     torch.set_num_threads(1)
     from confkv.data import corpus_tokens
     from confkv.models import load_model
@@ -101,21 +132,35 @@ def main() -> int:
     from confkv.tiers.prerope import Rope
 
     model, tokenizer = load_model(args.model, dtype=torch.bfloat16)
+    if args.compute == "float32":
+        model = model.float()
     _STATE["rope"] = Rope.from_model(model)
     ids = corpus_tokens(tokenizer, args.corpus, args.tokens)
+    config = model.config
+    shape = {"kv_heads": config.num_key_value_heads,
+             "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
     for bits in args.bits:
         for fmt in args.format:
             for fraction in args.outlier_fraction if "outliers" in fmt else [0.0]:
                 for sinks in args.sinks:
+                    widths = {"bits": bits} if args.value_bits in (None, bits) else {
+                        "bits": bits, "value_bits": args.value_bits}
+                    record = {"model": args.model, "compute": args.compute, "tokens": args.tokens, **widths,
+                              "format": fmt, "outlier_fraction": fraction, "sinks": sinks,
+                              "group_size": args.group_size, "page_size": args.page_size, "budget": args.budget,
+                              "corpus": args.corpus}
+                    if cell_key(record) in done:
+                        continue
                     start = time.time()
                     ppl = proxy_ppl(model, ids, bits=bits, format=fmt, group_size=args.group_size, sinks=sinks,
                                     page_size=args.page_size, budget=args.budget, outlier_fraction=fraction,
                                     value_bits=args.value_bits)
-                    widths = {"bits": bits} if args.value_bits in (None, bits) else {
-                        "bits": bits, "value_bits": args.value_bits}
-                    print(json.dumps({**widths, "format": fmt, "outlier_fraction": fraction, "sinks": sinks,
-                                      "group_size": args.group_size, "budget": args.budget, "corpus": args.corpus,
-                                      "proxy_ppl": round(ppl, 4), "seconds": round(time.time() - start, 1)}), flush=True)
+                    record.update(shape, proxy_ppl=round(ppl, 4), seconds=round(time.time() - start, 1))
+                    line = json.dumps(record)
+                    print(line, flush=True)
+                    if args.out is not None:
+                        with args.out.open("a") as sink:
+                            sink.write(line + "\n")
     return 0
 
 

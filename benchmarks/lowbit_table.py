@@ -7,9 +7,10 @@
   the corpus's ``full`` run;
 * tuning replays (``proxy_*.jsonl``, benchmarks/lowbit_proxy.py): the same layout, proxy perplexity.
 
-Bytes per cold token are the format's own count (``PageFormat.page_nbytes`` / page size, SmolLM2's
-3 KV heads x 64 channels, one layer), every side byte included, digest excluded (the KIVI policy's
-pages carry none); bf16 is 768 bytes.
+Bytes per cold token are the format's own count (``PageFormat.page_nbytes`` / page size, one layer, the
+model's KV heads x channels: SmolLM2's 3 x 64 unless a replay's record names others), every side byte
+included, digest excluded (the KIVI policy's pages carry none); bf16 is 768 bytes for SmolLM2, 1,024 for
+Qwen2.5-1.5B (2 x 128). Replays of another model than SmolLM2 get tables of their own, headed by its name.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from confkv.tiers.formats import TECHNIQUES, build_format, canonical_name, parse
 BF16_BYTES = 2 * 3 * 64 * 2
 
 
-def cold_bytes(fmt: str, bits: int, group: int, page: int, fraction: float, value_bits: int | None = None) -> float:
-    return build_format(bits, group, 64, torch.bfloat16, fmt, fraction,
-                        value_bits=value_bits).page_nbytes(3, 64, page) / page
+def cold_bytes(fmt: str, bits: int, group: int, page: int, fraction: float, value_bits: int | None = None,
+               kv_heads: int = 3, head_dim: int = 64) -> float:
+    return build_format(bits, group, head_dim, torch.bfloat16, fmt, fraction,
+                        value_bits=value_bits).page_nbytes(kv_heads, head_dim, page) / page
 
 
 def _label(fmt: str, sinks: int, fraction: float, widths: str = "") -> str:
@@ -107,26 +109,31 @@ def streaming(folder: Path) -> list[str]:
 
 def proxy(folder: Path) -> list[str]:
     rows: dict[tuple, dict] = defaultdict(dict)
-    full: dict[str, float] = {}
+    full: dict[tuple[str, str], float] = {}
     for path in sorted(folder.glob("proxy_*.jsonl")):
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
             r = json.loads(line)
-            corpus = r.get("corpus", "pydoc-topics")
+            model, corpus = r.get("model", "smollm2"), r.get("corpus", "pydoc-topics")
+            if r.get("compute", "bfloat16") != "bfloat16":
+                model += f" ({r['compute']} compute)"
             if r["bits"] == 16:
-                full[corpus] = r["proxy_ppl"]
+                full[model, corpus] = r["proxy_ppl"]
                 continue
-            key = (corpus, r.get("budget", 32), r.get("group_size", 64))
+            key = (model, corpus, r.get("budget", 32), r.get("group_size", 64))
             column, suffix, value_bits = _widths(r)
             label = _label(r["format"], r.get("sinks", 0), r["outlier_fraction"], suffix)
-            rows[key][(label, column)] = (r["proxy_ppl"], cold_bytes(r["format"], r["bits"], r.get("group_size", 64),
-                                                                     64, r["outlier_fraction"] or 0.01, value_bits))
+            nbytes = cold_bytes(r["format"], r["bits"], r.get("group_size", 64), r.get("page_size", 64),
+                                r["outlier_fraction"] or 0.01, value_bits, r.get("kv_heads", 3), r.get("head_dim", 64))
+            rows[key][(label, column)] = (r["proxy_ppl"], nbytes)
     out = []
-    for (corpus, budget, group), cells_by in sorted(rows.items()):
-        reference = full.get(corpus)
+    for (model, corpus, budget, group), cells_by in sorted(rows.items(), key=lambda item: (item[0][0] != "smollm2",
+                                                                                        item[0])):
+        reference = full.get((model, corpus))
         shown = f"{reference:.3f}" if reference else "not run"
-        out += [f"**{corpus}, replay (benchmarks/lowbit_proxy.py), FP window {budget}, group {group}; "
+        named = "" if model == "smollm2" else f"{model}, "
+        out += [f"**{named}{corpus}, replay (benchmarks/lowbit_proxy.py), FP window {budget}, group {group}; "
                 f"full KV {shown}**", "", "| format | 2 bits | 3 bits | 4 bits |", "|---|---|---|---|"]
         labels = sorted({label for label, _ in cells_by}, key=_order)
         for label in labels:

@@ -217,7 +217,7 @@ class ColdConfig:
     open_bits: int = 16
 
     def __post_init__(self) -> None:
-        from confkv.tiers.formats import parse_format  # noqa: PLC0415
+        from confkv.tiers.format_names import parse_format  # noqa: PLC0415
 
         try:
             parse_format(self.format)

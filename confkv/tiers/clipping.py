@@ -67,3 +67,14 @@ def clipped_range(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tenso
                            low, high, bits)
     best = error.argmin(dim=0, keepdim=True)  # the first of equal errors
     return low.gather(0, best).squeeze(0), high.gather(0, best).squeeze(0)
+
+
+def misses(x: Tensor, mask: Tensor, axis: int, bits: int) -> Tensor:
+    """Each entry's absolute error (``x``'s shape, float32) under its group's clipped range: the range that
+    :func:`clipped_range` picks over the ``mask`` entries, ``2**bits`` even levels, float16 ends as stored: what a
+    correction kept apart would repair at each entry (:mod:`confkv.tiers.outliers` keeps the largest apart)."""
+    bottom, top = lowbit.masked_extremes(x, mask, axis)
+    bottom, top = clipped_range(x, mask, axis, bottom, top, bits)
+    scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
+    codes = torch.round(lowbit.levels_in_range(x, scale, minimum, bits))
+    return (minimum.float() + codes * scale.float() - x.float()).abs()

@@ -56,46 +56,14 @@ from confkv.native import page_encode
 from confkv.tiers import lowbit
 from confkv.tiers import channel_bits as _channel_bits, clipping as _clipping, codebook as _codebook
 from confkv.tiers import outliers as _outliers
+from confkv.tiers.format_names import STORAGE_NEUTRAL, TECHNIQUES, canonical_name, check_combination, parse_format
 from confkv.tiers.hadamard import shared_rotation
 
-#: the techniques a format may add to KIVI
-TECHNIQUES = ("hadamard", "outliers", "codebook", "prerope", "clip", "channel_bits")
-#: techniques that change only how codes are chosen, not what is stored or how it is read
-STORAGE_NEUTRAL = frozenset({"clip"})
 #: the techniques whose pages the C codec (confkv/native/page_encode.py) encodes and decodes: those that only change
 #: the basis before quantizing (done in torch around the call)
 _NATIVE_CODEC = frozenset({"hadamard", "prerope"})
 #: the storage of plain KIVI pages (what :class:`~confkv.attention.segments.PagedSegment` reads)
 KIVI_STORAGE = ("key_codes", "key_scale", "key_min", "value_codes", "value_scale", "value_min")
-
-
-def parse_format(name: str) -> frozenset[str]:
-    """The techniques of format ``name`` ("kivi", or "kivi"/techniques joined by "+").
-
-    Raises:
-        ValueError: an unknown part, naming the known ones.
-    """
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"format: must be a non-empty string, got {name!r}")
-    parts = [part.strip() for part in name.split("+")]
-    unknown = [part for part in parts if part not in TECHNIQUES and part != "kivi"]
-    if unknown:
-        raise ValueError(f"format: unknown part(s) {', '.join(map(repr, unknown))} in {name!r}; known: 'kivi', "
-                         f"or 'kivi' plus any of {', '.join(map(repr, TECHNIQUES))} joined by '+' "
-                         "(e.g. 'hadamard+outliers')")
-    techniques = frozenset(part for part in parts if part != "kivi")
-    _check_combination(techniques)
-    return techniques
-
-
-def _check_combination(techniques: frozenset[str]) -> None:
-    if {"channel_bits", "codebook"} <= techniques:
-        raise ValueError("format: 'channel_bits' sets each key channel's levels by its width; it cannot be "
-                         "combined with 'codebook': drop one of them")
-
-
-def canonical_name(techniques: frozenset[str]) -> str:
-    return "+".join(["kivi", *[t for t in TECHNIQUES if t in techniques]])
 
 
 class PageFormat:
@@ -197,7 +165,7 @@ class KiviFormat(PageFormat):
             raise ValueError(f"format: unknown techniques {sorted(unknown)}; known: {TECHNIQUES}")
         self.bits, self.group_size, self.head_dim = bits, group_size, head_dim
         self.techniques = frozenset(techniques)
-        _check_combination(self.techniques)
+        check_combination(self.techniques)
         self.name = canonical_name(self.techniques)
         # what changes the pages' storage or read beyond what a PagedSegment carries (outliers, two widths and
         # per-channel key widths it carries: the native page read takes them, the Triton read leaves them to the
@@ -287,7 +255,9 @@ class KiviFormat(PageFormat):
         if per_page:
             _outliers.check_indexable(page, dim)
             for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
-                outlying[which], picked = _outliers.pick(grouped, kept[which], axis, per_page)
+                score = (_clipping.misses(grouped, kept[which], axis, self.widths[which]) if self._clips(which)
+                         else _outliers.spread_score(grouped, kept[which], axis))
+                outlying[which], picked = _outliers.pick(score, kept[which], per_page)
                 out[f"{which}_outlier_index"] = outlying[which].to(_outliers.INDEX_DTYPE)
                 kept[which] = kept[which] & ~picked
         for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
@@ -310,12 +280,15 @@ class KiviFormat(PageFormat):
                 out[f"{which}_outlier_value"] = _outliers.corrections(grouped, decoded, outlying[which])
         return out
 
+    def _clips(self, which: str) -> bool:
+        return "clip" in self.techniques and self.widths[which] <= _clipping.MAX_BITS
+
     def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
         """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries) at ``which``'s width:
         codes uint8, scale, min float16."""
         bits = self.widths[which]
         bottom, top = lowbit.masked_extremes(x, mask, axis)
-        if "clip" in self.techniques and bits <= _clipping.MAX_BITS:
+        if self._clips(which):
             bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, bits)
         scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
         u = lowbit.levels_in_range(x, scale, minimum, bits)

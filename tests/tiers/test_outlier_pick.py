@@ -25,7 +25,7 @@ PAGE, DIM, GROUP = 16, 32, 8  # values: groups of 8 channels a token; keys: grou
 
 
 def _misses_by_hand(x: torch.Tensor, mask: torch.Tensor, bits: int) -> torch.Tensor:
-    """|x - decode(x)| (float64) for groups on the last axis of x [..., n], under the clipped range of the mask entries."""
+    """|x - decode(x)| (float64), groups on the last axis of x [..., n], under the clipped range of the mask entries."""
     bottom = x.masked_fill(~mask, float("inf")).amin(-1, keepdim=True)
     top = x.masked_fill(~mask, float("-inf")).amax(-1, keepdim=True)
     low, high = clipped_range(x, mask, -1, bottom, top, bits)

@@ -13,15 +13,16 @@ all counted. A decoded outlier is the entry to within float16's rounding of its 
 (``2**-11 |correction|``): no coarser than the entry stored in float16 when the entry lies beyond
 its group's range on the side away from 0 (then ``|correction| <= |entry|``).
 
-Which entries: for a tensor whose range is clipped (:mod:`confkv.tiers.clipping`), those the
-clipped range decodes worst (its error, worked out with every entry in the group), each
-repaired whole by its correction. For any other tensor, those that stand out most: the
-distance from the group's mean in units of the group's spread (its standard deviation over the
-valid entries). An unclipped group decodes its extremes exactly and misses by at most half a
-step elsewhere, so what an outlier buys there is a narrower range: a wide but even group gains
-nothing from losing its largest entry, a tight group with one stray entry gains most. (Picked
-by the clipped error, the keys 4 / values 2 format's replay on pydoc-topics came to 11.992
-against 12.049 with the spread pick: results/lowbit/README.md, stop 73.)
+Which entries: for a tensor whose range is clipped (:mod:`confkv.tiers.clipping`), those its
+clipped range decodes worst, the range searched once with every entry of the group and kept
+(each outlier is repaired whole by its correction). For any other tensor, those that stand
+out most: the distance from the group's mean in units of the group's spread (its standard
+deviation over the valid entries), the range then taken without them. An unclipped group
+decodes its extremes exactly and misses by at most half a step elsewhere, so what an outlier
+buys there is a narrower range: a wide but even group gains nothing from losing its largest
+entry, a tight group with one stray entry gains most. (The keys 4 / values 2 format's replay on
+pydoc-topics: 12.049 with the spread pick, 11.946 with the clipped pick; results/lowbit/README.md,
+stop 73.)
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def pick(score: Tensor, valid: Tensor, count: int) -> tuple[Tensor, Tensor]:
 
     Args:
         score: [B, H, N, ...] float32, non-negative, one per entry of a page (:func:`spread_score`, or a
-            quantizer's error: :func:`confkv.tiers.clipping.misses`).
+            clipped range's error: :func:`confkv.tiers.clipping.misses`).
         valid: bool, broadcastable to ``score``: entries that are real tokens (never picked before all of them are).
         count: entries per page (> 0).
     Returns:

@@ -1,14 +1,16 @@
 """Which entries a page keeps apart as outliers (confkv.tiers.outliers, confkv.tiers.clipping.misses).
 
-A tensor whose range is clipped (``clip``, codes of at most 3 bits) keeps apart the entries its clipped range decodes
-worst; any other tensor the entries farthest from their group's mean in units of its spread. The references are
+A tensor whose range is clipped (``clip``, codes of at most 3 bits) keeps apart the entries its clipped range
+(searched once, with every entry) decodes worst; any other tensor the entries farthest from their group's mean in
+units of its spread. The references are
 worked out here: each group's clipped range from :func:`clipped_range` (its own tests: tests/tiers/test_clipping.py),
 decoded by hand in float64 with float16 ends as stored; the spread score from the group's mean and standard
 deviation. The pages are built so that the two picks differ.
 
 Each test was seen to fail with a bug put in by hand (then removed): the spread pick for clipped tensors too (the
-pick before stop 73); the clipped error for 4-bit tensors too; the error under the min / max range instead of the
-clipped one; padding rows counted in the error's range.
+pick before stop 73); the clipped error for 4-bit tensors too, and for per-channel-width keys; the error under the
+min / max range instead of the clipped one; padding rows counted in the error's range; the range searched again
+without the outliers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv.tiers.clipping import clipped_range, misses
+from confkv.tiers.clipping import clipped_ends, clipped_range, misses
 from confkv.tiers.formats import build_format
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +72,8 @@ def test_misses_are_each_entrys_error_under_its_groups_clipped_range(bits):
     mask = torch.rand(40, 16, generator=gen) > 0.25
     mask[:, 0] = True
     x[~mask] += 100.0  # entries outside the mask would widen the range if they counted
-    got = misses(x, mask, -1, bits)
+    bottom, top = clipped_ends(x, mask, -1, bits)
+    got = misses(x, bottom, top, bits)
     assert got.dtype == torch.float32 and got.shape == x.shape
     torch.testing.assert_close(got.double(), _misses_by_hand(x, mask, bits), rtol=1e-5, atol=1e-6)
 
@@ -87,6 +90,15 @@ def test_a_clipped_tensor_keeps_apart_the_entries_its_clipped_range_decodes_wors
     grouped = values.reshape(PAGE, DIM // GROUP, GROUP)
     assert set(_spread_by_hand(grouped).reshape(-1).topk(2).indices.tolist()) == {3 * DIM + 9, 11 * DIM + 20}
     assert set(data["value_outlier_index"].reshape(-1).tolist()) == expected
+    # the range is the one searched with every entry, the outliers among them (not searched again without them)
+    grouped = values.reshape(1, 1, 1, PAGE, DIM // GROUP, GROUP)
+    everything = torch.ones_like(grouped, dtype=torch.bool)
+    bottom, top = clipped_ends(grouped, everything, -1, bits)
+    assert torch.equal(data["value_min"], bottom.half().squeeze(-1))
+    kept = everything.reshape(1, 1, 1, -1).clone()
+    kept[..., list(expected)] = False
+    again = clipped_ends(grouped, kept.reshape(grouped.shape), -1, bits)[0].half().squeeze(-1)
+    assert not torch.equal(again, bottom.half().squeeze(-1))  # a search without them would differ
 
 
 def _keys_of_two_kinds(seed: int) -> torch.Tensor:
@@ -142,3 +154,14 @@ def test_padding_rows_are_never_picked_and_leave_the_clipped_ranges_alone():
     picked = set(data["key_outlier_index"].reshape(-1).tolist())
     assert picked == set(worst.topk(2).indices.tolist())
     assert all(index // DIM < 14 for index in picked)
+
+
+def test_per_channel_width_keys_keep_the_spread_pick_beside_clipped_values():
+    """With ``channel_bits`` the keys' widths set their levels (``clip`` clips the values' ranges only), so their
+    outliers are picked by spread even at 2 bits, while the values' are picked by the clipped range's error."""
+    keys, values = _keys_of_two_kinds(3), _two_kinds_of_group(0)
+    valid = torch.ones(1, 1, 1, PAGE, dtype=torch.bool)
+    fmt = build_format(2, GROUP, DIM, torch.float32, "outliers+clip+channel_bits", outlier_fraction=2 / (PAGE * DIM))
+    data = fmt.encode(keys, values, valid)
+    assert set(data["key_outlier_index"].reshape(-1).tolist()) == _spread_pick_of_keys(keys, 2)
+    assert set(data["value_outlier_index"].reshape(-1).tolist()) == _worst_values(values, 2)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from confkv.tiers.clipping import RATIOS, clipped_range
+from confkv.tiers import lowbit
+from confkv.tiers.clipping import RATIOS, _squared_error, clipped_range
 from confkv.tiers.formats import KIVI_STORAGE, build_format
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -154,3 +155,43 @@ def test_the_ends_keep_the_extremes_dtype():
     middle = (bottom + top) / 2
     candidates = {float(middle[0] + torch.tensor(r, dtype=torch.bfloat16) * (top[0] - middle[0])) for r in RATIOS}
     assert float(high[0]) in candidates
+
+
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_the_search_picks_the_range_a_plain_float32_evaluation_picks_bit_for_bit(axis):
+    """The search's errors are worked out in place on one buffer; here the same float32 formula is evaluated plainly,
+    operation by operation (``lowbit.levels_in_range``, rounded, then ``(minimum + code * scale - x)**2``, masked,
+    summed): each pair's error must equal it bit for bit, and the pair with the least error (the first of equal
+    ones) must be the one the search keeps. Groups of 64 entries, some masked out (axis -2: keys' groups of
+    tokens), two and three bits. Seen failing with the minimum added after ``x`` is taken off, and with the mask
+    skipped (the codes times the scale's reciprocal instead of divided by it passed: the rounding to whole codes
+    absorbs it here)."""
+    gen = torch.Generator().manual_seed(7)
+    shape = (2, 3, 64, 64)
+    x = torch.randn(*shape, generator=gen) * torch.rand(*shape[:-2], 1, 1, generator=gen) * 3
+    x[..., ::9, 5] += 6.0
+    mask = torch.rand(*shape, generator=gen) > 0.15
+    for bits in (2, 3):
+        bottom, top = _extremes_on(x, mask, axis)
+        low, high = clipped_range(x, mask, axis, bottom, top, bits)
+        middle = (bottom + top) / 2
+        errors, pairs = [], []
+        for a in RATIOS:
+            for b in RATIOS:
+                lo = bottom if a == 1.0 else middle + a * (bottom - middle)
+                hi = top if b == 1.0 else middle + b * (top - middle)
+                scale, minimum = lowbit.scale_and_minimum(lo, hi, bits)
+                codes = torch.round(lowbit.levels_in_range(x, scale, minimum, bits))
+                error = (minimum.float() + codes * scale.float() - x).square()
+                errors.append(error.masked_fill(~mask, 0.0).sum(dim=axis, keepdim=True))
+                pairs.append((lo, hi))
+                assert torch.equal(_squared_error(x, mask, axis, lo, hi, bits), errors[-1]), (bits, a, b)
+        best = torch.stack(errors).argmin(0)
+        want_low = torch.stack([p[0] for p in pairs]).gather(0, best.unsqueeze(0)).squeeze(0)
+        want_high = torch.stack([p[1] for p in pairs]).gather(0, best.unsqueeze(0)).squeeze(0)
+        assert torch.equal(low, want_low) and torch.equal(high, want_high), bits
+
+
+def _extremes_on(x, mask, axis):
+    return (x.masked_fill(~mask, float("inf")).amin(axis, keepdim=True),
+            x.masked_fill(~mask, float("-inf")).amax(axis, keepdim=True))

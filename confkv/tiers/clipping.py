@@ -75,19 +75,3 @@ def clipped_range(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tenso
                            low, high, bits)
     best = error.argmin(dim=0, keepdim=True)  # the first of equal errors
     return low.gather(0, best).squeeze(0), high.gather(0, best).squeeze(0)
-
-
-
-def clipped_ends(x: Tensor, mask: Tensor, axis: int, bits: int) -> tuple[Tensor, Tensor]:
-    """Each group's clipped range: :func:`clipped_range` from the ``mask`` entries' extremes."""
-    bottom, top = lowbit.masked_extremes(x, mask, axis)
-    return clipped_range(x, mask, axis, bottom, top, bits)
-
-
-def misses(x: Tensor, bottom: Tensor, top: Tensor, bits: int) -> Tensor:
-    """Each entry's absolute error (``x``'s shape, float32) quantized to ``2**bits`` even levels over its group's
-    range ``[bottom, top]`` (float16 ends as stored): what a correction kept apart would repair at each entry
-    (:mod:`confkv.tiers.outliers` keeps the largest apart)."""
-    scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
-    codes = torch.round(lowbit.levels_in_range(x, scale, minimum, bits))
-    return (minimum.float() + codes * scale.float() - x.float()).abs()

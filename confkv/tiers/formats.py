@@ -250,17 +250,12 @@ class KiviFormat(PageFormat):
         value_grouped = values.reshape(batch, heads, count, page, dim // vgroup, vgroup)
         value_valid = torch.ones_like(value_grouped, dtype=torch.bool)
         out: dict[str, Tensor] = {}
-        kept, outlying, ends = {"key": key_valid, "value": value_valid}, {}, {}
+        kept, outlying = {"key": key_valid, "value": value_valid}, {}
         per_page = self.outliers_per_page(page)
         if per_page:
             _outliers.check_indexable(page, dim)
             for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
-                if self._clips(which):  # the range from every entry; the outliers: what it decodes worst
-                    ends[which] = _clipping.clipped_ends(grouped, kept[which], axis, self.widths[which])
-                    score = _clipping.misses(grouped, *ends[which], self.widths[which])
-                else:
-                    score = _outliers.spread_score(grouped, kept[which], axis)
-                outlying[which], picked = _outliers.pick(score, kept[which], per_page)
+                outlying[which], picked = _outliers.pick(grouped, kept[which], axis, per_page)
                 out[f"{which}_outlier_index"] = outlying[which].to(_outliers.INDEX_DTYPE)
                 kept[which] = kept[which] & ~picked
         for which, grouped, axis in (("key", key_grouped, -2), ("value", value_grouped, -1)):
@@ -273,7 +268,7 @@ class KiviFormat(PageFormat):
                                                       width_bytes)
                 out["key_widths"] = widths.to(torch.uint8)
             else:
-                codes, scale, minimum = self._quantize(which, grouped, kept[which], axis, ends.get(which))
+                codes, scale, minimum = self._quantize(which, grouped, kept[which], axis)
                 out[f"{which}_codes"] = lowbit.pack(codes.reshape(batch, heads, count, page, dim),
                                                     self.widths[which])
             out[f"{which}_scale"], out[f"{which}_min"] = scale.squeeze(axis), minimum.squeeze(axis)
@@ -283,22 +278,13 @@ class KiviFormat(PageFormat):
                 out[f"{which}_outlier_value"] = _outliers.corrections(grouped, decoded, outlying[which])
         return out
 
-    def _clips(self, which: str) -> bool:
-        """Whether ``which``'s ranges are clipped (never per-channel-width keys: their widths set their levels)."""
-        per_channel = which == "key" and "channel_bits" in self.techniques
-        return "clip" in self.techniques and self.widths[which] <= _clipping.MAX_BITS and not per_channel
-
-    def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int,
-                  ends: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Asymmetric codes of ``x`` over ``axis`` (range ``ends``, or from the ``mask`` entries) at ``which``'s
-        width: codes uint8, scale, min float16."""
+    def _quantize(self, which: str, x: Tensor, mask: Tensor, axis: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Asymmetric codes of ``x`` over ``axis`` (range from the ``mask`` entries) at ``which``'s width:
+        codes uint8, scale, min float16."""
         bits = self.widths[which]
-        if ends is not None:
-            bottom, top = ends
-        elif self._clips(which):
-            bottom, top = _clipping.clipped_ends(x, mask, axis, bits)
-        else:
-            bottom, top = lowbit.masked_extremes(x, mask, axis)
+        bottom, top = lowbit.masked_extremes(x, mask, axis)
+        if "clip" in self.techniques and bits <= _clipping.MAX_BITS:
+            bottom, top = _clipping.clipped_range(x, mask, axis, bottom, top, bits)
         scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
         u = lowbit.levels_in_range(x, scale, minimum, bits)
         if "codebook" in self.techniques:

@@ -13,16 +13,9 @@ all counted. A decoded outlier is the entry to within float16's rounding of its 
 (``2**-11 |correction|``): no coarser than the entry stored in float16 when the entry lies beyond
 its group's range on the side away from 0 (then ``|correction| <= |entry|``).
 
-Which entries: for a tensor whose range is clipped (:mod:`confkv.tiers.clipping`), those its
-clipped range decodes worst, the range searched once with every entry of the group and kept
-(each outlier is repaired whole by its correction). For any other tensor, those that stand
-out most: the distance from the group's mean in units of the group's spread (its standard
-deviation over the valid entries), the range then taken without them. An unclipped group
-decodes its extremes exactly and misses by at most half a step elsewhere, so what an outlier
-buys there is a narrower range: a wide but even group gains nothing from losing its largest
-entry, a tight group with one stray entry gains most. (The keys 4 / values 2 format's replay on
-pydoc-topics: 12.049 with the spread pick, 11.946 with the clipped pick; results/lowbit/README.md,
-stop 73.)
+"Stand out" is the distance from the group's mean in units of the group's spread (its
+standard deviation over the valid entries): a wide but even group gains nothing from losing
+its largest entry, a tight group with one stray entry gains most.
 """
 
 from __future__ import annotations
@@ -46,37 +39,29 @@ def check_indexable(page_size: int, head_dim: int) -> None:
                          "use a smaller page_size")
 
 
-def spread_score(grouped: Tensor, valid: Tensor, dim: int) -> Tensor:
-    """How far each entry stands out from its quantization group: its distance from the group's mean in units
-    of the group's standard deviation (over the valid entries), ``grouped``'s shape, float32.
+def pick(grouped: Tensor, valid: Tensor, dim: int, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` most outlying entries of each page.
 
     Args:
-        grouped: [B, H, N, ...] float32, a page's entries arranged so that ``dim`` is its quantization group's
-            axis (every other trailing axis indexes groups); valid: bool, broadcastable to ``grouped``.
+        grouped: [B, H, N, ...] float32, a page's entries arranged so that ``dim`` is its
+            quantization group's axis (every other trailing axis indexes groups).
+        valid: bool, broadcastable to ``grouped``: entries that are real tokens.
+        count: entries per page (> 0).
+    Returns:
+        flat index [B, H, N, count] int64 into the page's trailing entries (in ``grouped``'s
+        layout), and the mask of the picked entries (``grouped``'s shape).
     """
-    weight = valid.expand_as(grouped).float()
+    mask = valid.expand_as(grouped)
+    weight = mask.float()
     total = weight.sum(dim, keepdim=True).clamp_min(1)
     mean = (grouped * weight).sum(dim, keepdim=True) / total
     spread = (((grouped - mean) ** 2) * weight).sum(dim, keepdim=True) / total
-    return (grouped - mean).abs() / (spread.sqrt() + 1e-6)
-
-
-def pick(score: Tensor, valid: Tensor, count: int) -> tuple[Tensor, Tensor]:
-    """The ``count`` valid entries of each page with the highest ``score``.
-
-    Args:
-        score: [B, H, N, ...] float32, non-negative, one per entry of a page (:func:`spread_score`, or a
-            clipped range's error: :func:`confkv.tiers.clipping.misses`).
-        valid: bool, broadcastable to ``score``: entries that are real tokens (never picked before all of them are).
-        count: entries per page (> 0).
-    Returns:
-        flat index [B, H, N, count] int64 into the page's trailing entries (in ``score``'s layout), and the mask
-        of the picked entries (``score``'s shape).
-    """
-    score = score.masked_fill(~valid.expand_as(score), -1.0)
-    flat = score.reshape(*score.shape[:3], -1)
+    score = (grouped - mean).abs() / (spread.sqrt() + 1e-6)
+    score = score.masked_fill(~mask, -1.0)
+    lead = grouped.shape[:3]
+    flat = score.reshape(*lead, -1)
     index = flat.topk(count, dim=-1).indices
-    picked = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, True).reshape(score.shape)
+    picked = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, True).reshape(grouped.shape)
     return index, picked
 
 

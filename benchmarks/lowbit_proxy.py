@@ -120,7 +120,8 @@ def main() -> int:
     parser.add_argument("--sinks", type=int, nargs="+", default=[0], help="first tokens kept exact (the policy's sinks)")
     parser.add_argument("--compute", choices=("bfloat16", "float32"), default="bfloat16",
                         help="float32: the bf16 model's weights (rounded to bf16 as loaded) computed in float32, for "
-                             "CPUs whose bf16 GEMM is slow (about 8x on AVX2); the keys and values are then float32")
+                             "CPUs whose bf16 GEMMs are far slower than float32's (AVX2 without bf16 units); the keys "
+                             "and values are then float32")
     parser.add_argument("--out", type=Path, default=None,
                         help="append each cell's line to this .jsonl and skip the cells already there (resumable)")
     args = parser.parse_args()

@@ -42,8 +42,8 @@ def _squared_error(x: Tensor, mask: Tensor, axis: int, bottom: Tensor, top: Tens
     """Summed squared error over ``axis`` of quantizing ``x`` to ``[bottom, top]`` as it is stored (float16 ends).
 
     The float32 operations of ``lowbit.levels_in_range`` then ``(minimum + code * scale - x)**2``, in that order,
-    done in place on one buffer (the search's cost is these passes over ``len(RATIOS)**2`` copies of a page: in
-    place they took 0.5 ms of a page's values against 4.3 ms, the same bits; stop 73)."""
+    done in place on one buffer: the same bits, and the search (these passes over ``len(RATIOS)**2`` copies of a
+    page) is most of a clipped page's encode (results/lowbit/README.md, "What a seal costs", stop 73)."""
     scale, minimum = lowbit.scale_and_minimum(bottom, top, bits)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
     error = x - minimum.float()

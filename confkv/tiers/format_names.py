@@ -32,10 +32,12 @@ def parse_format(name: str) -> frozenset[str]:
 
 
 def check_combination(techniques: frozenset[str]) -> None:
+    """Raises ValueError, naming the fix, for techniques that cannot go together."""
     if {"channel_bits", "codebook"} <= techniques:
         raise ValueError("format: 'channel_bits' sets each key channel's levels by its width; it cannot be "
                          "combined with 'codebook': drop one of them")
 
 
 def canonical_name(techniques: frozenset[str]) -> str:
+    """``"kivi"`` and the techniques in :data:`TECHNIQUES`' order, joined by ``+``."""
     return "+".join(["kivi", *[t for t in TECHNIQUES if t in techniques]])

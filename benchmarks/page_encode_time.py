@@ -20,27 +20,7 @@ import time
 
 import torch
 
-from confkv.eval.bench.configs import kivi_rows
-from confkv.tiers.formats import KiviFormat, parse_format
-
-KV_HEADS, DIM, PAGE, GROUP = 3, 64, 64, 64
-
-
-def spec_format(spec: str, outlier_fraction: float) -> KiviFormat:
-    """The page format of ``spec`` at SmolLM2's head dim."""
-    (row,) = kivi_rows((spec,))
-    params = row.params
-    return KiviFormat(params["bits"], GROUP, DIM, parse_format(params["format"]), outlier_fraction=outlier_fraction,
-                      value_bits=params.get("value_bits"))
-
-
-def one_page(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys, values [1, KV_HEADS, 1, PAGE, DIM] float32 and valid [1, KV_HEADS, 1, PAGE]."""
-    gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(1, KV_HEADS, 1, PAGE, DIM, generator=gen)
-    keys[..., :4] *= 4.0
-    values = torch.randn(1, KV_HEADS, 1, PAGE, DIM, generator=gen)
-    return keys, values, torch.ones(1, KV_HEADS, 1, PAGE, dtype=torch.bool)
+from page_format_read import DIM, KV_HEADS, PAGE, gaussian_pages, spec_format  # benchmarks/, the script's folder
 
 
 def main() -> None:
@@ -52,7 +32,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    page = one_page()
+    page = gaussian_pages(1)
     formats = {spec: spec_format(spec, args.outlier_fraction) for spec in args.specs}
     for fmt in formats.values():  # warm up (and fit any codebook on the page)
         fmt.encode(*page)

@@ -27,18 +27,29 @@ from confkv.tiers.formats import KiviFormat, parse_format
 Q_HEADS, KV_HEADS, DIM, PAGE, GROUP = 9, 3, 64, 64, 64
 
 
-def spec_segment(spec: str, tokens: int, outlier_fraction: float, seed: int = 0) -> PagedSegment:
-    """Every page of ``tokens`` tokens (one sequence) in the format of ``spec``, as the cold tier hands them over."""
+def spec_format(spec: str, outlier_fraction: float) -> KiviFormat:
+    """The page format of ``spec`` (``BITS[/VALUE_BITS][:FORMAT]``) at SmolLM2's head dim and group."""
     (row,) = kivi_rows((spec,))
     params = row.params
-    fmt = KiviFormat(params["bits"], GROUP, DIM, parse_format(params["format"]), outlier_fraction=outlier_fraction,
-                     value_bits=params.get("value_bits"))
+    return KiviFormat(params["bits"], GROUP, DIM, parse_format(params["format"]), outlier_fraction=outlier_fraction,
+                      value_bits=params.get("value_bits"))
+
+
+def gaussian_pages(count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys, values [1, KV_HEADS, count, PAGE, DIM] float32 (Gaussian, four key channels 4x wider) and valid
+    [1, KV_HEADS, count, PAGE] (every slot)."""
     gen = torch.Generator().manual_seed(seed)
-    count = tokens // PAGE
     keys = torch.randn(1, KV_HEADS, count, PAGE, DIM, generator=gen)
     keys[..., :4] *= 4.0
     values = torch.randn(1, KV_HEADS, count, PAGE, DIM, generator=gen)
-    valid = torch.ones(1, KV_HEADS, count, PAGE, dtype=torch.bool)
+    return keys, values, torch.ones(1, KV_HEADS, count, PAGE, dtype=torch.bool)
+
+
+def spec_segment(spec: str, tokens: int, outlier_fraction: float, seed: int = 0) -> PagedSegment:
+    """Every page of ``tokens`` tokens (one sequence) in the format of ``spec``, as the cold tier hands them over."""
+    fmt = spec_format(spec, outlier_fraction)
+    count = tokens // PAGE
+    keys, values, valid = gaussian_pages(count, seed)
     data = fmt.encode(keys, values, valid)
     index = torch.arange(count).expand(1, KV_HEADS, count).contiguous()
     value_bits = fmt.widths["value"]

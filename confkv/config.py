@@ -200,6 +200,9 @@ class ColdConfig:
     - ``open_bits``: the open page's storage: 16 = the model's dtype (exact), 8 = INT8 codes per token and KV
       head (:mod:`confkv.tiers.cold_read`; about half the bytes, under a memory target), 4 = 4-bit codes per token
       and KV head of its Hadamard-rotated channels (about a quarter; head_dim even).
+    - ``rotation_seed``: with ``hadamard``, the seed of the rotation's random signs. Every seed is an equally good
+      rotation; runs at several seeds measure a format's loss apart from the chance of one rotation
+      (results/lowbit/README.md, "One rotation or another").
     """
 
     bits: int = 2
@@ -215,6 +218,7 @@ class ColdConfig:
     outlier_fraction: float = 0.01
     value_bits: int | None = None
     open_bits: int = 16
+    rotation_seed: int = 0
 
     def __post_init__(self) -> None:
         from confkv.tiers.format_names import parse_format  # noqa: PLC0415
@@ -231,6 +235,10 @@ class ColdConfig:
         _require(self.open_bits in OPEN_BITS and not isinstance(self.open_bits, bool), "open_bits",
                  f"must be 16 (the model's dtype), 8 (INT8 per token) or 4 (4 bits per token, rotated), "
                  f"got {self.open_bits!r}")
+        _require(isinstance(self.rotation_seed, int) and not isinstance(self.rotation_seed, bool)
+                 and 0 <= self.rotation_seed < 2 ** 63, "rotation_seed",
+                 f"must be a whole number in [0, 2**63), the seed of the Hadamard rotation's signs, "
+                 f"got {self.rotation_seed!r}")
         if self.value_bits is not None:
             _require(self.value_bits in (2, 3, 4, 8) and not isinstance(self.value_bits, bool), "value_bits",
                      f"must be None (values at bits) or one of 2, 3, 4, 8, got {self.value_bits!r}")

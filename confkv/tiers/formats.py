@@ -150,10 +150,12 @@ class KiviFormat(PageFormat):
         rope: with ``prerope``, the model's :class:`~confkv.tiers.prerope.Rope`.
         value_bits: the values' width (None: ``bits``). Pages of two widths, and pages with outliers, are read
             packed by the native page read; the Triton read hands them to the torch read (read_plan).
+        rotation_seed: with ``hadamard``, the seed of the rotation's random signs (:func:`shared_rotation`).
     """
 
     def __init__(self, bits: int, group_size: int, head_dim: int, techniques: frozenset[str] = frozenset(),
-                 outlier_fraction: float = 0.01, rope: Any = None, value_bits: int | None = None) -> None:
+                 outlier_fraction: float = 0.01, rope: Any = None, value_bits: int | None = None,
+                 rotation_seed: int = 0) -> None:
         self.widths = {"key": bits, "value": bits if value_bits is None else value_bits}
         for width in self.widths.values():
             lowbit.check_packable(head_dim, width)
@@ -174,7 +176,7 @@ class KiviFormat(PageFormat):
         self.paged = not stored
         self.paged_when_rotated = stored == frozenset({"hadamard"})  # KIVI codes of rotated K / V
         self.outlier_fraction = outlier_fraction
-        self.rotation = shared_rotation(head_dim) if "hadamard" in techniques else None
+        self.rotation = shared_rotation(head_dim, rotation_seed) if "hadamard" in techniques else None
         self.rope = rope if "prerope" in techniques else None
         self._needs_rope = "prerope" in techniques  # checked at encode/decode (sizes need no rope)
         # pre-RoPE keys must come back to turn; per-channel widths leave the keys unrotated (no common basis)
@@ -349,7 +351,8 @@ def _need_positions(positions: Tensor | None) -> Tensor:
 
 
 def build_format(bits: int, group_size: int, head_dim: int, dtype: torch.dtype, format: str = "kivi",
-                 outlier_fraction: float = 0.01, rope: Any = None, value_bits: int | None = None) -> PageFormat:
+                 outlier_fraction: float = 0.01, rope: Any = None, value_bits: int | None = None,
+                 rotation_seed: int = 0) -> PageFormat:
     """The page format of one layer (``bits`` 16: :class:`FullPrecisionFormat`, whatever ``format``).
 
     Raises:
@@ -359,10 +362,10 @@ def build_format(bits: int, group_size: int, head_dim: int, dtype: torch.dtype, 
     if bits == 16:
         return FullPrecisionFormat(dtype)
     return KiviFormat(bits, group_size, head_dim, techniques, outlier_fraction=outlier_fraction, rope=rope,
-                      value_bits=value_bits)
+                      value_bits=value_bits, rotation_seed=rotation_seed)
 
 
 def format_for(config: Any, head_dim: int, dtype: torch.dtype, rope: Any = None) -> PageFormat:
     """:func:`build_format` from a :class:`~confkv.config.ColdConfig`."""
     return build_format(config.bits, config.group_size, head_dim, dtype, config.format,
-                        config.outlier_fraction, rope, config.value_bits)
+                        config.outlier_fraction, rope, config.value_bits, config.rotation_seed)

@@ -470,7 +470,8 @@ def test_registry_parameters_of_tiered_policies_fold_in_their_cold_tier_defaults
     assert policy_parameters("quest") == {
         "budget": 256, "protect": 0, "sinks": 4, "bits": 16, "page_size": 16, "group_size": 16,
         "k_high": 16, "k_low": 16, "cold_budget": None, "offload": False, "offload_dir": None, "promote": None,
-        "format": "kivi", "outlier_fraction": 0.01, "value_bits": None, "open_bits": 16}
+        "format": "kivi", "outlier_fraction": 0.01, "value_bits": None, "open_bits": 16,
+        "rotation_seed": 0}
     params = policy_parameters("confkv-r")  # confkv_r.py: 2-bit pages of 32, 4 pages when confident, 16 not
     assert {k: params[k] for k in ("bits", "page_size", "group_size", "k_high", "k_low", "promote")} == {
         "bits": 2, "page_size": 32, "group_size": 32, "k_high": 4, "k_low": 16, "promote": None}
@@ -616,7 +617,7 @@ def test_accepted_parameters_fold_in_gate_confidence_and_cold_fields_only_where_
     assert accepted_parameters("window") == {"protect", "sinks", "budget"}
     gate = {"gate", "tau", "n_high", "n_low", "smoothing", "w_entropy", "w_margin", "w_top", "margin_form"}
     cold = {"cold", "bits", "page_size", "group_size", "k_high", "k_low", "k", "cold_budget", "offload",
-            "offload_dir", "promote", "format", "outlier_fraction", "value_bits", "open_bits"}
+            "offload_dir", "promote", "format", "outlier_fraction", "value_bits", "open_bits", "rotation_seed"}
     assert accepted_parameters("confkv") == {"protect", "sinks", "ema_decay", "recency_weight",
                                              "recency_halflife"} | gate
     assert accepted_parameters("quest") == {"protect", "sinks", "budget"} | cold

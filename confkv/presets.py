@@ -60,7 +60,7 @@ STORAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Storage))
 #: the storage did before it existed: left out of the signature at that value, so those results still resume
 STORAGE_FIELDS_ADDED_LATER = {"unread_by": "age", "hot_split": "share", "seal_before_drop": False,
                               "hot_int8_window": None, "hot_slack": 0.0, "open_bits": 16,
-                              "ladder_slack": 0.0}
+                              "ladder_slack": 0.0, "rotation_seed": 0}
 
 
 def preset_signature(name: str) -> str | None:

@@ -48,7 +48,8 @@ class LadderTier:
         self.page_file = page_file if storage.offload else None
         self.rungs = [ColdTier(ColdConfig(bits=bits, page_size=storage.page_size, group_size=storage.group_size,
                                           k_high=ALL_PAGES, k_low=ALL_PAGES, format=storage.format,
-                                          outlier_fraction=storage.outlier_fraction, open_bits=storage.open_bits),
+                                          outlier_fraction=storage.outlier_fraction, open_bits=storage.open_bits,
+                                          rotation_seed=storage.rotation_seed),
                                self.page_file)
                       for bits in storage.ladder]
         for rung in self.rungs:

@@ -68,7 +68,8 @@ class Storage:
         format: the page format of every rung (:mod:`confkv.tiers.formats`: ``"kivi"`` or techniques
             joined by ``+``, e.g. ``"hadamard+outliers+codebook"``); ``outlier_fraction``: the share of a
             page's values kept apart in 16 bits by the ``outliers`` technique. Checked by
-            :class:`~confkv.config.ColdConfig` when the rungs are built.
+            :class:`~confkv.config.ColdConfig` when the rungs are built. ``rotation_seed``: with ``hadamard``,
+            the seed of the rotation's random signs, one rotation for every rung (``ColdConfig.rotation_seed``).
         seal_early: when the cache is over its target with no sealed page left, seal the open page as
             a partial page (then step it down) if its tokens cost more than a bottom-rung page; False:
             drop its oldest tokens instead (early in a run under ``memory=``, the open page is most of
@@ -115,6 +116,7 @@ class Storage:
     unread_by: str = "age"
     format: str = "kivi"
     outlier_fraction: float = 0.01
+    rotation_seed: int = 0
     seal_early: bool = True
     seal_before_drop: bool = False
     hot_int8_window: int | None = None
@@ -149,7 +151,8 @@ class Storage:
                  f"must be one of {', '.join(UNREAD_ORDERS)}, got {self.unread_by!r}")
         from confkv.config import ColdConfig  # noqa: PLC0415 - one place checks a page format
 
-        ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction, open_bits=self.open_bits)
+        ColdConfig(format=self.format, outlier_fraction=self.outlier_fraction, open_bits=self.open_bits,
+                   rotation_seed=self.rotation_seed)
         for name in ("seal_early", "seal_before_drop"):
             _require(isinstance(getattr(self, name), bool), name, f"must be True or False, got {getattr(self, name)!r}")
         window = self.hot_int8_window

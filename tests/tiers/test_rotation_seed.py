@@ -76,3 +76,26 @@ def test_pages_of_another_seed_are_read_in_their_own_rotation(native):
     assert (seeded - unfolded).abs().max() <= 1e-5 * scale
     codes = [c.layers[0].store.cold.pages["value_codes"] for c in (cache, seed0)]
     assert not torch.equal(*codes)
+
+
+def test_a_ladder_s_rungs_share_the_storage_s_seed_and_a_preset_s_signature_names_it_only_off_zero(monkeypatch):
+    """Every rung of a ``Storage(rotation_seed=S)`` ladder rotates by seed S's one shared rotation (so a read folds
+    one rotation); the preset's signature, which keys its results, is as recorded at seed 0 and changes off it."""
+    import dataclasses
+
+    from confkv import presets
+    from confkv.tiers.ladder import LadderTier
+    from confkv.tiers.storage import Storage
+
+    ladder = LadderTier(Storage(ladder=(8, 4, 3), format="hadamard", rotation_seed=3))
+    formats = [format_for(rung.config, 32, torch.float32) for rung in ladder.rungs]  # as each rung builds its own
+    assert [fmt.bits for fmt in formats] == [8, 4, 3]
+    assert all(fmt.rotation is shared_rotation(32, 3) for fmt in formats)
+    with pytest.raises(ConfigError, match="rotation_seed"):
+        Storage(format="hadamard", rotation_seed=-2)
+    signature = presets.preset_signature("tiered")
+    assert "rotation_seed" not in signature
+    tiered = presets.PRESETS["tiered"]
+    monkeypatch.setitem(presets.PRESETS, "tiered", dataclasses.replace(
+        tiered, storage=dataclasses.replace(tiered.storage, rotation_seed=4)))
+    assert "rotation_seed=4" in presets.preset_signature("tiered")

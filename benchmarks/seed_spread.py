@@ -7,10 +7,12 @@ rotation or another"; results/memory/README.md, "The 12.5% cap at five rotation 
 
 Runs are the JSON files of ``benchmarks/lowbit_ppl.py`` (flat) or ``confkv ppl`` (a ``summary`` and the ``nll``
 list); the seed is the run's ``rotation_seed`` parameter (0 when not given). Full KV, per text, comes from
-``--full`` files: ``confkv ppl --policy full`` JSON (its first ``tokens`` NLLs, the run's own prefix) or a
-``.jsonl`` of flat runs (its ``policy: full`` bfloat16 rows of the run's token count)::
+``--full`` files: ``confkv ppl --policy full`` JSON (its first ``tokens`` NLLs, the run's own prefix), a flat
+full run of the same token count, or a ``.jsonl`` of flat runs (its ``policy: full`` bfloat16 rows of the run's
+token count)::
 
-    .venv/bin/python benchmarks/seed_spread.py results/lowbit/seeds/*.json --full results/archive/tiered/ppl_*.jsonl
+    .venv/bin/python benchmarks/seed_spread.py results/lowbit/seeds/*.json \
+        --full results/archive/tiered/ppl_*.jsonl results/lowbit/idle_full.json
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ def full_ppl(paths: list[Path], corpus: str, tokens: int) -> float | None:
             continue
         data = json.loads(path.read_text())
         summary = data.get("summary", data)
-        if summary.get("policy") == "full" and summary.get("corpus") == corpus and len(data.get("nll", [])) >= tokens:
+        if summary.get("policy") != "full" or summary.get("corpus") != corpus:
+            continue
+        if len(data.get("nll", [])) >= tokens:
             return math.exp(sum(data["nll"][:tokens]) / tokens)
+        if summary.get("tokens") == tokens:  # a flat run of the same prefix (benchmarks/lowbit_ppl.py)
+            return float(summary["ppl"])
     return None
 
 

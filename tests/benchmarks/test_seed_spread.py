@@ -2,7 +2,7 @@
 
 Each test was seen to fail with a bug put in by hand (then removed): the worst taken as the lowest rise; full KV's
 NLLs taken over the whole reference instead of the run's prefix; the seed of a run without ``rotation_seed`` left
-out instead of 0. (The mean of the rises is the rise of the mean perplexity, the reference being common: no bug.)
+out instead of 0; a flat full run of another token count taken as the reference. (The mean of the rises is the rise of the mean perplexity, the reference being common: no bug.)
 """
 
 import importlib.util
@@ -47,6 +47,10 @@ def test_a_flat_full_row_of_the_runs_token_count_is_the_reference_and_missing_on
     archive.write_text("\n".join(json.dumps(r) for r in rows))
     run = {"corpus": "t", "seed": 0, "tokens": 2047, "ppl": 8.4, "file": "x.json"}
     assert "8.000 | 8.400 (+5.00%)" in seed_spread.spread_table([run], [archive])
+    flat = _write(tmp_path / "u_full.json", {"policy": "full", "corpus": "u", "tokens": 2047, "ppl": 7.0})
+    longer = _write(tmp_path / "u_full_4k.json", {"policy": "full", "corpus": "u", "tokens": 4095, "ppl": 6.0})
+    assert "| u | 7.000 | 7.700 (+10.00%)" in seed_spread.spread_table([{**run, "corpus": "u", "ppl": 7.7}],
+                                                                         [longer, flat])
     with pytest.raises(SystemExit, match="u: no full-KV run"):
         seed_spread.spread_table([{**run, "corpus": "u"}], [archive])
     with pytest.raises(SystemExit, match="two runs of t at seed 0"):

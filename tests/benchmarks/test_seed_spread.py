@@ -2,7 +2,8 @@
 
 Each test was seen to fail with a bug put in by hand (then removed): the worst taken as the lowest rise; full KV's
 NLLs taken over the whole reference instead of the run's prefix; the seed of a run without ``rotation_seed`` left
-out instead of 0; a flat full run of another token count taken as the reference. (The mean of the rises is the rise of the mean perplexity, the reference being common: no bug.)
+out instead of 0; a flat full run of another token count taken as the reference. (The mean of the rises is the rise
+of the mean perplexity, the reference being common: no bug.)
 """
 
 import importlib.util

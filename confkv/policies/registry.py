@@ -76,8 +76,8 @@ def make_policy(name: str | Policy, **params: Any) -> Policy:
     folded into the policy's ``gate`` field. Cold-tier settings of tiered policies (``bits``,
     ``page_size``, ``group_size``, ``k_high``, ``k_low``, ``cold_budget``, ``offload``,
     ``offload_dir``, ``promote``, ``format``, ``outlier_fraction``, ``value_bits``, ``open_bits``,
-    ``rotation_seed``; ``k`` sets ``k_high = k_low``) are folded into its ``cold`` field. Unknown names or parameters raise
-    :class:`ConfigError` listing what is known.
+    ``rotation_seed``; ``k`` sets ``k_high = k_low``) are folded into its ``cold`` field. Unknown names or
+    parameters raise :class:`ConfigError` listing what is known.
     """
     if isinstance(name, Policy):
         if params:

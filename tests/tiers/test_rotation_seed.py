@@ -3,7 +3,8 @@
 Hand bugs each test was seen to fail with: the format building its rotation at seed 0 whatever it is given; the
 check letting ``True`` through as a seed; the torch read folding seed 0's rotation into the query while the pages
 hold another seed's codes (a ``shared_rotation(head_dim)`` in ``ColdTier.read_rotation``: caught by the logits with
-the native kernels off, where the read folds it; the native read takes the pages with their own rotation attached).
+the native kernels off, where the read folds it; the native read takes the pages with their own rotation attached);
+the ladder not passing the storage's seed to its rungs; the preset signature naming the seed at 0.
 """
 
 from __future__ import annotations
